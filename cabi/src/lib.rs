@@ -1,0 +1,1 @@
+//! The C ABI of stepalloc (placeholder until the C ABI work lands).

@@ -1,0 +1,250 @@
+//! The allocator: one heap per device, each behind its own lock. This is the only lock layer;
+//! everything below takes `&mut Heap`. It also holds the process-wide instance that the C ABI
+//! and PyTorch use, created on first use from `STEPALLOC_CONF` or `configure_global`.
+
+use crate::backend::{self, sim::SimDevice, Backend, Stream};
+use crate::config::{BackendKind, Config};
+use crate::error::{Error, Result};
+use crate::heap::{Heap, PoolId};
+use crate::stats::{DeviceStats, StepFigures};
+use parking_lot::{Mutex, MutexGuard};
+use serde_json::json;
+use std::sync::{Arc, OnceLock};
+
+pub struct Allocator {
+    config: Config,
+    devices: Vec<Mutex<Heap>>,
+}
+
+impl Allocator {
+    /// Builds the allocator on the backend the configuration names.
+    pub fn new(config: Config) -> Result<Allocator> {
+        let backends: Vec<Box<dyn Backend>> = match config.backend {
+            BackendKind::Sim => {
+                (0..config.sim.devices).map(|i| Box::new(SimDevice::new(i, &config.sim)) as Box<dyn Backend>).collect()
+            }
+            BackendKind::Cuda => backend::cuda::open_all()?,
+            BackendKind::Auto => backend::cuda::open_all().map_err(|e| {
+                Error::Unavailable(format!("backend:auto found no usable CUDA device ({e}); set backend:sim to use the simulated device"))
+            })?,
+        };
+        Ok(Allocator::with_backends(config, backends))
+    }
+
+    /// Builds the allocator over the given devices (device `i` is `backends[i]`).
+    pub fn with_backends(config: Config, backends: Vec<Box<dyn Backend>>) -> Allocator {
+        let devices = backends.into_iter().enumerate().map(|(i, b)| Mutex::new(Heap::new(i, &config, b))).collect();
+        Allocator { config, devices }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    pub fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    fn heap(&self, device: usize) -> Result<MutexGuard<'_, Heap>> {
+        match self.devices.get(device) {
+            Some(heap) => Ok(heap.lock()),
+            None => Err(Error::InvalidArgument(format!("device {device} does not exist ({} devices)", self.devices.len()))),
+        }
+    }
+
+    #[inline]
+    pub fn malloc(&self, device: usize, size: u64, stream: Stream) -> Result<u64> {
+        self.heap(device)?.malloc(size, stream, None)
+    }
+
+    /// Allocates into a CUDA graph's private pool (`None`: the general pool).
+    pub fn malloc_in_pool(&self, device: usize, size: u64, stream: Stream, pool: Option<PoolId>) -> Result<u64> {
+        self.heap(device)?.malloc(size, stream, pool)
+    }
+
+    /// Frees `ptr`; `size` is the size asked for at malloc, or 0 when unknown.
+    #[inline]
+    pub fn free(&self, device: usize, ptr: u64, size: u64) -> Result<()> {
+        self.heap(device)?.free(ptr, size)
+    }
+
+    pub fn record_stream(&self, device: usize, ptr: u64, stream: Stream) -> Result<()> {
+        self.heap(device)?.record_stream(ptr, stream)
+    }
+
+    /// Releases every unused cached segment on every device. Returns bytes released.
+    pub fn empty_cache(&self) -> Result<u64> {
+        let mut released = 0;
+        for heap in &self.devices {
+            released += heap.lock().empty_cache()?;
+        }
+        Ok(released)
+    }
+
+    pub fn set_memory_fraction(&self, device: usize, fraction: f64) -> Result<()> {
+        if !(fraction > 0.0 && fraction <= 1.0) {
+            return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not in (0, 1]")));
+        }
+        self.heap(device)?.set_memory_fraction(fraction);
+        Ok(())
+    }
+
+    pub fn begin_allocate_to_pool(&self, device: usize, pool: PoolId) -> Result<()> {
+        self.heap(device)?.begin_pool(pool);
+        Ok(())
+    }
+
+    pub fn end_allocate_to_pool(&self, device: usize, pool: PoolId) -> Result<()> {
+        self.heap(device)?.end_pool(pool);
+        Ok(())
+    }
+
+    pub fn release_pool(&self, device: usize, pool: PoolId) -> Result<()> {
+        self.heap(device)?.release_pool(pool)
+    }
+
+    /// Begins a step of `phase` on every device.
+    pub fn step_begin(&self, phase: &str) -> Result<()> {
+        for heap in &self.devices {
+            heap.lock().step_begin(phase)?;
+        }
+        Ok(())
+    }
+
+    /// Ends the current step on every device; returns each device's figures.
+    pub fn step_end(&self) -> Result<Vec<StepFigures>> {
+        self.devices.iter().map(|heap| heap.lock().step_end()).collect()
+    }
+
+    pub fn stats(&self, device: usize) -> Result<DeviceStats> {
+        Ok(self.heap(device)?.stats())
+    }
+
+    /// torch.cuda.memory_stats() as JSON: the flat key/value map.
+    pub fn stats_json(&self, device: usize) -> Result<String> {
+        Ok(serde_json::to_string(&self.stats(device)?.to_map()).unwrap_or_default())
+    }
+
+    pub fn reset_peak_stats(&self, device: usize) -> Result<()> {
+        self.heap(device)?.stats.reset_peaks();
+        Ok(())
+    }
+
+    pub fn reset_accumulated_stats(&self, device: usize) -> Result<()> {
+        self.heap(device)?.stats.reset_accumulated();
+        Ok(())
+    }
+
+    /// The whole state in the layout of `torch.cuda.memory._snapshot()`.
+    pub fn snapshot(&self) -> serde_json::Value {
+        let mut segments = Vec::new();
+        let mut traces = Vec::new();
+        let mut annotations = Vec::new();
+        for heap in &self.devices {
+            let heap = heap.lock();
+            segments.extend(heap.snapshot_segments());
+            let (trace, notes) = heap.snapshot_trace();
+            traces.push(serde_json::Value::Array(trace));
+            annotations.extend(notes);
+        }
+        json!({
+            "segments": segments,
+            "device_traces": traces,
+            "external_annotations": annotations,
+            "allocator_settings": {
+                "PYTORCH_CUDA_ALLOC_CONF": "",
+                "max_split_size": self.config.max_split_size,
+                "garbage_collection_threshold": self.config.garbage_collection_threshold,
+                "expandable_segments": false,
+                "pinned_num_register_threads": 1,
+                "release_lock_on_malloc": false,
+                "pinned_use_host_register": false,
+                "roundup_power2_divisions": self.config.roundup_power2_divisions.to_vec(),
+            },
+        })
+    }
+
+    /// The recorded trace of every device, in stepalloc's JSON-lines trace format.
+    pub fn trace_jsonl(&self) -> String {
+        let mut out = String::new();
+        for heap in &self.devices {
+            heap.lock().trace_jsonl(&mut out);
+        }
+        out
+    }
+
+    /// For `set_base_alloc_fn`: the segment (base address, size) holding `ptr`, on any device.
+    pub fn base_allocation(&self, ptr: u64) -> Option<(u64, u64)> {
+        self.devices.iter().find_map(|heap| heap.lock().base_allocation(ptr))
+    }
+
+    /// Lets simulated time pass on every device (no effect on CUDA devices).
+    pub fn advance_time(&self, ns: u64) {
+        for heap in &self.devices {
+            heap.lock().advance_time(ns);
+        }
+    }
+
+    /// Runs `f` with one device's heap locked (for tests and tools that inspect the heap).
+    pub fn with_heap<R>(&self, device: usize, f: impl FnOnce(&mut Heap) -> R) -> Result<R> {
+        let mut heap = self.heap(device)?;
+        Ok(f(&mut heap))
+    }
+
+    /// Checks every device's invariants (O(blocks)).
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        for heap in &self.devices {
+            heap.lock().check_invariants()?;
+        }
+        Ok(())
+    }
+}
+
+// ----- the process-wide instance ----------------------------------------------------------
+
+static GLOBAL: OnceLock<Arc<Allocator>> = OnceLock::new();
+static GLOBAL_INIT: Mutex<Option<Config>> = Mutex::new(None);
+
+/// Sets the configuration of the process-wide allocator from a string. Only before its first
+/// use: afterwards the configuration is fixed and this is an error.
+pub fn configure_global(text: &str) -> Result<()> {
+    let config = Config::parse(text)?;
+    let mut pending = GLOBAL_INIT.lock();
+    if GLOBAL.get().is_some() {
+        return Err(Error::InvalidArgument(
+            "stepalloc is already initialised; configure it before the first allocation".into(),
+        ));
+    }
+    *pending = Some(config);
+    Ok(())
+}
+
+/// The process-wide allocator, created on first use from `configure_global`'s configuration
+/// or else `STEPALLOC_CONF`. Never dropped: PyTorch may free tensors while the process exits.
+#[inline]
+pub fn global() -> Result<&'static Arc<Allocator>> {
+    if let Some(a) = GLOBAL.get() {
+        return Ok(a);
+    }
+    init_global()
+}
+
+#[cold]
+fn init_global() -> Result<&'static Arc<Allocator>> {
+    let pending = GLOBAL_INIT.lock();
+    if let Some(a) = GLOBAL.get() {
+        return Ok(a);
+    }
+    let config = match pending.as_ref() {
+        Some(c) => c.clone(),
+        None => Config::from_env()?,
+    };
+    let allocator = Arc::new(Allocator::new(config)?);
+    let _ = GLOBAL.set(allocator);
+    GLOBAL.get().ok_or_else(|| Error::Unavailable("process-wide allocator could not be set".into()))
+}
+
+/// The process-wide allocator if it exists already (never creates it).
+pub fn global_if_initialised() -> Option<&'static Arc<Allocator>> {
+    GLOBAL.get()
+}

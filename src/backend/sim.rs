@@ -1,0 +1,287 @@
+//! The simulated device: a part of the product, not a test double. It gives machines without a
+//! GPU the whole allocator — CI, the stress tool, replaying a user's snapshot on a laptop.
+//!
+//! It models a device of a set capacity with its own address space, events that complete a set
+//! time after they are recorded, failure injection, and an optional cost model that charges
+//! each driver call a modelled time. Time is virtual: it advances only through the cost model,
+//! `advance_time`, and waits, so every run with the same inputs is the same run.
+
+use super::{Backend, DeviceInfo, DriverTime, Event, Stream};
+use crate::config::SimConfig;
+use crate::error::{Error, OomReport, Result};
+use crate::units::MIB;
+use std::collections::BTreeMap;
+
+/// Each device's addresses live in their own 16 TiB window, so devices never share an address.
+const ADDRESS_WINDOW: u64 = 1 << 44;
+/// Reservations are aligned like large `cuMemAlloc` results.
+const ALIGNMENT: u64 = 2 * MIB;
+
+/// Modelled driver costs (ns), in the range measured for cuMemAlloc / cuMemFree on recent GPUs.
+const COST_RESERVE_NS: u64 = 20_000;
+const COST_RESERVE_PER_GIB_NS: u64 = 5_000;
+const COST_RELEASE_NS: u64 = 40_000;
+const COST_EVENT_RECORD_NS: u64 = 2_000;
+const COST_EVENT_QUERY_NS: u64 = 1_000;
+
+pub struct SimDevice {
+    index: usize,
+    config: SimConfig,
+    used: u64,
+    /// Live reservations: start -> size. Invariant: ranges are disjoint and inside the window.
+    live: BTreeMap<u64, u64>,
+    /// Where the next address search starts (a rotating first fit, so freed ranges are reused
+    /// only after the window wraps, which makes stale pointers easy to spot).
+    cursor: u64,
+    reserves: u64,
+    rng: u64,
+    now_ns: u64,
+    /// Completion time of each live event, indexed by event id; `None` marks a free slot.
+    events: Vec<Option<u64>>,
+    free_events: Vec<u64>,
+    /// Completion time of the last event recorded on any stream (what `synchronize` waits for).
+    last_completion_ns: u64,
+    time: DriverTime,
+}
+
+impl SimDevice {
+    pub fn new(index: usize, config: &SimConfig) -> SimDevice {
+        SimDevice {
+            index,
+            config: config.clone(),
+            used: 0,
+            live: BTreeMap::new(),
+            cursor: 0,
+            reserves: 0,
+            rng: config.seed ^ 0x9E37_79B9_7F4A_7C15 ^ (index as u64) << 32,
+            now_ns: 0,
+            events: Vec::new(),
+            free_events: Vec::new(),
+            last_completion_ns: 0,
+            time: DriverTime::default(),
+        }
+    }
+
+    fn base(&self) -> u64 {
+        (self.index as u64 + 1) * ADDRESS_WINDOW
+    }
+
+    /// splitmix64: a tiny deterministic generator, enough for failure injection and small
+    /// enough not to justify a dependency in the allocator core.
+    fn next_random(&mut self) -> f64 {
+        self.rng = self.rng.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.rng;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^= z >> 31;
+        (z >> 11) as f64 / (1u64 << 53) as f64
+    }
+
+    fn charge(&mut self, ns: u64) -> u64 {
+        if self.config.cost_model {
+            self.now_ns += ns;
+            ns
+        } else {
+            0
+        }
+    }
+
+    /// A free address range of `bytes` (aligned), searching from the cursor and wrapping once.
+    fn find_range(&self, bytes: u64) -> Option<u64> {
+        let span = bytes.div_ceil(ALIGNMENT) * ALIGNMENT;
+        for start in [self.cursor, 0] {
+            let mut candidate = start;
+            for (&addr, &size) in self.live.range(start..) {
+                if candidate + span <= addr {
+                    return Some(candidate);
+                }
+                candidate = candidate.max((addr + size).div_ceil(ALIGNMENT) * ALIGNMENT);
+            }
+            if candidate + span <= ADDRESS_WINDOW {
+                return Some(candidate);
+            }
+        }
+        None
+    }
+
+    fn event_slot(&self, event: Event) -> Result<u64> {
+        match self.events.get(event.0 as usize) {
+            Some(Some(done)) => Ok(*done),
+            _ => Err(Error::Driver { call: "cuEventQuery", code: "CUDA_ERROR_INVALID_HANDLE".into() }),
+        }
+    }
+}
+
+impl Backend for SimDevice {
+    fn info(&self) -> DeviceInfo {
+        DeviceInfo { name: format!("stepalloc simulated device {}", self.index), total_bytes: self.config.capacity }
+    }
+
+    fn mem_info(&mut self) -> Result<(u64, u64)> {
+        Ok((self.config.capacity - self.used, self.config.capacity))
+    }
+
+    fn reserve(&mut self, bytes: u64) -> Result<u64> {
+        self.reserves += 1;
+        let cost = self.charge(COST_RESERVE_NS + COST_RESERVE_PER_GIB_NS * (bytes >> 30));
+        self.time.reserve_ns += cost;
+        let injected = (self.config.fail_nth != 0 && self.reserves == self.config.fail_nth)
+            || (self.config.fail_prob > 0.0 && self.next_random() < self.config.fail_prob);
+        if injected || bytes > self.config.capacity - self.used {
+            return Err(Error::OutOfMemory(Box::<OomReport>::default()));
+        }
+        let Some(offset) = self.find_range(bytes) else {
+            return Err(Error::Driver { call: "cuMemAlloc", code: "simulated address space exhausted".into() });
+        };
+        self.live.insert(offset, bytes);
+        self.cursor = offset + bytes.div_ceil(ALIGNMENT) * ALIGNMENT;
+        self.used += bytes;
+        Ok(self.base() + offset)
+    }
+
+    fn release(&mut self, ptr: u64, bytes: u64) -> Result<()> {
+        let cost = self.charge(COST_RELEASE_NS);
+        self.time.release_ns += cost;
+        let offset = ptr.wrapping_sub(self.base());
+        match self.live.get(&offset) {
+            Some(&size) if size == bytes => {
+                self.live.remove(&offset);
+                self.used -= bytes;
+                Ok(())
+            }
+            _ => Err(Error::Driver { call: "cuMemFree", code: "CUDA_ERROR_INVALID_VALUE".into() }),
+        }
+    }
+
+    fn record_event(&mut self, _stream: Stream) -> Result<Event> {
+        let cost = self.charge(COST_EVENT_RECORD_NS);
+        self.time.event_ns += cost;
+        let done = self.now_ns + self.config.event_delay_ns;
+        self.last_completion_ns = self.last_completion_ns.max(done);
+        let id = match self.free_events.pop() {
+            Some(id) => {
+                self.events[id as usize] = Some(done);
+                id
+            }
+            None => {
+                self.events.push(Some(done));
+                self.events.len() as u64 - 1
+            }
+        };
+        Ok(Event(id))
+    }
+
+    fn event_done(&mut self, event: Event) -> Result<bool> {
+        let cost = self.charge(COST_EVENT_QUERY_NS);
+        self.time.event_ns += cost;
+        Ok(self.event_slot(event)? <= self.now_ns)
+    }
+
+    fn wait_event(&mut self, event: Event) -> Result<()> {
+        let done = self.event_slot(event)?;
+        if done > self.now_ns {
+            self.time.sync_ns += done - self.now_ns;
+            self.now_ns = done;
+        }
+        Ok(())
+    }
+
+    fn free_event(&mut self, event: Event) {
+        if let Some(slot @ Some(_)) = self.events.get_mut(event.0 as usize) {
+            *slot = None;
+            self.free_events.push(event.0);
+        }
+    }
+
+    fn synchronize(&mut self) -> Result<()> {
+        if self.last_completion_ns > self.now_ns {
+            self.time.sync_ns += self.last_completion_ns - self.now_ns;
+            self.now_ns = self.last_completion_ns;
+        }
+        Ok(())
+    }
+
+    fn driver_time(&self) -> DriverTime {
+        self.time
+    }
+
+    fn advance_time(&mut self, ns: u64) {
+        self.now_ns += ns;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn device(conf: &str) -> SimDevice {
+        SimDevice::new(0, &crate::config::Config::parse(conf).unwrap().sim)
+    }
+
+    #[test]
+    fn addresses_are_aligned_disjoint_and_never_null() {
+        let mut d = device("sim_capacity_mb:64");
+        let a = d.reserve(2 * MIB).unwrap();
+        let b = d.reserve(20 * MIB).unwrap();
+        let c = d.reserve(512).unwrap();
+        assert!(a != 0 && a % ALIGNMENT == 0 && b % ALIGNMENT == 0 && c % ALIGNMENT == 0);
+        assert!(a + 2 * MIB <= b && b + 20 * MIB <= c);
+        assert_eq!(d.mem_info().unwrap(), (64 * MIB - 22 * MIB - 512, 64 * MIB));
+        assert!(d.reserve(64 * MIB).unwrap_err().is_out_of_memory());
+        d.release(b, 20 * MIB).unwrap();
+        assert!(d.release(b, 20 * MIB).is_err(), "double release is a driver error");
+        assert_eq!(d.mem_info().unwrap().0, 64 * MIB - 2 * MIB - 512);
+        let other = SimDevice::new(1, &SimConfig::default()).base();
+        assert!(other > a + ADDRESS_WINDOW / 2);
+    }
+
+    #[test]
+    fn failure_injection() {
+        let mut d = device("sim_fail_nth:2");
+        assert!(d.reserve(2 * MIB).is_ok());
+        assert!(d.reserve(2 * MIB).unwrap_err().is_out_of_memory());
+        assert!(d.reserve(2 * MIB).is_ok());
+        let mut d = device("sim_fail_prob:0.5,sim_seed:7");
+        let failures = (0..1000).filter(|_| d.reserve(512).is_err()).count();
+        assert!((400..600).contains(&failures), "{failures}");
+    }
+
+    #[test]
+    fn events_complete_after_the_delay() {
+        let mut d = device("sim_event_delay_us:10");
+        let e = d.record_event(Stream(1)).unwrap();
+        assert!(!d.event_done(e).unwrap());
+        d.advance_time(9_999);
+        assert!(!d.event_done(e).unwrap());
+        d.advance_time(1);
+        assert!(d.event_done(e).unwrap());
+        let f = d.record_event(Stream(2)).unwrap();
+        d.wait_event(f).unwrap();
+        assert!(d.event_done(f).unwrap());
+        assert_eq!(d.driver_time().sync_ns, 10_000);
+        d.free_event(e);
+        assert!(d.event_done(e).is_err(), "a freed event is not live");
+    }
+
+    #[test]
+    fn cost_model_charges_driver_calls() {
+        let mut d = device("sim_cost_model:True");
+        let p = d.reserve(2 * MIB).unwrap();
+        d.release(p, 2 * MIB).unwrap();
+        let t = d.driver_time();
+        assert_eq!((t.reserve_ns, t.release_ns), (COST_RESERVE_NS, COST_RELEASE_NS));
+        let mut d = device("");
+        d.reserve(2 * MIB).unwrap();
+        assert_eq!(d.driver_time().reserve_ns, 0);
+    }
+
+    #[test]
+    fn address_space_wraps_and_reuses_freed_ranges() {
+        let mut d = device("sim_capacity_mb:16777216");
+        let big = ADDRESS_WINDOW / 4;
+        let ptrs: Vec<u64> = (0..4).map(|_| d.reserve(big).unwrap()).collect();
+        d.release(ptrs[1], big).unwrap();
+        // The window is full after the cursor; the search wraps and finds the hole.
+        assert_eq!(d.reserve(ALIGNMENT).unwrap(), ptrs[1]);
+    }
+}

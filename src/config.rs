@@ -1,0 +1,425 @@
+//! Configuration: one typed table, parsed once from a string in the syntax of
+//! `PYTORCH_CUDA_ALLOC_CONF` (`key:value,key:value`). The same string comes from
+//! `STEPALLOC_CONF`, `stepalloc_configure` and `stepalloc.install(conf=...)`.
+//!
+//! PyTorch's own keys keep their meaning; stepalloc's keys are documented in [`KEYS`], which
+//! is the single list of accepted keys, their defaults and their one-line docs.
+
+use crate::error::{Error, Result};
+use crate::units::MIB;
+
+/// Number of power-of-two intervals `roundup_power2_divisions` distinguishes: 1 MiB .. 64 GiB,
+/// as in PyTorch (`kRoundUpPowerOfTwoIntervals`).
+pub const ROUNDUP_INTERVALS: usize = 16;
+
+/// Which device backend the allocator drives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    /// CUDA when a driver and a device are present, else an error that says why.
+    Auto,
+    Cuda,
+    Sim,
+}
+
+/// One accepted key: its name, default, accepted form and what it does.
+pub struct KeyDoc {
+    pub name: &'static str,
+    pub default: &'static str,
+    pub form: &'static str,
+    pub doc: &'static str,
+}
+
+/// Every key stepalloc accepts, in the order `describe()` prints them.
+pub const KEYS: &[KeyDoc] = &[
+    // PyTorch's keys, same meaning.
+    KeyDoc { name: "max_split_size_mb", default: "unlimited", form: "integer MiB > 20", doc: "cached blocks at least this large are never split" },
+    KeyDoc { name: "max_non_split_rounding_mb", default: "20", form: "integer MiB", doc: "an unsplittable block serves only requests at most this much smaller" },
+    KeyDoc { name: "roundup_power2_divisions", default: "0", form: "power of 2, or [MiB:div,...,>:div] with powers of 2", doc: "round request sizes up to one of N divisions of their power-of-two interval" },
+    KeyDoc { name: "garbage_collection_threshold", default: "0", form: "number in (0, 1)", doc: "with a memory fraction set, release old cached blocks when reserved exceeds this share of it" },
+    KeyDoc { name: "expandable_segments", default: "False", form: "False", doc: "PyTorch's expandable segments; not supported by stepalloc yet" },
+    KeyDoc { name: "release_lock_on_cudamalloc", default: "False", form: "True or False", doc: "accepted for PyTorch compatibility; no effect" },
+    KeyDoc { name: "pinned_use_cuda_host_register", default: "False", form: "True or False", doc: "accepted for PyTorch compatibility (pinned host memory); no effect" },
+    KeyDoc { name: "pinned_num_register_threads", default: "1", form: "integer", doc: "accepted for PyTorch compatibility (pinned host memory); no effect" },
+    KeyDoc { name: "pinned_use_background_threads", default: "False", form: "True or False", doc: "accepted for PyTorch compatibility (pinned host memory); no effect" },
+    // stepalloc's keys.
+    KeyDoc { name: "backend", default: "auto", form: "auto, cuda or sim", doc: "device backend: CUDA driver, or the simulated device" },
+    KeyDoc { name: "per_process_memory_fraction", default: "1", form: "number in (0, 1]", doc: "share of each device's memory stepalloc may reserve" },
+    KeyDoc { name: "cache_limit_mb", default: "0 (none)", form: "integer MiB", doc: "release whole free segments when cached free bytes exceed this" },
+    KeyDoc { name: "cache_limit_fraction", default: "0 (none)", form: "number in [0, 1]", doc: "the same limit as a share of device memory" },
+    KeyDoc { name: "release_idle_steps", default: "0 (off)", form: "integer", doc: "at step end, release free segments no allocation touched for this many steps" },
+    KeyDoc { name: "phase_trim", default: "False", form: "True or False", doc: "at a phase switch, trim the cache to the next phase's recorded need, other phases' segments first" },
+    KeyDoc { name: "phase_trim_margin", default: "0.1", form: "number >= 0", doc: "headroom kept above the next phase's recorded peak when trimming" },
+    KeyDoc { name: "trace_entries", default: "0 (off)", form: "integer", doc: "size of the event ring kept for snapshots and trace recording" },
+    KeyDoc { name: "metrics_addr", default: "unset (off)", form: "host:port", doc: "serve Prometheus metrics there at first use (port + LOCAL_RANK under torchrun)" },
+    KeyDoc { name: "sim_devices", default: "1", form: "integer 1..64", doc: "simulated device: number of devices" },
+    KeyDoc { name: "sim_capacity_mb", default: "81920", form: "integer MiB", doc: "simulated device: memory per device" },
+    KeyDoc { name: "sim_event_delay_us", default: "0", form: "integer microseconds", doc: "simulated device: time from recording an event to its completion" },
+    KeyDoc { name: "sim_fail_nth", default: "0 (off)", form: "integer", doc: "simulated device: the Nth device reserve fails (out of memory)" },
+    KeyDoc { name: "sim_fail_prob", default: "0", form: "number in [0, 1]", doc: "simulated device: each device reserve fails with this probability" },
+    KeyDoc { name: "sim_seed", default: "0", form: "integer", doc: "simulated device: seed for failure injection" },
+    KeyDoc { name: "sim_cost_model", default: "False", form: "True or False", doc: "simulated device: charge modelled time for driver calls (reported in statistics)" },
+];
+
+/// The parsed configuration. `Default` is the configuration of an empty string.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Config {
+    pub max_split_size: u64,
+    pub max_non_split_rounding: u64,
+    /// Divisions per power-of-two interval (1 MiB, 2 MiB, ..., 32 GiB and above); 0 or 1 = off.
+    pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
+    pub garbage_collection_threshold: f64,
+    pub backend: BackendKind,
+    pub per_process_memory_fraction: f64,
+    pub cache_limit_bytes: u64,
+    pub cache_limit_fraction: f64,
+    pub release_idle_steps: u64,
+    pub phase_trim: bool,
+    pub phase_trim_margin: f64,
+    pub trace_entries: usize,
+    pub metrics_addr: Option<String>,
+    pub sim: SimConfig,
+}
+
+/// Settings of the simulated device.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SimConfig {
+    pub devices: usize,
+    pub capacity: u64,
+    pub event_delay_ns: u64,
+    pub fail_nth: u64,
+    pub fail_prob: f64,
+    pub seed: u64,
+    pub cost_model: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        SimConfig { devices: 1, capacity: 81920 * MIB, event_delay_ns: 0, fail_nth: 0, fail_prob: 0.0, seed: 0, cost_model: false }
+    }
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            max_split_size: u64::MAX,
+            max_non_split_rounding: 20 * MIB,
+            roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
+            garbage_collection_threshold: 0.0,
+            backend: BackendKind::Auto,
+            per_process_memory_fraction: 1.0,
+            cache_limit_bytes: 0,
+            cache_limit_fraction: 0.0,
+            release_idle_steps: 0,
+            phase_trim: false,
+            phase_trim_margin: 0.1,
+            trace_entries: 0,
+            metrics_addr: None,
+            sim: SimConfig::default(),
+        }
+    }
+}
+
+impl Config {
+    /// Parses a configuration string. Empty entries are ignored; later keys override earlier ones.
+    pub fn parse(text: &str) -> Result<Config> {
+        let mut config = Config::default();
+        config.apply(text)?;
+        Ok(config)
+    }
+
+    /// Applies a configuration string on top of this configuration.
+    pub fn apply(&mut self, text: &str) -> Result<()> {
+        for entry in split_entries(text) {
+            let entry = entry.trim();
+            if entry.is_empty() {
+                continue;
+            }
+            let Some((key, value)) = entry.split_once(':') else {
+                return Err(Error::config(entry, "expected `key:value`"));
+            };
+            self.set(key.trim(), value.trim())?;
+        }
+        Ok(())
+    }
+
+    /// Reads `STEPALLOC_CONF` (empty when unset).
+    pub fn from_env() -> Result<Config> {
+        match std::env::var("STEPALLOC_CONF") {
+            Ok(text) => Config::parse(&text),
+            Err(std::env::VarError::NotPresent) => Ok(Config::default()),
+            Err(std::env::VarError::NotUnicode(_)) => Err(Error::config("STEPALLOC_CONF", "is not valid UTF-8")),
+        }
+    }
+
+    fn set(&mut self, key: &str, value: &str) -> Result<()> {
+        let form = match KEYS.iter().find(|k| k.name == key) {
+            Some(doc) => doc.form,
+            None => {
+                let known: Vec<&str> = KEYS.iter().map(|k| k.name).collect();
+                return Err(Error::config(key, format!("unknown key; accepted keys: {}", known.join(", "))));
+            }
+        };
+        let bad = || Error::config(key, format!("bad value `{value}`; expected {form}"));
+        match key {
+            "max_split_size_mb" => {
+                let mb = parse_u64(value).ok_or_else(bad)?;
+                // PyTorch's rule: the split limit must exceed the large-segment size.
+                if mb <= 20 {
+                    return Err(bad());
+                }
+                self.max_split_size = mb.checked_mul(MIB).ok_or_else(bad)?;
+            }
+            "max_non_split_rounding_mb" => {
+                self.max_non_split_rounding = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?
+            }
+            "roundup_power2_divisions" => self.roundup_power2_divisions = parse_divisions(value).ok_or_else(bad)?,
+            "garbage_collection_threshold" => {
+                let t = parse_f64(value).ok_or_else(bad)?;
+                if !(t > 0.0 && t < 1.0) {
+                    return Err(bad());
+                }
+                self.garbage_collection_threshold = t;
+            }
+            "expandable_segments" => {
+                if parse_bool(value).ok_or_else(bad)? {
+                    return Err(Error::config(key, "`True` is not supported by stepalloc yet; use False"));
+                }
+            }
+            "release_lock_on_cudamalloc" | "pinned_use_cuda_host_register" | "pinned_use_background_threads" => {
+                parse_bool(value).ok_or_else(bad)?;
+            }
+            "pinned_num_register_threads" => {
+                parse_u64(value).ok_or_else(bad)?;
+            }
+            "backend" => {
+                self.backend = match value {
+                    "auto" => BackendKind::Auto,
+                    "cuda" => BackendKind::Cuda,
+                    "sim" => BackendKind::Sim,
+                    _ => return Err(bad()),
+                }
+            }
+            "per_process_memory_fraction" => {
+                let f = parse_f64(value).ok_or_else(bad)?;
+                if !(f > 0.0 && f <= 1.0) {
+                    return Err(bad());
+                }
+                self.per_process_memory_fraction = f;
+            }
+            "cache_limit_mb" => self.cache_limit_bytes = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?,
+            "cache_limit_fraction" => self.cache_limit_fraction = parse_unit_interval(value).ok_or_else(bad)?,
+            "release_idle_steps" => self.release_idle_steps = parse_u64(value).ok_or_else(bad)?,
+            "phase_trim" => self.phase_trim = parse_bool(value).ok_or_else(bad)?,
+            "phase_trim_margin" => {
+                let m = parse_f64(value).ok_or_else(bad)?;
+                if !(m >= 0.0 && m.is_finite()) {
+                    return Err(bad());
+                }
+                self.phase_trim_margin = m;
+            }
+            "trace_entries" => {
+                let n = parse_u64(value).ok_or_else(bad)?;
+                if n > 1 << 26 {
+                    return Err(bad());
+                }
+                self.trace_entries = n as usize;
+            }
+            "metrics_addr" => {
+                let (_, port) = value.rsplit_once(':').ok_or_else(bad)?;
+                port.parse::<u16>().map_err(|_| bad())?;
+                self.metrics_addr = Some(value.to_string());
+            }
+            "sim_devices" => {
+                let n = parse_u64(value).ok_or_else(bad)?;
+                if !(1..=64).contains(&n) {
+                    return Err(bad());
+                }
+                self.sim.devices = n as usize;
+            }
+            "sim_capacity_mb" => {
+                let mb = parse_u64(value).ok_or_else(bad)?;
+                // The simulated address space per device is 2^44 bytes (16 TiB).
+                if mb == 0 || mb > (1 << 24) {
+                    return Err(bad());
+                }
+                self.sim.capacity = mb * MIB;
+            }
+            "sim_event_delay_us" => self.sim.event_delay_ns = parse_u64(value).and_then(|us| us.checked_mul(1000)).ok_or_else(bad)?,
+            "sim_fail_nth" => self.sim.fail_nth = parse_u64(value).ok_or_else(bad)?,
+            "sim_fail_prob" => self.sim.fail_prob = parse_unit_interval(value).ok_or_else(bad)?,
+            "sim_seed" => self.sim.seed = parse_u64(value).ok_or_else(bad)?,
+            "sim_cost_model" => self.sim.cost_model = parse_bool(value).ok_or_else(bad)?,
+            _ => unreachable!("every key in KEYS has a setter"),
+        }
+        Ok(())
+    }
+
+    /// The divisions that apply to a request of `size` bytes (PyTorch's interval lookup).
+    pub fn divisions_for(&self, size: u64) -> u64 {
+        const INTERVAL_START: u32 = 20; // log2(1 MiB)
+        let log_size = 63 - size.max(1).leading_zeros();
+        let index = log_size.saturating_sub(INTERVAL_START).min(ROUNDUP_INTERVALS as u32 - 1);
+        self.roundup_power2_divisions[index as usize]
+    }
+
+    /// Every key with its default, accepted form and doc, one per line.
+    pub fn describe() -> String {
+        let mut out = String::new();
+        for k in KEYS {
+            out.push_str(&format!("{:<32} default {:<14} {} ({})\n", k.name, k.default, k.doc, k.form));
+        }
+        out
+    }
+}
+
+/// Splits on commas that are not inside `[...]`.
+fn split_entries(text: &str) -> Vec<&str> {
+    let mut entries = Vec::new();
+    let (mut depth, mut start) = (0usize, 0usize);
+    for (i, c) in text.char_indices() {
+        match c {
+            '[' => depth += 1,
+            ']' => depth = depth.saturating_sub(1),
+            ',' if depth == 0 => {
+                entries.push(&text[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    entries.push(&text[start..]);
+    entries
+}
+
+fn parse_u64(value: &str) -> Option<u64> {
+    value.parse().ok()
+}
+
+fn parse_f64(value: &str) -> Option<f64> {
+    value.parse::<f64>().ok().filter(|v| v.is_finite())
+}
+
+fn parse_unit_interval(value: &str) -> Option<f64> {
+    parse_f64(value).filter(|v| (0.0..=1.0).contains(v))
+}
+
+fn parse_bool(value: &str) -> Option<bool> {
+    match value {
+        "True" | "true" | "1" => Some(true),
+        "False" | "false" | "0" => Some(false),
+        _ => None,
+    }
+}
+
+/// PyTorch's two forms: one power of two for every interval, or a list
+/// `[MiB:div, ..., >:div]` whose keys are powers of two in MiB. A list's first key also sets
+/// every interval below it; `>` sets every interval after the previous key.
+fn parse_divisions(value: &str) -> Option<[u64; ROUNDUP_INTERVALS]> {
+    let mut table = [0u64; ROUNDUP_INTERVALS];
+    let power_of_two = |v: u64| v.is_power_of_two().then_some(v);
+    if let Some(list) = value.strip_prefix('[') {
+        let list = list.strip_suffix(']')?;
+        let mut last_index: Option<usize> = None;
+        for item in list.split(',') {
+            let (interval, divisions) = item.trim().split_once(':')?;
+            let divisions = power_of_two(divisions.trim().parse().ok()?)?;
+            if interval.trim() == ">" {
+                let from = last_index.map_or(0, |i| i + 1);
+                table[from.min(ROUNDUP_INTERVALS)..].fill(divisions);
+                last_index = Some(ROUNDUP_INTERVALS - 1);
+            } else {
+                let mb = power_of_two(interval.trim().parse().ok()?)?;
+                let index = (63 - mb.leading_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
+                if last_index.is_none() {
+                    table[..index].fill(divisions);
+                }
+                table[index] = divisions;
+                last_index = Some(index);
+            }
+        }
+        Some(table)
+    } else {
+        let divisions = power_of_two(value.parse().ok()?)?;
+        table.fill(divisions);
+        Some(table)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_string_is_the_default() {
+        assert_eq!(Config::parse("").unwrap(), Config::default());
+        assert_eq!(Config::parse(" , ").unwrap(), Config::default());
+    }
+
+    #[test]
+    fn pytorch_keys_keep_their_meaning() {
+        let c = Config::parse("max_split_size_mb:128,max_non_split_rounding_mb:64,garbage_collection_threshold:0.6").unwrap();
+        assert_eq!(c.max_split_size, 128 * MIB);
+        assert_eq!(c.max_non_split_rounding, 64 * MIB);
+        assert_eq!(c.garbage_collection_threshold, 0.6);
+    }
+
+    #[test]
+    fn divisions_single_value_fills_every_interval() {
+        let c = Config::parse("roundup_power2_divisions:4").unwrap();
+        assert_eq!(c.roundup_power2_divisions, [4; ROUNDUP_INTERVALS]);
+    }
+
+    #[test]
+    fn divisions_list_form() {
+        let c = Config::parse("roundup_power2_divisions:[256:1,512:2,1024:4,>:8],backend:sim").unwrap();
+        let mut expected = [1u64; ROUNDUP_INTERVALS];
+        expected[9] = 2;
+        expected[10] = 4;
+        expected[11..].fill(8);
+        assert_eq!(c.roundup_power2_divisions, expected);
+        assert_eq!(c.backend, BackendKind::Sim);
+        assert_eq!(c.divisions_for(100 * MIB), 1);
+        assert_eq!(c.divisions_for(600 * MIB), 2);
+        assert_eq!(c.divisions_for(1024 * MIB), 4);
+        assert_eq!(c.divisions_for(1 << 40), 8);
+        assert_eq!(c.divisions_for(1), 1);
+    }
+
+    #[test]
+    fn errors_name_the_key_and_the_form() {
+        let e = Config::parse("max_split_size_mb:abc").unwrap_err();
+        assert_eq!(e.to_string(), "configuration key `max_split_size_mb`: bad value `abc`; expected integer MiB > 20");
+        let e = Config::parse("max_split_size_mb:20").unwrap_err();
+        assert!(matches!(e, Error::Config { ref key, .. } if key == "max_split_size_mb"));
+        let e = Config::parse("no_such_key:1").unwrap_err();
+        assert!(e.to_string().starts_with("configuration key `no_such_key`: unknown key; accepted keys: max_split_size_mb"));
+        let e = Config::parse("backend").unwrap_err();
+        assert!(e.to_string().contains("expected `key:value`"));
+        for bad in [
+            "roundup_power2_divisions:3",
+            "roundup_power2_divisions:[256:3]",
+            "roundup_power2_divisions:[100:2]",
+            "roundup_power2_divisions:[256:2",
+            "garbage_collection_threshold:1.5",
+            "per_process_memory_fraction:0",
+            "sim_fail_prob:2",
+            "sim_devices:0",
+            "metrics_addr:nowhere",
+            "expandable_segments:True",
+            "phase_trim:maybe",
+        ] {
+            let e = Config::parse(bad).unwrap_err();
+            let key = bad.split(':').next().unwrap();
+            assert!(matches!(e, Error::Config { key: ref k, .. } if k == key), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn describe_lists_every_key() {
+        let text = Config::describe();
+        for k in KEYS {
+            assert!(text.contains(k.name));
+        }
+        assert_eq!(text.lines().count(), KEYS.len());
+    }
+}

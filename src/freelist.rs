@@ -1,0 +1,126 @@
+//! Free lists: the free blocks of one (pool, small/large, stream), filed by size class.
+//!
+//! Blocks below `max_split_size` sit in doubly linked lists, one per bin, with a two-level
+//! bitmap over the bins (see `sizeclass` and `bitmap`): a lookup is a couple of bit scans,
+//! however many blocks are cached. Blocks at or above `max_split_size` ("oversize") are rare
+//! and large, never split, and must fit within `max_non_split_rounding`, so they are kept
+//! exactly ordered in a `BTreeSet` instead.
+
+use crate::backend::Stream;
+use crate::bitmap::BinBitmap;
+use crate::segment::{BlockId, BlockState, Block, NIL};
+use crate::sizeclass::{bin_down, bin_up, BIN_COUNT};
+use std::collections::BTreeSet;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ListKey {
+    pub pool: u32,
+    pub small: bool,
+    pub stream: Stream,
+}
+
+pub struct FreeList {
+    pub key: ListKey,
+    bitmap: BinBitmap,
+    /// First block of each bin's list. Invariant: `heads[b] != NIL` iff bit `b` is set.
+    heads: Box<[BlockId]>,
+    /// Oversize free blocks ordered by (size, address).
+    oversize: BTreeSet<(u64, u64, BlockId)>,
+    pub bytes: u64,
+    pub count: u64,
+}
+
+impl FreeList {
+    pub fn new(key: ListKey) -> FreeList {
+        FreeList {
+            key,
+            bitmap: BinBitmap::default(),
+            heads: vec![NIL; BIN_COUNT].into_boxed_slice(),
+            oversize: BTreeSet::new(),
+            bytes: 0,
+            count: 0,
+        }
+    }
+
+    pub fn insert(&mut self, blocks: &mut [Block], id: BlockId, oversize: bool) {
+        let b = &mut blocks[id as usize];
+        debug_assert_eq!(b.state, BlockState::Free);
+        self.bytes += b.size;
+        self.count += 1;
+        if oversize {
+            b.link_prev = NIL;
+            b.link_next = NIL;
+            self.oversize.insert((b.size, b.addr, id));
+            return;
+        }
+        let bin = bin_down(b.size);
+        let head = self.heads[bin];
+        b.link_prev = NIL;
+        b.link_next = head;
+        if head != NIL {
+            blocks[head as usize].link_prev = id;
+        }
+        self.heads[bin] = id;
+        self.bitmap.set(bin);
+    }
+
+    pub fn remove(&mut self, blocks: &mut [Block], id: BlockId, oversize: bool) {
+        let (size, addr, prev, next) = {
+            let b = &blocks[id as usize];
+            (b.size, b.addr, b.link_prev, b.link_next)
+        };
+        self.bytes -= size;
+        self.count -= 1;
+        if oversize {
+            self.oversize.remove(&(size, addr, id));
+            return;
+        }
+        if prev != NIL {
+            blocks[prev as usize].link_next = next;
+        } else {
+            let bin = bin_down(size);
+            self.heads[bin] = next;
+            if next == NIL {
+                self.bitmap.clear(bin);
+            }
+        }
+        if next != NIL {
+            blocks[next as usize].link_prev = prev;
+        }
+    }
+
+    /// A free block below `max_split_size` that holds `size` bytes. First the head of the bin
+    /// `size` falls in, if it is large enough (a near-exact fit); else the head of the first
+    /// non-empty bin whose blocks all fit.
+    pub fn find(&self, blocks: &[Block], size: u64) -> Option<BlockId> {
+        let exact = self.heads[bin_down(size)];
+        if exact != NIL && blocks[exact as usize].size >= size {
+            return Some(exact);
+        }
+        self.bitmap.find_from(bin_up(size)).map(|bin| self.heads[bin])
+    }
+
+    /// The smallest oversize block of at least `size` bytes and below `size + max_extra`.
+    pub fn find_oversize(&self, size: u64, max_extra: u64) -> Option<BlockId> {
+        let &(found, _, id) = self.oversize.range((size, 0, 0)..).next()?;
+        (found < size.saturating_add(max_extra)).then_some(id)
+    }
+
+    /// Oversize blocks, smallest first.
+    pub fn oversize_blocks(&self) -> impl DoubleEndedIterator<Item = (u64, BlockId)> + '_ {
+        self.oversize.iter().map(|&(size, _, id)| (size, id))
+    }
+
+    /// The largest free block's size.
+    pub fn largest(&self, blocks: &[Block]) -> u64 {
+        let mut largest = self.oversize.last().map_or(0, |&(size, _, _)| size);
+        if let Some(bin) = self.bitmap.last() {
+            let mut cursor = self.heads[bin];
+            while cursor != NIL {
+                largest = largest.max(blocks[cursor as usize].size);
+                cursor = blocks[cursor as usize].link_next;
+            }
+        }
+        largest
+    }
+}

@@ -1,0 +1,978 @@
+//! One device's caching heap: pools, per-stream free lists, splitting and merging, the
+//! out-of-memory path, limits and garbage collection. Everything here runs under the device
+//! lock held by `allocator`, so every method takes `&mut self`.
+//!
+//! Policy (PyTorch's, unless noted):
+//! - requests are rounded (`sizeclass::round_size`); rounded sizes up to 1 MiB use the small
+//!   pool of 2 MiB segments, larger ones the large pool;
+//! - a free block is reused by its own stream; then (stepalloc) by any stream once every event
+//!   recorded at its free has completed; otherwise the heap grows;
+//! - a large block is split only when more than 1 MiB would remain, a small one when at least
+//!   512 B would; blocks at or above `max_split_size` are never split and serve only requests
+//!   less than `max_non_split_rounding` smaller;
+//! - on a failed device reserve: release cached oversize blocks and retry; then wait for pending
+//!   events, release every unsplit cached segment and retry; then report out of memory.
+//!
+//! Invariants (checked by `check_invariants` in tests): blocks tile their segments; adjacent
+//! free blocks of compatible streams are merged; the free lists hold exactly the `Free` blocks;
+//! `live` maps exactly the `Allocated` blocks; every statistic equals the sum it stands for.
+
+use crate::backend::{Backend, Event, Stream};
+use crate::config::Config;
+use crate::error::{Error, OomReport, Result};
+use crate::freelist::{FreeList, ListKey};
+use crate::segment::{Arena, Block, BlockId, BlockState, Segment, SegmentId, ANY_STREAM, NIL};
+use crate::sizeclass::{self, GRANULE, MAX_REQUEST, SMALL_REQUEST};
+use crate::stats::{DeviceStats, HeapStats, ReleaseReason};
+use crate::step::StepState;
+use crate::trace::{TraceAction, TraceRing};
+use crate::units::{format_bytes, MIB};
+use rustc_hash::FxHashMap;
+use std::collections::VecDeque;
+use std::time::Instant;
+
+/// A CUDA-graph memory pool id, as PyTorch's `MempoolId_t`.
+pub type PoolId = (u64, u64);
+
+/// A private pool: memory of one CUDA graph, kept out of general reuse until released.
+struct PrivatePool {
+    id: PoolId,
+    /// `begin_allocate_to_pool` calls not yet matched by `release_pool`.
+    use_count: u32,
+    /// Segments it still holds.
+    segments: u32,
+}
+
+pub struct Heap {
+    pub(crate) device: usize,
+    pub(crate) config: Config,
+    pub(crate) backend: Box<dyn Backend>,
+    pub(crate) arena: Arena,
+    lists: Vec<FreeList>,
+    /// Allocated blocks by address.
+    live: FxHashMap<u64, BlockId>,
+    /// Events recorded at frees of blocks used by several streams, oldest first.
+    pending: VecDeque<(Event, BlockId)>,
+    /// Private pools; index `i` is pool number `i + 1` (0 is the general pool).
+    private_pools: Vec<Option<PrivatePool>>,
+    pub(crate) stats: HeapStats,
+    pub(crate) step: StepState,
+    pub(crate) trace: TraceRing,
+    device_total: u64,
+    /// Bytes the heap may reserve (`per_process_memory_fraction` of the device).
+    allowed: u64,
+    fraction_set: bool,
+    /// Counts mallocs; a free block's age is this minus its `freed_at`.
+    alloc_clock: u64,
+    /// `begin_pool` calls not yet matched by `end_pool`: CUDA-graph captures in progress.
+    captures_underway: u32,
+}
+
+impl Heap {
+    pub fn new(device: usize, config: &Config, backend: Box<dyn Backend>) -> Heap {
+        let device_total = backend.info().total_bytes;
+        let mut heap = Heap {
+            device,
+            config: config.clone(),
+            backend,
+            arena: Arena::default(),
+            lists: Vec::new(),
+            live: FxHashMap::default(),
+            pending: VecDeque::new(),
+            private_pools: Vec::new(),
+            stats: HeapStats::default(),
+            step: StepState::default(),
+            trace: TraceRing::new(config.trace_entries),
+            device_total,
+            allowed: u64::MAX,
+            fraction_set: false,
+            alloc_clock: 0,
+            captures_underway: 0,
+        };
+        if config.per_process_memory_fraction < 1.0 {
+            heap.set_memory_fraction(config.per_process_memory_fraction);
+        }
+        heap
+    }
+
+    pub fn device_total(&self) -> u64 {
+        self.device_total
+    }
+
+    /// `torch.cuda.set_per_process_memory_fraction`.
+    pub fn set_memory_fraction(&mut self, fraction: f64) {
+        self.allowed = (fraction * self.device_total as f64) as u64;
+        self.fraction_set = fraction < 1.0;
+    }
+
+    // ----- malloc -------------------------------------------------------------------------
+
+    /// Allocates `size` bytes for `stream`, in the private pool `pool` when given.
+    /// Size 0 gets a unique block of one granule (PyTorch calls alloc for size 0 too).
+    pub fn malloc(&mut self, size: u64, stream: Stream, pool: Option<PoolId>) -> Result<u64> {
+        if size > MAX_REQUEST || size > self.device_total {
+            return Err(self.out_of_memory(size, size, size));
+        }
+        if !self.pending.is_empty() {
+            self.process_events()?;
+        }
+        self.alloc_clock += 1;
+        let pool_index = match pool {
+            Some(id) => self.private_pool_index(id),
+            None => 0,
+        };
+        let rounded = sizeclass::round_size(size, &self.config);
+        let small = sizeclass::is_small(rounded);
+        let id = match self.find_free(pool_index, small, stream, rounded) {
+            Some(id) => {
+                self.stats.num_cache_hits += 1;
+                id
+            }
+            None => self.grow(pool_index, small, stream, rounded, size)?,
+        };
+        Ok(self.hand_out(id, rounded, size, stream))
+    }
+
+    /// A cached block for the request: this stream's list first, then blocks any stream may use.
+    fn find_free(&mut self, pool: u32, small: bool, stream: Stream, rounded: u64) -> Option<BlockId> {
+        for s in [stream, ANY_STREAM] {
+            let Some(li) = self.list_index(ListKey { pool, small, stream: s }) else { continue };
+            let oversize_request = rounded >= self.config.max_split_size;
+            let found = if oversize_request {
+                self.lists[li].find_oversize(rounded, self.config.max_non_split_rounding)
+            } else {
+                self.lists[li].find(&self.arena.blocks, rounded)
+            };
+            if let Some(id) = found {
+                self.unlist(id);
+                return Some(id);
+            }
+        }
+        None
+    }
+
+    /// Marks a free block (already out of its list) allocated, splitting off the rest.
+    fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64, stream: Stream) -> u64 {
+        let (seg_id, small, free_stream) = {
+            let b = self.arena.block(id);
+            (b.segment, self.arena.segment(b.segment).small, b.stream)
+        };
+        self.split_stat_out(id);
+        if self.should_split(self.arena.block(id).size, rounded, small) {
+            let (addr, size, next) = {
+                let b = self.arena.block(id);
+                (b.addr, b.size, b.next)
+            };
+            let rest = self.arena.new_block(Block {
+                addr: addr + rounded,
+                size: size - rounded,
+                requested: 0,
+                segment: seg_id,
+                prev: id,
+                next,
+                link_prev: NIL,
+                link_next: NIL,
+                list: 0,
+                // The remainder stays reusable by whoever could reuse the whole block.
+                stream: free_stream,
+                state: BlockState::Free,
+                extra_streams: None,
+                pending_events: 0,
+                freed_at: self.alloc_clock,
+            });
+            if next != NIL {
+                self.split_stat_out(next);
+                self.arena.block_mut(next).prev = rest;
+                self.split_stat_in(next);
+            }
+            let b = self.arena.block_mut(id);
+            b.next = rest;
+            b.size = rounded;
+            self.enlist(rest);
+            self.split_stat_in(rest);
+        }
+        let step = self.step.step;
+        let phase_bit = self.step.phase_bit();
+        let b = self.arena.block_mut(id);
+        b.state = BlockState::Allocated;
+        b.requested = requested;
+        b.stream = stream;
+        let (addr, size) = (b.addr, b.size);
+        let seg = self.arena.segment_mut(seg_id);
+        seg.busy += 1;
+        seg.last_used_step = step;
+        seg.phase_mask |= phase_bit;
+        self.live.insert(addr, id);
+        let s = &mut self.stats;
+        s.num_mallocs += 1;
+        s.allocation.increase(small, 1);
+        s.allocated_bytes.increase(small, size);
+        s.requested_bytes.increase(small, requested);
+        s.active.increase(small, 1);
+        s.active_bytes.increase(small, size);
+        if size >= self.config.max_split_size {
+            s.oversize_allocations.increase(1);
+        }
+        self.step.note_allocated(self.stats.allocated_bytes.all.current);
+        self.trace.record(TraceAction::Alloc, addr, size, requested, stream.0, 0);
+        addr
+    }
+
+    fn should_split(&self, block_size: u64, rounded: u64, small: bool) -> bool {
+        let remaining = block_size - rounded;
+        if small {
+            remaining >= GRANULE
+        } else {
+            rounded < self.config.max_split_size && remaining > SMALL_REQUEST
+        }
+    }
+
+    /// Reserves a new segment for the request, running the out-of-memory path on failure.
+    fn grow(&mut self, pool: u32, small: bool, stream: Stream, rounded: u64, requested: u64) -> Result<BlockId> {
+        if self.fraction_set && self.config.garbage_collection_threshold > 0.0 {
+            self.garbage_collect()?;
+        }
+        let seg_size = sizeclass::segment_size(rounded);
+        let capturing = self.captures_underway > 0;
+        let mut attempt = self.reserve(seg_size)?;
+        if attempt.is_none() && self.release_oversize(seg_size)? {
+            attempt = self.reserve(seg_size)?;
+        }
+        // Waiting on every stream would break a CUDA-graph capture in progress.
+        if attempt.is_none() && !capturing {
+            self.stats.num_alloc_retries += 1;
+            self.release_all_cached(ReleaseReason::Oom)?;
+            attempt = self.reserve(seg_size)?;
+        }
+        let Some(addr) = attempt else {
+            return Err(self.out_of_memory(requested, rounded, seg_size));
+        };
+        Ok(self.new_segment(addr, seg_size, small, pool, stream))
+    }
+
+    /// One device reserve within the allowed limit: `Ok(None)` when out of memory.
+    fn reserve(&mut self, bytes: u64) -> Result<Option<u64>> {
+        if self.stats.reserved_bytes.all.current.saturating_add(bytes) > self.allowed {
+            return Ok(None);
+        }
+        let start = Instant::now();
+        let before = self.backend.driver_time().reserve_ns;
+        let result = self.backend.reserve(bytes);
+        let modelled = self.backend.driver_time().reserve_ns - before;
+        let ns = if modelled > 0 { modelled } else { start.elapsed().as_nanos() as u64 };
+        match result {
+            Ok(addr) => {
+                self.stats.record_device_alloc_latency(ns);
+                Ok(Some(addr))
+            }
+            Err(e) if e.is_out_of_memory() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    fn new_segment(&mut self, addr: u64, size: u64, small: bool, pool: u32, stream: Stream) -> BlockId {
+        let oversize = size >= self.config.max_split_size;
+        let seg = self.arena.new_segment(Segment {
+            addr,
+            size,
+            small,
+            pool,
+            stream,
+            first: NIL,
+            busy: 0,
+            last_used_step: self.step.step,
+            phase_mask: 0,
+            oversize,
+            live: true,
+        });
+        let id = self.arena.new_block(Block {
+            addr,
+            size,
+            requested: 0,
+            segment: seg,
+            prev: NIL,
+            next: NIL,
+            link_prev: NIL,
+            link_next: NIL,
+            list: 0,
+            stream,
+            state: BlockState::Free,
+            extra_streams: None,
+            pending_events: 0,
+            freed_at: self.alloc_clock,
+        });
+        self.arena.segment_mut(seg).first = id;
+        if pool > 0 {
+            if let Some(p) = self.private_pools[pool as usize - 1].as_mut() {
+                p.segments += 1;
+            }
+        }
+        let s = &mut self.stats;
+        s.num_device_alloc += 1;
+        s.segment.increase(small, 1);
+        s.reserved_bytes.increase(small, size);
+        if oversize {
+            s.oversize_segments.increase(1);
+        }
+        self.step.note_reserved(self.stats.reserved_bytes.all.current);
+        self.trace.record(TraceAction::SegmentAlloc, addr, size, 0, stream.0, 0);
+        id
+    }
+
+    fn out_of_memory(&mut self, requested: u64, rounded: u64, segment_size: u64) -> Error {
+        self.stats.num_ooms += 1;
+        self.trace.record(TraceAction::Oom, 0, rounded, requested, 0, 0);
+        let (device_free, device_total) = self.backend.mem_info().unwrap_or((0, self.device_total));
+        let reserved = self.stats.reserved_bytes.all.current;
+        let allocated = self.stats.allocated_bytes.all.current;
+        let largest = self.largest_free_block();
+        let cached_free = reserved - self.stats.active_bytes.all.current;
+        let hint = if cached_free >= rounded && largest < rounded {
+            format!(
+                "{} is cached but no free block is large enough: the cache is fragmented. \
+                 Set `max_split_size_mb` (e.g. max_split_size_mb:{}) to stop large blocks being \
+                 split, or mark step boundaries (stepalloc.step) with `phase_trim:True` so one \
+                 phase's blocks are released before the next.",
+                format_bytes(cached_free),
+                (rounded / MIB).clamp(21, 512)
+            )
+        } else if self.fraction_set && rounded <= device_free {
+            "The device has room, but per_process_memory_fraction forbids using it.".to_string()
+        } else {
+            String::new()
+        };
+        Error::OutOfMemory(Box::new(OomReport {
+            device: self.device,
+            requested,
+            rounded,
+            segment_size,
+            device_total,
+            device_free,
+            reserved,
+            allocated,
+            allowed: self.fraction_set.then_some(self.allowed),
+            largest_free_block: largest,
+            hint,
+        }))
+    }
+
+    // ----- free ---------------------------------------------------------------------------
+
+    /// Frees the block at `ptr`. `size`, when not 0, must be the size asked for at malloc;
+    /// a mismatch is refused and the block stays allocated.
+    pub fn free(&mut self, ptr: u64, size: u64) -> Result<()> {
+        let Some(&id) = self.live.get(&ptr) else {
+            return Err(Error::UnknownPointer { device: self.device, ptr });
+        };
+        let requested = self.arena.block(id).requested;
+        if size != 0 && size != requested {
+            return Err(Error::InvalidArgument(format!(
+                "free of {ptr:#x} on device {} with size {size}, but {requested} bytes were allocated there",
+                self.device
+            )));
+        }
+        self.live.remove(&ptr);
+        let (block_size, stream, small) = {
+            let b = self.arena.block(id);
+            (b.size, b.stream, self.arena.segment(b.segment).small)
+        };
+        let s = &mut self.stats;
+        s.num_frees += 1;
+        s.allocation.decrease(small, 1);
+        s.allocated_bytes.decrease(small, block_size);
+        s.requested_bytes.decrease(small, requested);
+        if block_size >= self.config.max_split_size {
+            s.oversize_allocations.decrease(1);
+        }
+        self.arena.block_mut(id).requested = 0;
+        self.trace.record(TraceAction::FreeRequested, ptr, block_size, requested, stream.0, 0);
+        match self.arena.block_mut(id).extra_streams.take() {
+            None => self.finish_free(id),
+            Some(streams) => {
+                // Used by several streams: the block is reusable once each stream's queued work,
+                // and the allocating stream's, has passed this point.
+                self.arena.block_mut(id).state = BlockState::Pending;
+                for s in streams.iter().copied().chain(std::iter::once(stream)) {
+                    match self.backend.record_event(s) {
+                        Ok(event) => {
+                            self.arena.block_mut(id).pending_events += 1;
+                            self.pending.push_back((event, id));
+                        }
+                        Err(e) => {
+                            // Cannot order the reuse: wait for the device instead.
+                            self.backend.synchronize()?;
+                            if self.arena.block(id).pending_events == 0 {
+                                self.arena.block_mut(id).stream = ANY_STREAM;
+                                self.finish_free(id)?;
+                            }
+                            return Err(e);
+                        }
+                    }
+                }
+                self.arena.block_mut(id).stream = ANY_STREAM;
+                Ok(())
+            }
+        }
+    }
+
+    /// A block becomes free: merge it with free neighbours and file it.
+    fn finish_free(&mut self, id: BlockId) -> Result<()> {
+        let (seg_id, size, stream, addr) = {
+            let b = self.arena.block_mut(id);
+            b.state = BlockState::Free;
+            (b.segment, b.size, b.stream, b.addr)
+        };
+        self.arena.block_mut(id).freed_at = self.alloc_clock;
+        let small = self.arena.segment(seg_id).small;
+        self.stats.active.decrease(small, 1);
+        self.stats.active_bytes.decrease(small, size);
+        self.trace.record(TraceAction::FreeCompleted, addr, size, 0, stream.0, 0);
+        let seg = self.arena.segment_mut(seg_id);
+        seg.busy -= 1;
+        let whole_segment_free = seg.busy == 0;
+        let id = self.merge_neighbours(id);
+        self.enlist(id);
+        self.split_stat_in(id);
+        let seg = self.arena.segment(seg_id);
+        if whole_segment_free && seg.pool > 0 {
+            // A released graph pool gives its memory back as soon as it is free.
+            let pool = &self.private_pools[seg.pool as usize - 1];
+            if pool.as_ref().is_some_and(|p| p.use_count == 0) {
+                self.release_segment(seg_id, ReleaseReason::EmptyCache)?;
+                return Ok(());
+            }
+        }
+        if whole_segment_free && self.over_cache_limit() {
+            self.release_segment(seg_id, ReleaseReason::Limit)?;
+        }
+        Ok(())
+    }
+
+    /// Merges the free block `id` (not in a list) with free neighbours of compatible streams.
+    /// Returns the id of the merged block.
+    fn merge_neighbours(&mut self, id: BlockId) -> BlockId {
+        for forward in [false, true] {
+            let b = self.arena.block(id);
+            let other = if forward { b.next } else { b.prev };
+            if other == NIL {
+                continue;
+            }
+            let o = self.arena.block(other);
+            if o.state != BlockState::Free {
+                continue;
+            }
+            let Some(stream) = merged_stream(b.stream, o.stream) else { continue };
+            self.unlist(other);
+            self.split_stat_out(other);
+            let (o_addr, o_size, o_prev, o_next, o_freed_at) = {
+                let o = self.arena.block(other);
+                (o.addr, o.size, o.prev, o.next, o.freed_at)
+            };
+            let b = self.arena.block_mut(id);
+            b.size += o_size;
+            b.stream = stream;
+            b.freed_at = b.freed_at.max(o_freed_at);
+            if forward {
+                b.next = o_next;
+                if o_next != NIL {
+                    self.arena.block_mut(o_next).prev = id;
+                }
+            } else {
+                b.addr = o_addr;
+                b.prev = o_prev;
+                if o_prev != NIL {
+                    self.arena.block_mut(o_prev).next = id;
+                } else {
+                    let seg = self.arena.block(id).segment;
+                    self.arena.segment_mut(seg).first = id;
+                }
+            }
+            self.arena.drop_block(other);
+        }
+        id
+    }
+
+    // ----- events and streams --------------------------------------------------------------
+
+    /// `Tensor.record_stream`: the block's reuse will wait for `stream`'s work queued before
+    /// its free.
+    pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<()> {
+        let Some(&id) = self.live.get(&ptr) else {
+            return Err(Error::UnknownPointer { device: self.device, ptr });
+        };
+        let b = self.arena.block_mut(id);
+        if b.stream == stream {
+            return Ok(());
+        }
+        let streams = b.extra_streams.get_or_insert_with(Default::default);
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+        Ok(())
+    }
+
+    /// Completes pending frees whose events have all completed, in recording order.
+    fn process_events(&mut self) -> Result<()> {
+        while let Some(&(event, id)) = self.pending.front() {
+            if !self.backend.event_done(event)? {
+                break;
+            }
+            self.pending.pop_front();
+            self.event_completed(event, id)?;
+        }
+        Ok(())
+    }
+
+    fn event_completed(&mut self, event: Event, id: BlockId) -> Result<()> {
+        self.backend.free_event(event);
+        let b = self.arena.block_mut(id);
+        b.pending_events -= 1;
+        if b.pending_events == 0 {
+            self.finish_free(id)?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every pending event and completes those frees.
+    fn synchronize_pending(&mut self) -> Result<()> {
+        self.stats.num_sync_all_streams += 1;
+        while let Some((event, id)) = self.pending.pop_front() {
+            self.backend.wait_event(event)?;
+            self.event_completed(event, id)?;
+        }
+        Ok(())
+    }
+
+    // ----- releasing cached memory ---------------------------------------------------------
+
+    /// Returns a segment whose single block is free to the device.
+    pub(crate) fn release_segment(&mut self, seg_id: SegmentId, reason: ReleaseReason) -> Result<u64> {
+        let seg = self.arena.segment(seg_id).clone();
+        let id = seg.first;
+        debug_assert!(seg.busy == 0 && self.arena.block(id).next == NIL && self.arena.block(id).state == BlockState::Free);
+        self.backend.release(seg.addr, seg.size)?;
+        self.unlist(id);
+        self.arena.drop_block(id);
+        self.arena.drop_segment(seg_id);
+        if seg.pool > 0 {
+            let slot = &mut self.private_pools[seg.pool as usize - 1];
+            if let Some(p) = slot.as_mut() {
+                p.segments -= 1;
+                if p.segments == 0 && p.use_count == 0 {
+                    *slot = None;
+                }
+            }
+        }
+        let s = &mut self.stats;
+        s.num_device_free += 1;
+        s.segment.decrease(seg.small, 1);
+        s.reserved_bytes.decrease(seg.small, seg.size);
+        if seg.oversize {
+            s.oversize_segments.decrease(1);
+        }
+        s.released_bytes[reason as usize] += seg.size;
+        self.trace.record(TraceAction::SegmentFree, seg.addr, seg.size, 0, seg.stream.0, 0);
+        Ok(seg.size)
+    }
+
+    /// Whether a segment is entirely one free block.
+    pub(crate) fn segment_is_free(&self, seg_id: SegmentId) -> bool {
+        let seg = self.arena.segment(seg_id);
+        seg.busy == 0 && {
+            let b = self.arena.block(seg.first);
+            b.next == NIL && b.state == BlockState::Free
+        }
+    }
+
+    /// Free segments that may be released (not held by an active graph pool).
+    pub(crate) fn releasable_segments(&self) -> Vec<SegmentId> {
+        self.arena
+            .live_segment_ids()
+            .filter(|&s| self.segment_is_free(s))
+            .filter(|&s| {
+                let pool = self.arena.segment(s).pool;
+                pool == 0 || self.private_pools[pool as usize - 1].as_ref().is_none_or(|p| p.use_count == 0)
+            })
+            .collect()
+    }
+
+    /// First OOM step: release cached oversize blocks (whole segments) — the smallest one that
+    /// covers `needed`, else the largest ones until `needed` bytes are released.
+    fn release_oversize(&mut self, needed: u64) -> Result<bool> {
+        if self.config.max_split_size == u64::MAX {
+            return Ok(false);
+        }
+        let mut candidates: Vec<(u64, SegmentId)> = self
+            .releasable_segments()
+            .into_iter()
+            .filter(|&s| self.arena.segment(s).oversize)
+            .map(|s| (self.arena.segment(s).size, s))
+            .collect();
+        candidates.sort_unstable();
+        if let Some(&(_, seg)) = candidates.iter().find(|(size, _)| *size >= needed) {
+            self.release_segment(seg, ReleaseReason::Oom)?;
+            return Ok(true);
+        }
+        let mut released = 0;
+        for &(_, seg) in candidates.iter().rev() {
+            if released >= needed {
+                break;
+            }
+            released += self.release_segment(seg, ReleaseReason::Oom)?;
+        }
+        Ok(released >= needed)
+    }
+
+    /// Waits for pending events, then releases every free unsplit segment. Returns bytes released.
+    pub fn release_all_cached(&mut self, reason: ReleaseReason) -> Result<u64> {
+        self.synchronize_pending()?;
+        let mut released = 0;
+        for seg in self.releasable_segments() {
+            released += self.release_segment(seg, reason)?;
+        }
+        Ok(released)
+    }
+
+    /// `torch.cuda.empty_cache()`.
+    pub fn empty_cache(&mut self) -> Result<u64> {
+        self.release_all_cached(ReleaseReason::EmptyCache)
+    }
+
+    /// Releases free segments in the given order until `done` says enough.
+    pub(crate) fn release_in_order(
+        &mut self,
+        order: Vec<SegmentId>,
+        reason: ReleaseReason,
+        mut done: impl FnMut(&Heap) -> bool,
+    ) -> Result<u64> {
+        let mut released = 0;
+        for seg in order {
+            if done(self) {
+                break;
+            }
+            released += self.release_segment(seg, reason)?;
+        }
+        Ok(released)
+    }
+
+    /// The cache limit in bytes (0 = none).
+    pub(crate) fn cache_limit(&self) -> u64 {
+        let from_fraction = (self.config.cache_limit_fraction * self.device_total as f64) as u64;
+        match (self.config.cache_limit_bytes, from_fraction) {
+            (0, f) => f,
+            (b, 0) => b,
+            (b, f) => b.min(f),
+        }
+    }
+
+    pub(crate) fn cached_free(&self) -> u64 {
+        self.stats.reserved_bytes.all.current - self.stats.active_bytes.all.current
+    }
+
+    fn over_cache_limit(&self) -> bool {
+        let limit = self.cache_limit();
+        limit > 0 && self.cached_free() > limit
+    }
+
+    /// PyTorch's garbage collection: with a memory fraction set and reserved memory above
+    /// `garbage_collection_threshold` of it, release unsplit free large segments older than
+    /// the average age until reserved drops below the threshold.
+    fn garbage_collect(&mut self) -> Result<()> {
+        let threshold = (self.config.garbage_collection_threshold * self.allowed as f64) as u64;
+        let reserved = self.stats.reserved_bytes.all.current;
+        if reserved <= threshold {
+            return Ok(());
+        }
+        let target = reserved - threshold;
+        let mut candidates: Vec<(u64, SegmentId)> = self
+            .releasable_segments()
+            .into_iter()
+            .filter(|&s| !self.arena.segment(s).small && self.arena.segment(s).pool == 0)
+            .map(|s| (self.alloc_clock - self.arena.block(self.arena.segment(s).first).freed_at, s))
+            .collect();
+        if candidates.is_empty() {
+            return Ok(());
+        }
+        self.synchronize_pending()?;
+        let mut reclaimed = 0;
+        while reclaimed < target && !candidates.is_empty() {
+            let average = candidates.iter().map(|c| c.0).sum::<u64>() / candidates.len() as u64;
+            let (old, young): (Vec<_>, Vec<_>) = candidates.into_iter().partition(|c| c.0 >= average);
+            for (_, seg) in old {
+                if reclaimed >= target {
+                    break;
+                }
+                reclaimed += self.release_segment(seg, ReleaseReason::Limit)?;
+            }
+            candidates = young;
+        }
+        Ok(())
+    }
+
+    // ----- private pools (CUDA graphs) -----------------------------------------------------
+
+    /// `beginAllocateToPool`: a capture starts; creates the pool or takes another reference.
+    pub fn begin_pool(&mut self, id: PoolId) {
+        self.captures_underway += 1;
+        self.add_pool_reference(id);
+    }
+
+    /// `endAllocateToPool`: the capture ends; the pool keeps its memory until `release_pool`.
+    pub fn end_pool(&mut self, _id: PoolId) {
+        self.captures_underway = self.captures_underway.saturating_sub(1);
+    }
+
+    fn add_pool_reference(&mut self, id: PoolId) {
+        if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) {
+            p.use_count += 1;
+            return;
+        }
+        let pool = PrivatePool { id, use_count: 1, segments: 0 };
+        match self.private_pools.iter().position(Option::is_none) {
+            Some(i) => self.private_pools[i] = Some(pool),
+            None => self.private_pools.push(Some(pool)),
+        }
+    }
+
+    /// `releasePool`: drops a reference; at zero the pool's free segments go back to the
+    /// device now and its other segments as soon as they are free.
+    pub fn release_pool(&mut self, id: PoolId) -> Result<()> {
+        let Some(index) = self.private_pools.iter().position(|p| p.as_ref().is_some_and(|p| p.id == id)) else {
+            return Err(Error::InvalidArgument(format!("release of unknown memory pool ({}, {})", id.0, id.1)));
+        };
+        let pool = self.private_pools[index].as_mut().expect("position found it");
+        pool.use_count = pool.use_count.saturating_sub(1);
+        if pool.use_count > 0 {
+            return Ok(());
+        }
+        if pool.segments == 0 {
+            self.private_pools[index] = None;
+            return Ok(());
+        }
+        let number = index as u32 + 1;
+        let free: Vec<SegmentId> =
+            self.releasable_segments().into_iter().filter(|&s| self.arena.segment(s).pool == number).collect();
+        for seg in free {
+            self.release_segment(seg, ReleaseReason::EmptyCache)?;
+        }
+        Ok(())
+    }
+
+    fn private_pool_index(&mut self, id: PoolId) -> u32 {
+        if let Some(i) = self.private_pools.iter().position(|p| p.as_ref().is_some_and(|p| p.id == id)) {
+            return i as u32 + 1;
+        }
+        // Allocating to a pool nobody began: create it with no references (freed when empty).
+        self.add_pool_reference(id);
+        let i = self.private_pools.iter().position(|p| p.as_ref().is_some_and(|p| p.id == id)).unwrap_or(0);
+        if let Some(p) = self.private_pools[i].as_mut() {
+            p.use_count = 0;
+        }
+        i as u32 + 1
+    }
+
+    // ----- free lists ----------------------------------------------------------------------
+
+    fn list_index(&self, key: ListKey) -> Option<usize> {
+        self.lists.iter().position(|l| l.key == key)
+    }
+
+    /// Files a free block in the list of its (pool, size class, stream).
+    fn enlist(&mut self, id: BlockId) {
+        let b = self.arena.block(id);
+        let seg = self.arena.segment(b.segment);
+        let key = ListKey { pool: seg.pool, small: seg.small, stream: b.stream };
+        let oversize = b.size >= self.config.max_split_size;
+        let li = match self.list_index(key) {
+            Some(li) => li,
+            None => {
+                self.lists.push(FreeList::new(key));
+                self.lists.len() - 1
+            }
+        };
+        self.arena.block_mut(id).list = li as u16;
+        self.lists[li].insert(&mut self.arena.blocks, id, oversize);
+    }
+
+    fn unlist(&mut self, id: BlockId) {
+        let b = self.arena.block(id);
+        let (li, oversize) = (b.list as usize, b.size >= self.config.max_split_size);
+        self.lists[li].remove(&mut self.arena.blocks, id, oversize);
+    }
+
+    /// Inactive-split accounting: a free block counts while its segment is split.
+    fn split_stat_out(&mut self, id: BlockId) {
+        let b = self.arena.block(id);
+        if b.state == BlockState::Free && b.is_split() {
+            let small = self.arena.segment(b.segment).small;
+            self.stats.inactive_split.decrease(small, 1);
+            self.stats.inactive_split_bytes.decrease(small, b.size);
+        }
+    }
+
+    fn split_stat_in(&mut self, id: BlockId) {
+        let b = self.arena.block(id);
+        if b.state == BlockState::Free && b.is_split() {
+            let small = self.arena.segment(b.segment).small;
+            self.stats.inactive_split.increase(small, 1);
+            self.stats.inactive_split_bytes.increase(small, b.size);
+        }
+    }
+
+    // ----- reports -------------------------------------------------------------------------
+
+    pub fn largest_free_block(&self) -> u64 {
+        self.lists.iter().map(|l| l.largest(&self.arena.blocks)).max().unwrap_or(0)
+    }
+
+    pub fn stats(&mut self) -> DeviceStats {
+        DeviceStats {
+            device: self.device,
+            heap: self.stats.clone(),
+            max_split_size: self.config.max_split_size,
+            device_total: self.device_total,
+            cached_free: self.cached_free(),
+            largest_free_block: self.largest_free_block(),
+            steps_by_phase: self.step.steps_by_phase(),
+            last_step: self.step.last.clone(),
+            driver_time: self.backend.driver_time(),
+        }
+    }
+
+    /// The block holding `ptr` (anywhere inside it), for `set_base_alloc_fn`: the segment's base
+    /// address and size.
+    pub fn base_allocation(&self, ptr: u64) -> Option<(u64, u64)> {
+        self.arena
+            .live_segment_ids()
+            .map(|s| self.arena.segment(s))
+            .find(|s| s.addr <= ptr && ptr < s.addr + s.size)
+            .map(|s| (s.addr, s.size))
+    }
+
+    /// Allocated blocks: (address, block size, requested size, stream).
+    pub fn live_blocks(&self) -> Vec<(u64, u64, u64, Stream)> {
+        self.live
+            .values()
+            .map(|&id| {
+                let b = self.arena.block(id);
+                (b.addr, b.size, b.requested, b.stream)
+            })
+            .collect()
+    }
+
+    /// Reserved segments: (address, size, small pool).
+    pub fn segments(&self) -> Vec<(u64, u64, bool)> {
+        self.arena.live_segment_ids().map(|s| self.arena.segment(s)).map(|s| (s.addr, s.size, s.small)).collect()
+    }
+
+    /// Lets simulated time pass (no effect on CUDA).
+    pub fn advance_time(&mut self, ns: u64) {
+        self.backend.advance_time(ns);
+    }
+
+    /// Checks every structural invariant and that each statistic equals what it counts.
+    /// O(blocks); for tests and debugging.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        let mut allocated = [0u64; 2];
+        let mut requested = [0u64; 2];
+        let mut active = [0u64; 2];
+        let mut split_bytes = [0u64; 2];
+        let mut reserved = [0u64; 2];
+        let mut listed = 0u64;
+        let mut live_count = 0usize;
+        for seg_id in self.arena.live_segment_ids() {
+            let seg = self.arena.segment(seg_id);
+            let p = if seg.small { 0 } else { 1 };
+            reserved[p] += seg.size;
+            let mut expect = seg.addr;
+            let mut busy = 0;
+            let mut prev = NIL;
+            let mut prev_free_stream: Option<Stream> = None;
+            for id in self.arena.segment_blocks(seg_id) {
+                let b = self.arena.block(id);
+                if b.addr != expect || b.prev != prev || b.segment != seg_id {
+                    return Err(format!("segment {:#x}: block {id} does not tile it", seg.addr));
+                }
+                if b.size == 0 || b.size % GRANULE != 0 {
+                    return Err(format!("block {:#x} has size {}", b.addr, b.size));
+                }
+                expect += b.size;
+                prev = id;
+                match b.state {
+                    BlockState::Allocated => {
+                        busy += 1;
+                        allocated[p] += b.size;
+                        requested[p] += b.requested;
+                        active[p] += b.size;
+                        live_count += 1;
+                        if self.live.get(&b.addr) != Some(&id) {
+                            return Err(format!("allocated block {:#x} missing from the live map", b.addr));
+                        }
+                    }
+                    BlockState::Pending => {
+                        busy += 1;
+                        active[p] += b.size;
+                    }
+                    BlockState::Free => {
+                        listed += 1;
+                        if b.is_split() {
+                            split_bytes[p] += b.size;
+                        }
+                        if let Some(s) = prev_free_stream {
+                            if merged_stream(s, b.stream).is_some() {
+                                return Err(format!("free neighbours at {:#x} were not merged", b.addr));
+                            }
+                        }
+                    }
+                    BlockState::Vacant => return Err(format!("vacant block {id} linked in a segment")),
+                }
+                prev_free_stream = (b.state == BlockState::Free).then_some(b.stream);
+            }
+            if expect != seg.addr + seg.size {
+                return Err(format!("segment {:#x}: blocks do not reach its end", seg.addr));
+            }
+            if busy != seg.busy {
+                return Err(format!("segment {:#x}: busy {} but counted {busy}", seg.addr, seg.busy));
+            }
+        }
+        if live_count != self.live.len() {
+            return Err(format!("live map has {} entries, {live_count} blocks allocated", self.live.len()));
+        }
+        let in_lists: u64 = self.lists.iter().map(|l| l.count).sum();
+        if in_lists != listed {
+            return Err(format!("free lists hold {in_lists} blocks, {listed} blocks are free"));
+        }
+        let s = &self.stats;
+        let checks = [
+            ("allocated_bytes", &s.allocated_bytes, allocated),
+            ("requested_bytes", &s.requested_bytes, requested),
+            ("active_bytes", &s.active_bytes, active),
+            ("inactive_split_bytes", &s.inactive_split_bytes, split_bytes),
+            ("reserved_bytes", &s.reserved_bytes, reserved),
+        ];
+        for (name, stat, expect) in checks {
+            if stat.small_pool.current != expect[0] || stat.large_pool.current != expect[1] || stat.all.current != expect[0] + expect[1] {
+                return Err(format!(
+                    "{name}: stats say small {} large {} all {}, blocks sum to {:?}",
+                    stat.small_pool.current, stat.large_pool.current, stat.all.current, expect
+                ));
+            }
+        }
+        if s.segment.all.current != self.arena.live_segments as u64 {
+            return Err("segment count differs from live segments".into());
+        }
+        Ok(())
+    }
+}
+
+/// The stream a merge of two free neighbours belongs to, if they may merge: the same stream,
+/// or any stream with one that every stream may use.
+fn merged_stream(a: Stream, b: Stream) -> Option<Stream> {
+    if a == b || b == ANY_STREAM {
+        Some(a)
+    } else if a == ANY_STREAM {
+        Some(b)
+    } else {
+        None
+    }
+}

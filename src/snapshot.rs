@@ -1,0 +1,112 @@
+//! Memory snapshots in the layout of `torch.cuda.memory._snapshot()`, so PyTorch's memory
+//! viewer (pytorch.org/memory_viz) and tools written for it read stepalloc's state.
+//! Step markers appear as `external_annotations` (START/END), as torch's own annotations do.
+
+use crate::heap::Heap;
+use crate::segment::BlockState;
+use crate::trace::TraceAction;
+use serde_json::{json, Value};
+
+impl Heap {
+    /// This device's segments, each with its blocks, in torch's snapshot layout.
+    pub fn snapshot_segments(&self) -> Vec<Value> {
+        let mut segments: Vec<Value> = self
+            .arena
+            .live_segment_ids()
+            .map(|seg_id| {
+                let seg = self.arena.segment(seg_id);
+                let (mut allocated, mut active, mut requested) = (0u64, 0u64, 0u64);
+                let blocks: Vec<Value> = self
+                    .arena
+                    .segment_blocks(seg_id)
+                    .map(|id| {
+                        let b = self.arena.block(id);
+                        let state = match b.state {
+                            BlockState::Allocated => {
+                                allocated += b.size;
+                                active += b.size;
+                                requested += b.requested;
+                                "active_allocated"
+                            }
+                            BlockState::Pending => {
+                                active += b.size;
+                                "active_pending_free"
+                            }
+                            _ => "inactive",
+                        };
+                        json!({
+                            "address": b.addr,
+                            "size": b.size,
+                            "requested_size": b.requested,
+                            "state": state,
+                            "frames": [],
+                        })
+                    })
+                    .collect();
+                json!({
+                    "device": self.device,
+                    "address": seg.addr,
+                    "total_size": seg.size,
+                    "stream": seg.stream.0,
+                    "segment_type": if seg.small { "small" } else { "large" },
+                    "segment_pool_id": [0, seg.pool],
+                    "allocated_size": allocated,
+                    "active_size": active,
+                    "requested_size": requested,
+                    "is_expandable": false,
+                    "frames": [],
+                    "blocks": blocks,
+                })
+            })
+            .collect();
+        segments.sort_by_key(|s| s["address"].as_u64());
+        segments
+    }
+
+    /// This device's trace (`device_traces[device]`) and its step annotations.
+    pub fn snapshot_trace(&self) -> (Vec<Value>, Vec<Value>) {
+        let mut trace = Vec::new();
+        let mut annotations = Vec::new();
+        for e in self.trace.entries() {
+            match e.action {
+                TraceAction::StepBegin | TraceAction::StepEnd => annotations.push(json!({
+                    "device": self.device,
+                    "name": self.step.phase_name(e.phase),
+                    "stage": if e.action == TraceAction::StepBegin { "START" } else { "END" },
+                    "time_us": e.time_us,
+                })),
+                action => trace.push(json!({
+                    "action": action.torch_name(),
+                    "addr": e.addr,
+                    "size": e.size,
+                    "requested_size": e.requested,
+                    "stream": e.stream,
+                    "time_us": e.time_us,
+                    "frames": [],
+                })),
+            }
+        }
+        (trace, annotations)
+    }
+
+    /// This device's trace as stepalloc's JSON-lines trace format (one event per line).
+    pub fn trace_jsonl(&self, out: &mut String) {
+        for e in self.trace.entries() {
+            let line = match e.action {
+                TraceAction::Alloc => {
+                    json!({"op": "alloc", "device": self.device, "addr": e.addr, "size": e.requested, "stream": e.stream, "t_us": e.time_us})
+                }
+                TraceAction::FreeRequested => {
+                    json!({"op": "free", "device": self.device, "addr": e.addr, "size": e.requested, "stream": e.stream, "t_us": e.time_us})
+                }
+                TraceAction::StepBegin => {
+                    json!({"op": "step_begin", "phase": self.step.phase_name(e.phase), "t_us": e.time_us})
+                }
+                TraceAction::StepEnd => json!({"op": "step_end", "t_us": e.time_us}),
+                _ => continue,
+            };
+            out.push_str(&line.to_string());
+            out.push('\n');
+        }
+    }
+}

@@ -1,0 +1,370 @@
+//! Statistics in the vocabulary of `torch.cuda.memory_stats()`, plus stepalloc's own figures.
+//!
+//! The counters live inside the device heap and are updated under the lock the heap already
+//! holds, so the hot path pays a few additions. Readers get a copy (`DeviceStats`) and turn it
+//! into torch's flat key/value form with `to_map`.
+
+use crate::backend::DriverTime;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+/// One statistic as PyTorch keeps it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct Stat {
+    pub current: u64,
+    pub peak: u64,
+    pub allocated: u64,
+    pub freed: u64,
+}
+
+impl Stat {
+    pub fn increase(&mut self, amount: u64) {
+        self.current += amount;
+        self.peak = self.peak.max(self.current);
+        self.allocated += amount;
+    }
+
+    pub fn decrease(&mut self, amount: u64) {
+        debug_assert!(self.current >= amount, "statistic would go negative");
+        self.current = self.current.saturating_sub(amount);
+        self.freed += amount;
+    }
+}
+
+/// A statistic split by pool: `all`, `small_pool`, `large_pool`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct PoolStat {
+    pub all: Stat,
+    pub small_pool: Stat,
+    pub large_pool: Stat,
+}
+
+impl PoolStat {
+    pub fn increase(&mut self, small: bool, amount: u64) {
+        self.all.increase(amount);
+        self.pool_mut(small).increase(amount);
+    }
+
+    pub fn decrease(&mut self, small: bool, amount: u64) {
+        self.all.decrease(amount);
+        self.pool_mut(small).decrease(amount);
+    }
+
+    fn pool_mut(&mut self, small: bool) -> &mut Stat {
+        if small {
+            &mut self.small_pool
+        } else {
+            &mut self.large_pool
+        }
+    }
+
+    fn stats(&self) -> [(&'static str, &Stat); 3] {
+        [("all", &self.all), ("small_pool", &self.small_pool), ("large_pool", &self.large_pool)]
+    }
+
+    fn stats_mut(&mut self) -> [&mut Stat; 3] {
+        [&mut self.all, &mut self.small_pool, &mut self.large_pool]
+    }
+}
+
+/// Why cached memory went back to the device (a metric label, a small fixed set).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReleaseReason {
+    Step = 0,
+    PhaseSwitch = 1,
+    Limit = 2,
+    EmptyCache = 3,
+    Oom = 4,
+}
+
+impl ReleaseReason {
+    pub const ALL: [ReleaseReason; 5] =
+        [ReleaseReason::Step, ReleaseReason::PhaseSwitch, ReleaseReason::Limit, ReleaseReason::EmptyCache, ReleaseReason::Oom];
+
+    pub fn label(self) -> &'static str {
+        match self {
+            ReleaseReason::Step => "step",
+            ReleaseReason::PhaseSwitch => "phase_switch",
+            ReleaseReason::Limit => "limit",
+            ReleaseReason::EmptyCache => "empty_cache",
+            ReleaseReason::Oom => "oom",
+        }
+    }
+}
+
+/// The counters a device heap keeps. Field names are torch's keys.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct HeapStats {
+    pub allocation: PoolStat,
+    pub segment: PoolStat,
+    pub active: PoolStat,
+    pub inactive_split: PoolStat,
+    pub allocated_bytes: PoolStat,
+    pub reserved_bytes: PoolStat,
+    pub active_bytes: PoolStat,
+    pub inactive_split_bytes: PoolStat,
+    pub requested_bytes: PoolStat,
+    pub oversize_allocations: Stat,
+    pub oversize_segments: Stat,
+    pub num_alloc_retries: u64,
+    pub num_ooms: u64,
+    pub num_device_alloc: u64,
+    pub num_device_free: u64,
+    pub num_sync_all_streams: u64,
+    // stepalloc's own counters.
+    pub num_mallocs: u64,
+    pub num_frees: u64,
+    /// Mallocs served from the cache without a device reserve.
+    pub num_cache_hits: u64,
+    /// Bytes released to the device, by `ReleaseReason`.
+    pub released_bytes: [u64; 5],
+    /// Device reserve latencies: counts per bucket of `DEVICE_ALLOC_BUCKETS_S` (last = +Inf).
+    pub device_alloc_latency_buckets: [u64; 12],
+    pub device_alloc_latency_sum_ns: u64,
+}
+
+/// Upper bounds (seconds) of the device-malloc latency histogram buckets.
+pub const DEVICE_ALLOC_BUCKETS_S: [f64; 11] = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 1e-1];
+
+impl HeapStats {
+    pub fn record_device_alloc_latency(&mut self, ns: u64) {
+        let seconds = ns as f64 * 1e-9;
+        let bucket = DEVICE_ALLOC_BUCKETS_S.iter().position(|&le| seconds <= le).unwrap_or(DEVICE_ALLOC_BUCKETS_S.len());
+        self.device_alloc_latency_buckets[bucket] += 1;
+        self.device_alloc_latency_sum_ns += ns;
+    }
+
+    fn pool_stats(&self) -> [(&'static str, &PoolStat); 9] {
+        [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ]
+    }
+
+    fn pool_stats_mut(&mut self) -> [&mut PoolStat; 9] {
+        [
+            &mut self.allocation,
+            &mut self.segment,
+            &mut self.active,
+            &mut self.inactive_split,
+            &mut self.allocated_bytes,
+            &mut self.reserved_bytes,
+            &mut self.active_bytes,
+            &mut self.inactive_split_bytes,
+            &mut self.requested_bytes,
+        ]
+    }
+
+    /// `torch.cuda.reset_peak_memory_stats`: every peak becomes the current value.
+    pub fn reset_peaks(&mut self) {
+        for pool in self.pool_stats_mut() {
+            for stat in pool.stats_mut() {
+                stat.peak = stat.current;
+            }
+        }
+        for stat in [&mut self.oversize_allocations, &mut self.oversize_segments] {
+            stat.peak = stat.current;
+        }
+    }
+
+    /// `torch.cuda.reset_accumulated_memory_stats`: allocated/freed totals and event counters to 0.
+    pub fn reset_accumulated(&mut self) {
+        for pool in self.pool_stats_mut() {
+            for stat in pool.stats_mut() {
+                stat.allocated = 0;
+                stat.freed = 0;
+            }
+        }
+        for stat in [&mut self.oversize_allocations, &mut self.oversize_segments] {
+            stat.allocated = 0;
+            stat.freed = 0;
+        }
+        self.num_alloc_retries = 0;
+        self.num_ooms = 0;
+        self.num_device_alloc = 0;
+        self.num_device_free = 0;
+        self.num_sync_all_streams = 0;
+    }
+}
+
+/// Figures of the last completed step (see `step`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct StepFigures {
+    pub steps: u64,
+    pub phase: String,
+    pub peak_allocated: u64,
+    pub peak_reserved: u64,
+    pub device_mallocs: u64,
+    pub reserved_at_end: u64,
+    /// 1 - peak allocated / peak reserved within the step.
+    pub fragmentation: f64,
+}
+
+/// A copy of one device's statistics, as plain data.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DeviceStats {
+    pub device: usize,
+    pub heap: HeapStats,
+    pub max_split_size: u64,
+    pub device_total: u64,
+    /// Bytes of free cached blocks (reserved - active).
+    pub cached_free: u64,
+    pub largest_free_block: u64,
+    /// Steps completed per phase name.
+    pub steps_by_phase: BTreeMap<String, u64>,
+    pub last_step: StepFigures,
+    pub driver_time: DriverTime,
+}
+
+impl DeviceStats {
+    /// 1 - largest free block / cached free bytes; 0 when nothing is cached.
+    pub fn external_fragmentation(&self) -> f64 {
+        if self.cached_free == 0 {
+            0.0
+        } else {
+            1.0 - self.largest_free_block as f64 / self.cached_free as f64
+        }
+    }
+
+    /// 1 - requested bytes / allocated bytes; 0 when nothing is allocated.
+    pub fn internal_fragmentation(&self) -> f64 {
+        let allocated = self.heap.allocated_bytes.all.current;
+        if allocated == 0 {
+            0.0
+        } else {
+            1.0 - self.heap.requested_bytes.all.current as f64 / allocated as f64
+        }
+    }
+
+    /// The flat map of `torch.cuda.memory_stats()` keys, plus stepalloc's under `stepalloc.`.
+    pub fn to_map(&self) -> BTreeMap<String, serde_json::Value> {
+        use serde_json::json;
+        let h = &self.heap;
+        let mut m = BTreeMap::new();
+        for (name, pool) in h.pool_stats() {
+            for (pool_name, stat) in pool.stats() {
+                insert_stat(&mut m, &format!("{name}.{pool_name}"), stat);
+            }
+        }
+        insert_stat(&mut m, "oversize_allocations", &h.oversize_allocations);
+        insert_stat(&mut m, "oversize_segments", &h.oversize_segments);
+        for (key, value) in [
+            ("num_alloc_retries", h.num_alloc_retries),
+            ("num_ooms", h.num_ooms),
+            ("num_device_alloc", h.num_device_alloc),
+            ("num_device_free", h.num_device_free),
+            ("num_sync_all_streams", h.num_sync_all_streams),
+        ] {
+            m.insert(key.to_string(), json!(value));
+        }
+        // PyTorch reports the unset limit as SIZE_MAX.
+        m.insert("max_split_size".into(), json!(self.max_split_size));
+        let s = "stepalloc.";
+        m.insert(format!("{s}device_total_bytes"), json!(self.device_total));
+        m.insert(format!("{s}cached_free_bytes"), json!(self.cached_free));
+        m.insert(format!("{s}largest_free_block_bytes"), json!(self.largest_free_block));
+        m.insert(format!("{s}fragmentation.external"), json!(self.external_fragmentation()));
+        m.insert(format!("{s}fragmentation.internal"), json!(self.internal_fragmentation()));
+        m.insert(format!("{s}fragmentation.step"), json!(self.last_step.fragmentation));
+        m.insert(format!("{s}num_mallocs"), json!(h.num_mallocs));
+        m.insert(format!("{s}num_frees"), json!(h.num_frees));
+        m.insert(format!("{s}num_cache_hits"), json!(h.num_cache_hits));
+        for reason in ReleaseReason::ALL {
+            m.insert(format!("{s}released_bytes.{}", reason.label()), json!(h.released_bytes[reason as usize]));
+        }
+        m.insert(format!("{s}steps"), json!(self.last_step.steps));
+        for (phase, steps) in &self.steps_by_phase {
+            m.insert(format!("{s}steps.{phase}"), json!(steps));
+        }
+        m.insert(format!("{s}last_step.peak_allocated_bytes"), json!(self.last_step.peak_allocated));
+        m.insert(format!("{s}last_step.peak_reserved_bytes"), json!(self.last_step.peak_reserved));
+        m.insert(format!("{s}last_step.device_mallocs"), json!(self.last_step.device_mallocs));
+        m.insert(format!("{s}driver_seconds.reserve"), json!(self.driver_time.reserve_ns as f64 * 1e-9));
+        m.insert(format!("{s}driver_seconds.release"), json!(self.driver_time.release_ns as f64 * 1e-9));
+        m.insert(format!("{s}driver_seconds.event"), json!(self.driver_time.event_ns as f64 * 1e-9));
+        m.insert(format!("{s}driver_seconds.sync"), json!(self.driver_time.sync_ns as f64 * 1e-9));
+        m
+    }
+}
+
+fn insert_stat(m: &mut BTreeMap<String, serde_json::Value>, prefix: &str, stat: &Stat) {
+    m.insert(format!("{prefix}.current"), stat.current.into());
+    m.insert(format!("{prefix}.peak"), stat.peak.into());
+    m.insert(format!("{prefix}.allocated"), stat.allocated.into());
+    m.insert(format!("{prefix}.freed"), stat.freed.into());
+}
+
+/// The keys `torch.cuda.memory_stats()` returns (torch 2.x), for tests and for the Python shim.
+pub fn torch_keys() -> Vec<String> {
+    let mut keys = Vec::new();
+    let suffixes = ["current", "peak", "allocated", "freed"];
+    for name in [
+        "allocation",
+        "segment",
+        "active",
+        "inactive_split",
+        "allocated_bytes",
+        "reserved_bytes",
+        "active_bytes",
+        "inactive_split_bytes",
+        "requested_bytes",
+    ] {
+        for pool in ["all", "small_pool", "large_pool"] {
+            for s in suffixes {
+                keys.push(format!("{name}.{pool}.{s}"));
+            }
+        }
+    }
+    for name in ["oversize_allocations", "oversize_segments"] {
+        for s in suffixes {
+            keys.push(format!("{name}.{s}"));
+        }
+    }
+    for k in ["num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "num_sync_all_streams", "max_split_size"] {
+        keys.push(k.to_string());
+    }
+    keys
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_tracks_peak_and_totals() {
+        let mut s = Stat::default();
+        s.increase(10);
+        s.increase(5);
+        s.decrease(12);
+        s.increase(1);
+        assert_eq!(s, Stat { current: 4, peak: 15, allocated: 16, freed: 12 });
+    }
+
+    #[test]
+    fn map_has_every_torch_key() {
+        let map = DeviceStats::default().to_map();
+        for key in torch_keys() {
+            assert!(map.contains_key(&key), "{key}");
+        }
+        let own = map.keys().filter(|k| !k.starts_with("stepalloc.")).count();
+        assert_eq!(own, torch_keys().len(), "no key outside torch's set without the stepalloc. prefix");
+    }
+
+    #[test]
+    fn fragmentation_figures() {
+        let mut s = DeviceStats { cached_free: 100, largest_free_block: 25, ..Default::default() };
+        s.heap.allocated_bytes.all.current = 1000;
+        s.heap.requested_bytes.all.current = 900;
+        assert!((s.external_fragmentation() - 0.75).abs() < 1e-12);
+        assert!((s.internal_fragmentation() - 0.1).abs() < 1e-12);
+        assert_eq!(DeviceStats::default().external_fragmentation(), 0.0);
+        assert_eq!(DeviceStats::default().internal_fragmentation(), 0.0);
+    }
+}
