@@ -25,7 +25,9 @@ impl Allocator {
             }
             BackendKind::Cuda => backend::cuda::open_all()?,
             BackendKind::Auto => backend::cuda::open_all().map_err(|e| {
-                Error::Unavailable(format!("backend:auto found no usable CUDA device ({e}); set backend:sim to use the simulated device"))
+                Error::Unavailable(format!(
+                    "backend:auto found no usable CUDA device ({e}); set backend:sim to use the simulated device"
+                ))
             })?,
         };
         Ok(Allocator::with_backends(config, backends))
@@ -48,7 +50,9 @@ impl Allocator {
     fn heap(&self, device: usize) -> Result<MutexGuard<'_, Heap>> {
         match self.devices.get(device) {
             Some(heap) => Ok(heap.lock()),
-            None => Err(Error::InvalidArgument(format!("device {device} does not exist ({} devices)", self.devices.len()))),
+            None => {
+                Err(Error::InvalidArgument(format!("device {device} does not exist ({} devices)", self.devices.len())))
+            }
         }
     }
 

@@ -80,7 +80,8 @@ mod tests {
         for bin in [3, 17, 200, BIN_COUNT - 1] {
             b.set(bin);
         }
-        let table = [(0, Some(3)), (3, Some(3)), (4, Some(17)), (18, Some(200)), (201, Some(BIN_COUNT - 1)), (BIN_COUNT, None)];
+        let table =
+            [(0, Some(3)), (3, Some(3)), (4, Some(17)), (18, Some(200)), (201, Some(BIN_COUNT - 1)), (BIN_COUNT, None)];
         for (from, expected) in table {
             assert_eq!(b.find_from(from), expected, "from {from}");
         }

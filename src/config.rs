@@ -32,32 +32,147 @@ pub struct KeyDoc {
 /// Every key stepalloc accepts, in the order `describe()` prints them.
 pub const KEYS: &[KeyDoc] = &[
     // PyTorch's keys, same meaning.
-    KeyDoc { name: "max_split_size_mb", default: "unlimited", form: "integer MiB > 20", doc: "cached blocks at least this large are never split" },
-    KeyDoc { name: "max_non_split_rounding_mb", default: "20", form: "integer MiB", doc: "an unsplittable block serves only requests at most this much smaller" },
-    KeyDoc { name: "roundup_power2_divisions", default: "0", form: "power of 2, or [MiB:div,...,>:div] with powers of 2", doc: "round request sizes up to one of N divisions of their power-of-two interval" },
-    KeyDoc { name: "garbage_collection_threshold", default: "0", form: "number in (0, 1)", doc: "with a memory fraction set, release old cached blocks when reserved exceeds this share of it" },
-    KeyDoc { name: "expandable_segments", default: "False", form: "False", doc: "PyTorch's expandable segments; not supported by stepalloc yet" },
-    KeyDoc { name: "release_lock_on_cudamalloc", default: "False", form: "True or False", doc: "accepted for PyTorch compatibility; no effect" },
-    KeyDoc { name: "pinned_use_cuda_host_register", default: "False", form: "True or False", doc: "accepted for PyTorch compatibility (pinned host memory); no effect" },
-    KeyDoc { name: "pinned_num_register_threads", default: "1", form: "integer", doc: "accepted for PyTorch compatibility (pinned host memory); no effect" },
-    KeyDoc { name: "pinned_use_background_threads", default: "False", form: "True or False", doc: "accepted for PyTorch compatibility (pinned host memory); no effect" },
+    KeyDoc {
+        name: "max_split_size_mb",
+        default: "unlimited",
+        form: "integer MiB > 20",
+        doc: "cached blocks at least this large are never split",
+    },
+    KeyDoc {
+        name: "max_non_split_rounding_mb",
+        default: "20",
+        form: "integer MiB",
+        doc: "an unsplittable block serves only requests at most this much smaller",
+    },
+    KeyDoc {
+        name: "roundup_power2_divisions",
+        default: "0",
+        form: "power of 2, or [MiB:div,...,>:div] with powers of 2",
+        doc: "round request sizes up to one of N divisions of their power-of-two interval",
+    },
+    KeyDoc {
+        name: "garbage_collection_threshold",
+        default: "0",
+        form: "number in (0, 1)",
+        doc: "with a memory fraction set, release old cached blocks when reserved exceeds this share of it",
+    },
+    KeyDoc {
+        name: "expandable_segments",
+        default: "False",
+        form: "False",
+        doc: "PyTorch's expandable segments; not supported by stepalloc yet",
+    },
+    KeyDoc {
+        name: "release_lock_on_cudamalloc",
+        default: "False",
+        form: "True or False",
+        doc: "accepted for PyTorch compatibility; no effect",
+    },
+    KeyDoc {
+        name: "pinned_use_cuda_host_register",
+        default: "False",
+        form: "True or False",
+        doc: "accepted for PyTorch compatibility (pinned host memory); no effect",
+    },
+    KeyDoc {
+        name: "pinned_num_register_threads",
+        default: "1",
+        form: "integer",
+        doc: "accepted for PyTorch compatibility (pinned host memory); no effect",
+    },
+    KeyDoc {
+        name: "pinned_use_background_threads",
+        default: "False",
+        form: "True or False",
+        doc: "accepted for PyTorch compatibility (pinned host memory); no effect",
+    },
     // stepalloc's keys.
-    KeyDoc { name: "backend", default: "auto", form: "auto, cuda or sim", doc: "device backend: CUDA driver, or the simulated device" },
-    KeyDoc { name: "per_process_memory_fraction", default: "1", form: "number in (0, 1]", doc: "share of each device's memory stepalloc may reserve" },
-    KeyDoc { name: "cache_limit_mb", default: "0 (none)", form: "integer MiB", doc: "release whole free segments when cached free bytes exceed this" },
-    KeyDoc { name: "cache_limit_fraction", default: "0 (none)", form: "number in [0, 1]", doc: "the same limit as a share of device memory" },
-    KeyDoc { name: "release_idle_steps", default: "0 (off)", form: "integer", doc: "at step end, release free segments no allocation touched for this many steps" },
-    KeyDoc { name: "phase_trim", default: "False", form: "True or False", doc: "at a phase switch, trim the cache to the next phase's recorded need, other phases' segments first" },
-    KeyDoc { name: "phase_trim_margin", default: "0.1", form: "number >= 0", doc: "headroom kept above the next phase's recorded peak when trimming" },
-    KeyDoc { name: "trace_entries", default: "0 (off)", form: "integer", doc: "size of the event ring kept for snapshots and trace recording" },
-    KeyDoc { name: "metrics_addr", default: "unset (off)", form: "host:port", doc: "serve Prometheus metrics there at first use (port + LOCAL_RANK under torchrun)" },
+    KeyDoc {
+        name: "backend",
+        default: "auto",
+        form: "auto, cuda or sim",
+        doc: "device backend: CUDA driver, or the simulated device",
+    },
+    KeyDoc {
+        name: "per_process_memory_fraction",
+        default: "1",
+        form: "number in (0, 1]",
+        doc: "share of each device's memory stepalloc may reserve",
+    },
+    KeyDoc {
+        name: "cache_limit_mb",
+        default: "0 (none)",
+        form: "integer MiB",
+        doc: "release whole free segments when cached free bytes exceed this",
+    },
+    KeyDoc {
+        name: "cache_limit_fraction",
+        default: "0 (none)",
+        form: "number in [0, 1]",
+        doc: "the same limit as a share of device memory",
+    },
+    KeyDoc {
+        name: "release_idle_steps",
+        default: "0 (off)",
+        form: "integer",
+        doc: "at step end, release free segments no allocation touched for this many steps",
+    },
+    KeyDoc {
+        name: "phase_trim",
+        default: "False",
+        form: "True or False",
+        doc: "at a phase switch, trim the cache to the next phase's recorded need, other phases' segments first",
+    },
+    KeyDoc {
+        name: "phase_trim_margin",
+        default: "0.1",
+        form: "number >= 0",
+        doc: "headroom kept above the next phase's recorded peak when trimming",
+    },
+    KeyDoc {
+        name: "trace_entries",
+        default: "0 (off)",
+        form: "integer",
+        doc: "size of the event ring kept for snapshots and trace recording",
+    },
+    KeyDoc {
+        name: "metrics_addr",
+        default: "unset (off)",
+        form: "host:port",
+        doc: "serve Prometheus metrics there at first use (port + LOCAL_RANK under torchrun)",
+    },
     KeyDoc { name: "sim_devices", default: "1", form: "integer 1..64", doc: "simulated device: number of devices" },
-    KeyDoc { name: "sim_capacity_mb", default: "81920", form: "integer MiB", doc: "simulated device: memory per device" },
-    KeyDoc { name: "sim_event_delay_us", default: "0", form: "integer microseconds", doc: "simulated device: time from recording an event to its completion" },
-    KeyDoc { name: "sim_fail_nth", default: "0 (off)", form: "integer", doc: "simulated device: the Nth device reserve fails (out of memory)" },
-    KeyDoc { name: "sim_fail_prob", default: "0", form: "number in [0, 1]", doc: "simulated device: each device reserve fails with this probability" },
+    KeyDoc {
+        name: "sim_capacity_mb",
+        default: "81920",
+        form: "integer MiB",
+        doc: "simulated device: memory per device",
+    },
+    KeyDoc {
+        name: "sim_event_delay_us",
+        default: "0",
+        form: "integer microseconds",
+        doc: "simulated device: time from recording an event to its completion",
+    },
+    KeyDoc {
+        name: "sim_fail_nth",
+        default: "0 (off)",
+        form: "integer",
+        doc: "simulated device: the Nth device reserve fails (out of memory)",
+    },
+    KeyDoc {
+        name: "sim_fail_prob",
+        default: "0",
+        form: "number in [0, 1]",
+        doc: "simulated device: each device reserve fails with this probability",
+    },
     KeyDoc { name: "sim_seed", default: "0", form: "integer", doc: "simulated device: seed for failure injection" },
-    KeyDoc { name: "sim_cost_model", default: "False", form: "True or False", doc: "simulated device: charge modelled time for driver calls (reported in statistics)" },
+    KeyDoc {
+        name: "sim_cost_model",
+        default: "False",
+        form: "True or False",
+        doc: "simulated device: charge modelled time for driver calls (reported in statistics)",
+    },
 ];
 
 /// The parsed configuration. `Default` is the configuration of an empty string.
@@ -94,7 +209,15 @@ pub struct SimConfig {
 
 impl Default for SimConfig {
     fn default() -> Self {
-        SimConfig { devices: 1, capacity: 81920 * MIB, event_delay_ns: 0, fail_nth: 0, fail_prob: 0.0, seed: 0, cost_model: false }
+        SimConfig {
+            devices: 1,
+            capacity: 81920 * MIB,
+            event_delay_ns: 0,
+            fail_nth: 0,
+            fail_prob: 0.0,
+            seed: 0,
+            cost_model: false,
+        }
     }
 }
 
@@ -206,7 +329,9 @@ impl Config {
                 }
                 self.per_process_memory_fraction = f;
             }
-            "cache_limit_mb" => self.cache_limit_bytes = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?,
+            "cache_limit_mb" => {
+                self.cache_limit_bytes = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?
+            }
             "cache_limit_fraction" => self.cache_limit_fraction = parse_unit_interval(value).ok_or_else(bad)?,
             "release_idle_steps" => self.release_idle_steps = parse_u64(value).ok_or_else(bad)?,
             "phase_trim" => self.phase_trim = parse_bool(value).ok_or_else(bad)?,
@@ -244,7 +369,9 @@ impl Config {
                 }
                 self.sim.capacity = mb * MIB;
             }
-            "sim_event_delay_us" => self.sim.event_delay_ns = parse_u64(value).and_then(|us| us.checked_mul(1000)).ok_or_else(bad)?,
+            "sim_event_delay_us" => {
+                self.sim.event_delay_ns = parse_u64(value).and_then(|us| us.checked_mul(1000)).ok_or_else(bad)?
+            }
             "sim_fail_nth" => self.sim.fail_nth = parse_u64(value).ok_or_else(bad)?,
             "sim_fail_prob" => self.sim.fail_prob = parse_unit_interval(value).ok_or_else(bad)?,
             "sim_seed" => self.sim.seed = parse_u64(value).ok_or_else(bad)?,
@@ -357,7 +484,8 @@ mod tests {
 
     #[test]
     fn pytorch_keys_keep_their_meaning() {
-        let c = Config::parse("max_split_size_mb:128,max_non_split_rounding_mb:64,garbage_collection_threshold:0.6").unwrap();
+        let c = Config::parse("max_split_size_mb:128,max_non_split_rounding_mb:64,garbage_collection_threshold:0.6")
+            .unwrap();
         assert_eq!(c.max_split_size, 128 * MIB);
         assert_eq!(c.max_non_split_rounding, 64 * MIB);
         assert_eq!(c.garbage_collection_threshold, 0.6);
@@ -392,7 +520,9 @@ mod tests {
         let e = Config::parse("max_split_size_mb:20").unwrap_err();
         assert!(matches!(e, Error::Config { ref key, .. } if key == "max_split_size_mb"));
         let e = Config::parse("no_such_key:1").unwrap_err();
-        assert!(e.to_string().starts_with("configuration key `no_such_key`: unknown key; accepted keys: max_split_size_mb"));
+        assert!(e
+            .to_string()
+            .starts_with("configuration key `no_such_key`: unknown key; accepted keys: max_split_size_mb"));
         let e = Config::parse("backend").unwrap_err();
         assert!(e.to_string().contains("expected `key:value`"));
         for bad in [

@@ -8,7 +8,7 @@
 
 use crate::backend::Stream;
 use crate::bitmap::BinBitmap;
-use crate::segment::{BlockId, BlockState, Block, NIL};
+use crate::segment::{Block, BlockId, BlockState, NIL};
 use crate::sizeclass::{bin_down, bin_up, BIN_COUNT};
 use std::collections::BTreeSet;
 

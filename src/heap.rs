@@ -549,7 +549,9 @@ impl Heap {
     pub(crate) fn release_segment(&mut self, seg_id: SegmentId, reason: ReleaseReason) -> Result<u64> {
         let seg = self.arena.segment(seg_id).clone();
         let id = seg.first;
-        debug_assert!(seg.busy == 0 && self.arena.block(id).next == NIL && self.arena.block(id).state == BlockState::Free);
+        debug_assert!(
+            seg.busy == 0 && self.arena.block(id).next == NIL && self.arena.block(id).state == BlockState::Free
+        );
         self.backend.release(seg.addr, seg.size)?;
         self.unlist(id);
         self.arena.drop_block(id);
@@ -951,7 +953,10 @@ impl Heap {
             ("reserved_bytes", &s.reserved_bytes, reserved),
         ];
         for (name, stat, expect) in checks {
-            if stat.small_pool.current != expect[0] || stat.large_pool.current != expect[1] || stat.all.current != expect[0] + expect[1] {
+            if stat.small_pool.current != expect[0]
+                || stat.large_pool.current != expect[1]
+                || stat.all.current != expect[0] + expect[1]
+            {
                 return Err(format!(
                     "{name}: stats say small {} large {} all {}, blocks sum to {:?}",
                     stat.small_pool.current, stat.large_pool.current, stat.all.current, expect

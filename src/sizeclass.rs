@@ -139,14 +139,14 @@ mod tests {
     fn rounding_table_power2_divisions() {
         let c = Config::parse("roundup_power2_divisions:4").unwrap();
         let table: &[(u64, u64)] = &[
-            (100, 512),                          // below one granule
-            (1500, 1536),                        // <= 512*4: plain 512 rounding
-            (2049, 2560),                        // 2048 + 2048/4
-            (3000, 3072),                        // 2048 + 2*512
-            (4096, 4096),                        // power of two stays
-            (5 * MIB, 5 * MIB),                  // 4 MiB + 1 MiB exactly on a division
-            (5 * MIB + 1, 6 * MIB),              // next division of the 4 MiB interval
-            (1200 * MIB, 1280 * MIB),            // 1 GiB interval in quarters
+            (100, 512),               // below one granule
+            (1500, 1536),             // <= 512*4: plain 512 rounding
+            (2049, 2560),             // 2048 + 2048/4
+            (3000, 3072),             // 2048 + 2*512
+            (4096, 4096),             // power of two stays
+            (5 * MIB, 5 * MIB),       // 4 MiB + 1 MiB exactly on a division
+            (5 * MIB + 1, 6 * MIB),   // next division of the 4 MiB interval
+            (1200 * MIB, 1280 * MIB), // 1 GiB interval in quarters
             (GIB + 1, GIB + GIB / 4),
         ];
         for &(size, rounded) in table {
@@ -186,9 +186,9 @@ mod tests {
             (32 * 512, 32, 32, 32 * 512),
             (33 * 512, 32, 33, 32 * 512),
             (34 * 512, 33, 33, 34 * 512),
-            (MIB, 128, 128, MIB),            // 2048 granules: exponent 8, mantissa 0
+            (MIB, 128, 128, MIB), // 2048 granules: exponent 8, mantissa 0
             (MIB + 512, 128, 129, MIB),
-            (20 * MIB, 196, 196, 20 * MIB),  // 40960 granules = 2^15 * 1.25: exponent 12, mantissa 4
+            (20 * MIB, 196, 196, 20 * MIB), // 40960 granules = 2^15 * 1.25: exponent 12, mantissa 4
             (1 << 48, 576, 576, 1 << 48),
         ];
         for &(size, down, up, start) in table {

@@ -78,8 +78,13 @@ pub enum ReleaseReason {
 }
 
 impl ReleaseReason {
-    pub const ALL: [ReleaseReason; 5] =
-        [ReleaseReason::Step, ReleaseReason::PhaseSwitch, ReleaseReason::Limit, ReleaseReason::EmptyCache, ReleaseReason::Oom];
+    pub const ALL: [ReleaseReason; 5] = [
+        ReleaseReason::Step,
+        ReleaseReason::PhaseSwitch,
+        ReleaseReason::Limit,
+        ReleaseReason::EmptyCache,
+        ReleaseReason::Oom,
+    ];
 
     pub fn label(self) -> &'static str {
         match self {
@@ -129,7 +134,8 @@ pub const DEVICE_ALLOC_BUCKETS_S: [f64; 11] = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4,
 impl HeapStats {
     pub fn record_device_alloc_latency(&mut self, ns: u64) {
         let seconds = ns as f64 * 1e-9;
-        let bucket = DEVICE_ALLOC_BUCKETS_S.iter().position(|&le| seconds <= le).unwrap_or(DEVICE_ALLOC_BUCKETS_S.len());
+        let bucket =
+            DEVICE_ALLOC_BUCKETS_S.iter().position(|&le| seconds <= le).unwrap_or(DEVICE_ALLOC_BUCKETS_S.len());
         self.device_alloc_latency_buckets[bucket] += 1;
         self.device_alloc_latency_sum_ns += ns;
     }
@@ -327,7 +333,14 @@ pub fn torch_keys() -> Vec<String> {
             keys.push(format!("{name}.{s}"));
         }
     }
-    for k in ["num_alloc_retries", "num_ooms", "num_device_alloc", "num_device_free", "num_sync_all_streams", "max_split_size"] {
+    for k in [
+        "num_alloc_retries",
+        "num_ooms",
+        "num_device_alloc",
+        "num_device_free",
+        "num_sync_all_streams",
+        "max_split_size",
+    ] {
         keys.push(k.to_string());
     }
     keys

@@ -80,7 +80,9 @@ impl StepState {
             return Ok(i);
         }
         if self.phases.len() >= MAX_PHASES {
-            return Err(Error::InvalidArgument(format!("too many phases (at most {MAX_PHASES}); `{name}` is one more")));
+            return Err(Error::InvalidArgument(format!(
+                "too many phases (at most {MAX_PHASES}); `{name}` is one more"
+            )));
         }
         self.phases.push(PhaseRecord { name: name.to_string(), ..Default::default() });
         Ok(self.phases.len() - 1)

@@ -73,7 +73,15 @@ impl TraceRing {
         if self.capacity == 0 {
             return;
         }
-        let entry = TraceEntry { action, addr, size, requested, stream, time_us: self.start.elapsed().as_micros() as u64, phase };
+        let entry = TraceEntry {
+            action,
+            addr,
+            size,
+            requested,
+            stream,
+            time_us: self.start.elapsed().as_micros() as u64,
+            phase,
+        };
         if self.entries.len() < self.capacity {
             self.entries.push(entry);
         } else {
