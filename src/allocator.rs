@@ -182,6 +182,12 @@ impl Allocator {
         self.devices.iter().find_map(|heap| heap.lock().base_allocation(ptr))
     }
 
+    /// The device whose live allocation starts at `ptr` (for callers that are not told the
+    /// device, such as PyTorch's record_stream hook).
+    pub fn device_of(&self, ptr: u64) -> Option<usize> {
+        self.devices.iter().position(|heap| heap.lock().is_live(ptr))
+    }
+
     /// Lets simulated time pass on every device (no effect on CUDA devices).
     pub fn advance_time(&self, ns: u64) {
         for heap in &self.devices {
@@ -245,7 +251,10 @@ fn init_global() -> Result<&'static Arc<Allocator>> {
     };
     let allocator = Arc::new(Allocator::new(config)?);
     let _ = GLOBAL.set(allocator);
-    GLOBAL.get().ok_or_else(|| Error::Unavailable("process-wide allocator could not be set".into()))
+    let allocator = GLOBAL.get().ok_or_else(|| Error::Unavailable("process-wide allocator could not be set".into()))?;
+    // `metrics_addr`: serve the endpoint; a failure is logged and allocation goes on.
+    crate::metrics::start_for_global(allocator);
+    Ok(allocator)
 }
 
 /// The process-wide allocator if it exists already (never creates it).

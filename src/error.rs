@@ -101,7 +101,7 @@ impl fmt::Display for Error {
             Error::InvalidArgument(message) => write!(f, "invalid argument: {message}"),
             Error::Config { key, message } => write!(f, "configuration key `{key}`: {message}"),
             Error::Driver { call, code } => write!(f, "CUDA driver call {call} failed: {code}"),
-            Error::Unavailable(message) => write!(f, "stepalloc backend unavailable: {message}"),
+            Error::Unavailable(message) => write!(f, "stepalloc unavailable: {message}"),
         }
     }
 }

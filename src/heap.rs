@@ -31,6 +31,12 @@ use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::time::Instant;
 
+/// Exclusive upper bounds of the free-block size ranges of `Heap::free_block_ranges`:
+/// < 1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, and >= 1 GiB.
+pub const FREE_BLOCK_RANGE_BOUNDS: [u64; 4] = [MIB, 10 * MIB, 100 * MIB, 1024 * MIB];
+/// Number of free-block size ranges (the bounds plus the open-ended last range).
+pub const FREE_BLOCK_RANGES: usize = FREE_BLOCK_RANGE_BOUNDS.len() + 1;
+
 /// A CUDA-graph memory pool id, as PyTorch's `MempoolId_t`.
 pub type PoolId = (u64, u64);
 
@@ -427,12 +433,12 @@ impl Heap {
         self.stats.active.decrease(small, 1);
         self.stats.active_bytes.decrease(small, size);
         self.trace.record(TraceAction::FreeCompleted, addr, size, 0, stream.0, 0);
-        let seg = self.arena.segment_mut(seg_id);
-        seg.busy -= 1;
-        let whole_segment_free = seg.busy == 0;
+        self.arena.segment_mut(seg_id).busy -= 1;
         let id = self.merge_neighbours(id);
         self.enlist(id);
         self.split_stat_in(id);
+        // Free neighbours of different streams do not merge, so check the merged result.
+        let whole_segment_free = self.segment_is_free(seg_id);
         let seg = self.arena.segment(seg_id);
         if whole_segment_free && seg.pool > 0 {
             // A released graph pool gives its memory back as soon as it is free.
@@ -448,48 +454,49 @@ impl Heap {
         Ok(())
     }
 
-    /// Merges the free block `id` (not in a list) with free neighbours of compatible streams.
-    /// Returns the id of the merged block.
+    /// Merges the free block `id` (not in a list) with free neighbours of compatible streams,
+    /// as far as they reach each way. Returns the id of the merged block.
     fn merge_neighbours(&mut self, id: BlockId) -> BlockId {
         for forward in [false, true] {
-            let b = self.arena.block(id);
-            let other = if forward { b.next } else { b.prev };
-            if other == NIL {
-                continue;
-            }
-            let o = self.arena.block(other);
-            if o.state != BlockState::Free {
-                continue;
-            }
-            let Some(stream) = merged_stream(b.stream, o.stream) else { continue };
-            self.unlist(other);
-            self.split_stat_out(other);
-            let (o_addr, o_size, o_prev, o_next, o_freed_at) = {
-                let o = self.arena.block(other);
-                (o.addr, o.size, o.prev, o.next, o.freed_at)
-            };
-            let b = self.arena.block_mut(id);
-            b.size += o_size;
-            b.stream = stream;
-            b.freed_at = b.freed_at.max(o_freed_at);
-            if forward {
-                b.next = o_next;
-                if o_next != NIL {
-                    self.arena.block_mut(o_next).prev = id;
+            loop {
+                let b = self.arena.block(id);
+                let other = if forward { b.next } else { b.prev };
+                if other == NIL || self.arena.block(other).state != BlockState::Free {
+                    break;
                 }
-            } else {
-                b.addr = o_addr;
-                b.prev = o_prev;
-                if o_prev != NIL {
-                    self.arena.block_mut(o_prev).next = id;
-                } else {
-                    let seg = self.arena.block(id).segment;
-                    self.arena.segment_mut(seg).first = id;
-                }
+                let Some(stream) = merged_stream(b.stream, self.arena.block(other).stream) else { break };
+                self.absorb(id, other, forward, stream);
             }
-            self.arena.drop_block(other);
         }
         id
+    }
+
+    /// Block `id` takes over its free neighbour `other` (after it when `forward`).
+    fn absorb(&mut self, id: BlockId, other: BlockId, forward: bool, stream: Stream) {
+        self.unlist(other);
+        self.split_stat_out(other);
+        let o = self.arena.block(other);
+        let (o_addr, o_size, o_prev, o_next, o_freed_at) = (o.addr, o.size, o.prev, o.next, o.freed_at);
+        let b = self.arena.block_mut(id);
+        b.size += o_size;
+        b.stream = stream;
+        b.freed_at = b.freed_at.max(o_freed_at);
+        if forward {
+            b.next = o_next;
+            if o_next != NIL {
+                self.arena.block_mut(o_next).prev = id;
+            }
+        } else {
+            b.addr = o_addr;
+            b.prev = o_prev;
+            if o_prev != NIL {
+                self.arena.block_mut(o_prev).next = id;
+            } else {
+                let seg = self.arena.block(id).segment;
+                self.arena.segment_mut(seg).first = id;
+            }
+        }
+        self.arena.drop_block(other);
     }
 
     // ----- events and streams --------------------------------------------------------------
@@ -628,11 +635,54 @@ impl Heap {
     /// Waits for pending events, then releases every free unsplit segment. Returns bytes released.
     pub fn release_all_cached(&mut self, reason: ReleaseReason) -> Result<u64> {
         self.synchronize_pending()?;
+        if self.has_stranded_free_blocks() {
+            self.settle_free_streams()?;
+        }
         let mut released = 0;
         for seg in self.releasable_segments() {
             released += self.release_segment(seg, reason)?;
         }
         Ok(released)
+    }
+
+    /// Whether some segment holds adjacent free blocks of different streams, which cannot merge
+    /// (and so cannot be released) while either stream may still have work queued.
+    fn has_stranded_free_blocks(&self) -> bool {
+        self.arena.blocks.iter().any(|b| {
+            b.state == BlockState::Free
+                && b.next != NIL
+                && self.arena.block(b.next).state == BlockState::Free
+                && merged_stream(b.stream, self.arena.block(b.next).stream).is_none()
+        })
+    }
+
+    /// Waits for the whole device; then no stream has work queued, every free block may serve
+    /// any stream, and neighbours that could not merge before are merged.
+    fn settle_free_streams(&mut self) -> Result<()> {
+        self.backend.synchronize()?;
+        self.stats.num_device_synchronize += 1;
+        // All free blocks, ANY ones too: a merge reaches one neighbour each way, so a chain of
+        // free blocks merges fully only if each of its blocks gets its turn.
+        let free: Vec<BlockId> =
+            (0..self.arena.blocks.len() as BlockId).filter(|&id| self.arena.block(id).state == BlockState::Free).collect();
+        // First every free block becomes ANY, so that each merge below yields ANY again.
+        for &id in &free {
+            self.unlist(id);
+            self.arena.block_mut(id).stream = ANY_STREAM;
+            self.enlist(id);
+        }
+        for id in free {
+            // An earlier merge in this loop may have absorbed this block already.
+            if self.arena.block(id).state != BlockState::Free {
+                continue;
+            }
+            self.unlist(id);
+            self.split_stat_out(id);
+            let merged = self.merge_neighbours(id);
+            self.enlist(merged);
+            self.split_stat_in(merged);
+        }
+        Ok(())
     }
 
     /// `torch.cuda.empty_cache()`.
@@ -823,6 +873,19 @@ impl Heap {
 
     // ----- reports -------------------------------------------------------------------------
 
+    /// Free (cached, reusable) blocks summarised by size: `(count, bytes)` per range of
+    /// [`FREE_BLOCK_RANGE_BOUNDS`], the last range open-ended. Pending blocks are not free.
+    /// A linear scan of the block slots: for scrapes and reports, never the hot path.
+    pub fn free_block_ranges(&self) -> [(u64, u64); FREE_BLOCK_RANGES] {
+        let mut ranges = [(0u64, 0u64); FREE_BLOCK_RANGES];
+        for b in self.arena.blocks.iter().filter(|b| b.state == BlockState::Free) {
+            let i = FREE_BLOCK_RANGE_BOUNDS.iter().position(|&upper| b.size < upper).unwrap_or(FREE_BLOCK_RANGES - 1);
+            ranges[i].0 += 1;
+            ranges[i].1 += b.size;
+        }
+        ranges
+    }
+
     pub fn largest_free_block(&self) -> u64 {
         self.lists.iter().map(|l| l.largest(&self.arena.blocks)).max().unwrap_or(0)
     }
@@ -849,6 +912,11 @@ impl Heap {
             .map(|s| self.arena.segment(s))
             .find(|s| s.addr <= ptr && ptr < s.addr + s.size)
             .map(|s| (s.addr, s.size))
+    }
+
+    /// Whether `ptr` is the start of a live allocation of this heap.
+    pub fn is_live(&self, ptr: u64) -> bool {
+        self.live.contains_key(&ptr)
     }
 
     /// Allocated blocks: (address, block size, requested size, stream).

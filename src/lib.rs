@@ -18,6 +18,7 @@
 //! (`cuda`, `sim`). Beside them: `config`, `stats`, `step`, `trace`, `snapshot`, `metrics`.
 
 #![deny(clippy::unwrap_used)]
+#![cfg_attr(test, allow(clippy::unwrap_used))]
 #![deny(unsafe_code)]
 
 pub mod allocator;

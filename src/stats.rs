@@ -121,6 +121,8 @@ pub struct HeapStats {
     pub num_frees: u64,
     /// Mallocs served from the cache without a device reserve.
     pub num_cache_hits: u64,
+    /// Device-wide synchronizations (to merge free blocks of different streams before release).
+    pub num_device_synchronize: u64,
     /// Bytes released to the device, by `ReleaseReason`.
     pub released_bytes: [u64; 5],
     /// Device reserve latencies: counts per bucket of `DEVICE_ALLOC_BUCKETS_S` (last = +Inf).
@@ -282,6 +284,7 @@ impl DeviceStats {
         m.insert(format!("{s}num_mallocs"), json!(h.num_mallocs));
         m.insert(format!("{s}num_frees"), json!(h.num_frees));
         m.insert(format!("{s}num_cache_hits"), json!(h.num_cache_hits));
+        m.insert(format!("{s}num_device_synchronize"), json!(h.num_device_synchronize));
         for reason in ReleaseReason::ALL {
             m.insert(format!("{s}released_bytes.{}", reason.label()), json!(h.released_bytes[reason as usize]));
         }

@@ -10,6 +10,7 @@
 //!   never used (a rollout's KV-cache blocks when training starts), then the least recently used;
 //! - `cache_limit_mb` / `cache_limit_fraction` — at step end, cached free bytes are brought
 //!   under the limit, least recently used segments first.
+//!
 //! Only whole free segments are released; live blocks and blocks waiting on events are never
 //! touched.
 

@@ -1,0 +1,271 @@
+//! Oracle tests: seeded random programs of malloc / free / record_stream / empty_cache /
+//! step markers across several streams and devices, with injected device failures, checked
+//! after every operation against a shadow model:
+//! - no two live blocks overlap, and each holds at least the bytes asked for;
+//! - every live block lies inside a reserved segment;
+//! - statistics equal the shadow's sums (allocations, requested bytes) and the heap's own
+//!   structure (`check_invariants`: tiling, merging, free lists, every byte statistic);
+//! - a block freed on one stream is reused only by that stream, unless it went through
+//!   `record_stream` (then only after its events completed, which the heap enforces);
+//! - freeing everything and calling `empty_cache` returns reserved memory to 0.
+//!
+//! proptest shrinks a failing program to a minimal one.
+
+use proptest::prelude::*;
+use stepalloc::{Allocator, Config, Error, Stream};
+use std::collections::{BTreeMap, HashMap};
+
+#[derive(Clone, Debug)]
+enum Op {
+    Malloc { device: usize, size: u64, stream: u64 },
+    /// Frees the live allocation at this index (modulo the number live).
+    Free { pick: usize },
+    RecordStream { pick: usize, stream: u64 },
+    EmptyCache,
+    Advance { us: u64 },
+    Step { phase: u8 },
+}
+
+fn size_strategy() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        4 => 1u64..=4096,
+        4 => 4096u64..=(1 << 20),
+        2 => ((1u64 << 20) + 1)..=(12 << 20),
+        1 => (12u64 << 20)..=(48 << 20),
+        1 => Just(0u64),
+    ]
+}
+
+fn op_strategy() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        10 => (0usize..2, size_strategy(), 0u64..3).prop_map(|(device, size, stream)| Op::Malloc { device, size, stream }),
+        8 => any::<usize>().prop_map(|pick| Op::Free { pick }),
+        1 => (any::<usize>(), 0u64..3).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
+        1 => Just(Op::EmptyCache),
+        1 => (0u64..50).prop_map(|us| Op::Advance { us }),
+        1 => (0u8..3).prop_map(|phase| Op::Step { phase }),
+    ]
+}
+
+/// Configurations the programs run under: small devices so the OOM path runs often.
+const CONFIGS: &[&str] = &[
+    "backend:sim,sim_devices:2,sim_capacity_mb:160,sim_fail_prob:0.03",
+    "backend:sim,sim_devices:2,sim_capacity_mb:128,max_split_size_mb:24,sim_event_delay_us:20",
+    "backend:sim,sim_devices:2,sim_capacity_mb:256,roundup_power2_divisions:[1:2,>:4],sim_fail_nth:5",
+    "backend:sim,sim_devices:2,sim_capacity_mb:200,per_process_memory_fraction:0.5,garbage_collection_threshold:0.6,cache_limit_mb:16",
+    "backend:sim,sim_devices:2,sim_capacity_mb:160,release_idle_steps:1,phase_trim:True,phase_trim_margin:0",
+];
+
+#[derive(Clone, Copy)]
+struct Live {
+    device: usize,
+    addr: u64,
+    requested: u64,
+    stream: u64,
+    multi_stream: bool,
+}
+
+/// Freed ranges and the stream that may reuse them (`None`: any stream, after events).
+type FreedRanges = BTreeMap<u64, (u64, Option<u64>)>;
+
+struct Shadow {
+    live: Vec<Live>,
+    freed: Vec<FreedRanges>,
+    /// Device-wide synchronizations seen per device: after one, any stream may reuse anything.
+    syncs: Vec<u64>,
+    ops: u64,
+}
+
+impl Shadow {
+    fn check(&self, a: &Allocator) -> Result<(), String> {
+        a.check_invariants()?;
+        for device in 0..a.device_count() {
+            let stats = a.stats(device).map_err(|e| e.to_string())?;
+            let mine: Vec<&Live> = self.live.iter().filter(|l| l.device == device).collect();
+            let h = &stats.heap;
+            if h.allocation.all.current != mine.len() as u64 {
+                return Err(format!("device {device}: {} allocations, shadow has {}", h.allocation.all.current, mine.len()));
+            }
+            let requested: u64 = mine.iter().map(|l| l.requested).sum();
+            if h.requested_bytes.all.current != requested {
+                return Err(format!("device {device}: requested {} vs shadow {requested}", h.requested_bytes.all.current));
+            }
+            let (blocks, segments) = a.with_heap(device, |h| (h.live_blocks(), h.segments())).map_err(|e| e.to_string())?;
+            let sizes: HashMap<u64, u64> = blocks.iter().map(|b| (b.0, b.1)).collect();
+            let mut spans: Vec<(u64, u64)> = Vec::new();
+            for l in &mine {
+                let Some(&size) = sizes.get(&l.addr) else {
+                    return Err(format!("live block {:#x} unknown to the heap", l.addr));
+                };
+                if size < l.requested.max(1) {
+                    return Err(format!("block {:#x} holds {size} < requested {}", l.addr, l.requested));
+                }
+                if !segments.iter().any(|&(s, n, _)| s <= l.addr && l.addr + size <= s + n) {
+                    return Err(format!("block {:#x} lies outside every segment", l.addr));
+                }
+                spans.push((l.addr, l.addr + size));
+            }
+            spans.sort_unstable();
+            for w in spans.windows(2) {
+                if w[0].1 > w[1].0 {
+                    return Err(format!("live blocks {:#x} and {:#x} overlap", w[0].0, w[1].0));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// A new block on `stream` must not reuse memory freed by another stream without events.
+    fn check_reuse(&mut self, device: usize, addr: u64, size: u64, stream: u64) -> Result<(), String> {
+        let freed = &mut self.freed[device];
+        let overlapping: Vec<u64> = freed.range(..addr + size).filter(|(_, &(end, _))| end > addr).map(|(&s, _)| s).collect();
+        for start in overlapping {
+            let (end, owner) = freed[&start];
+            if let Some(owner) = owner {
+                if owner != stream {
+                    return Err(format!(
+                        "block {addr:#x} for stream {stream} reuses [{start:#x}, {end:#x}) freed on stream {owner}"
+                    ));
+                }
+            }
+            freed.remove(&start);
+        }
+        Ok(())
+    }
+
+    /// Forgets freed ranges whose segment went back to the device; after a device-wide
+    /// synchronization, any stream may reuse what was freed before it.
+    fn forget_released(&mut self, a: &Allocator) {
+        for device in 0..a.device_count() {
+            let syncs = a.stats(device).map(|s| s.heap.num_device_synchronize).unwrap_or(0);
+            if syncs != self.syncs[device] {
+                self.syncs[device] = syncs;
+                self.freed[device].values_mut().for_each(|(_, owner)| *owner = None);
+            }
+            let segments = a.with_heap(device, |h| h.segments()).unwrap_or_default();
+            self.freed[device].retain(|&s, &mut (e, _)| segments.iter().any(|&(a, n, _)| a <= s && e <= a + n));
+        }
+    }
+}
+
+fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
+    let a = Allocator::new(Config::parse(config).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
+    let devices = a.device_count();
+    let mut shadow = Shadow { live: Vec::new(), freed: vec![BTreeMap::new(); devices], syncs: vec![0; devices], ops: 0 };
+    let mut in_step = false;
+    for (i, op) in ops.iter().enumerate() {
+        let context = |e: String| format!("op {i} {op:?}: {e}");
+        match *op {
+            Op::Malloc { device, size, stream } => match a.malloc(device, size, Stream(stream)) {
+                Ok(addr) => {
+                    let block = a
+                        .with_heap(device, |h| h.live_blocks().into_iter().find(|b| b.0 == addr))
+                        .map_err(|e| e.to_string())?
+                        .ok_or_else(|| context("returned address is not live".into()))?;
+                    shadow.check_reuse(device, addr, block.1, stream).map_err(context)?;
+                    shadow.live.push(Live { device, addr, requested: size, stream, multi_stream: false });
+                }
+                Err(Error::OutOfMemory(report)) => {
+                    if report.requested != size || report.device != device {
+                        return Err(context(format!("OOM report for the wrong request: {report:?}")));
+                    }
+                }
+                Err(e) => return Err(context(format!("unexpected error {e}"))),
+            },
+            Op::Free { pick } => {
+                if shadow.live.is_empty() {
+                    continue;
+                }
+                let l = shadow.live.swap_remove(pick % shadow.live.len());
+                let size = a
+                    .with_heap(l.device, |h| h.live_blocks().into_iter().find(|b| b.0 == l.addr).map(|b| b.1))
+                    .map_err(|e| e.to_string())?
+                    .unwrap_or(0);
+                a.free(l.device, l.addr, l.requested).map_err(|e| context(e.to_string()))?;
+                let owner = if l.multi_stream { None } else { Some(l.stream) };
+                shadow.freed[l.device].insert(l.addr, (l.addr + size, owner));
+                // A second free of the same pointer is refused and changes nothing.
+                if !matches!(a.free(l.device, l.addr, l.requested), Err(Error::UnknownPointer { .. })) {
+                    return Err(context("double free was not refused".into()));
+                }
+            }
+            Op::RecordStream { pick, stream } => {
+                if shadow.live.is_empty() {
+                    continue;
+                }
+                let n = shadow.live.len();
+                let l = &mut shadow.live[pick % n];
+                a.record_stream(l.device, l.addr, Stream(stream)).map_err(|e| context(e.to_string()))?;
+                l.multi_stream |= stream != l.stream;
+            }
+            Op::EmptyCache => {
+                a.empty_cache().map_err(|e| context(e.to_string()))?;
+                // Every segment left holds a live or pending block.
+                for device in 0..a.device_count() {
+                    let s = a.stats(device).map_err(|e| e.to_string())?;
+                    if s.cached_free != s.heap.inactive_split_bytes.all.current {
+                        let segments = a.with_heap(device, |h| h.snapshot_segments()).unwrap_or_default();
+                        return Err(context(format!(
+                            "device {device}: {} bytes cached outside split segments after empty_cache: {}",
+                            s.cached_free - s.heap.inactive_split_bytes.all.current,
+                            serde_json::Value::Array(segments)
+                        )));
+                    }
+                }
+            }
+            Op::Advance { us } => a.advance_time(us * 1000),
+            Op::Step { phase } => {
+                if in_step {
+                    a.step_end().map_err(|e| context(e.to_string()))?;
+                } else {
+                    a.step_begin(["rollout", "train", "eval"][phase as usize]).map_err(|e| context(e.to_string()))?;
+                }
+                in_step = !in_step;
+            }
+        }
+        shadow.forget_released(&a);
+        shadow.check(&a).map_err(context)?;
+        shadow.ops += 1;
+    }
+    // Free everything; the cache then empties completely.
+    for l in std::mem::take(&mut shadow.live) {
+        a.free(l.device, l.addr, l.requested).map_err(|e| e.to_string())?;
+    }
+    a.empty_cache().map_err(|e| e.to_string())?;
+    for device in 0..a.device_count() {
+        let s = a.stats(device).map_err(|e| e.to_string())?;
+        if s.heap.reserved_bytes.all.current != 0 || s.heap.allocated_bytes.all.current != 0 || s.heap.active.all.current != 0 {
+            let segments = a.with_heap(device, |h| h.snapshot_segments()).unwrap_or_default();
+            return Err(format!(
+                "device {device} not empty after freeing everything: {:?}; segments: {}",
+                s.heap.reserved_bytes.all,
+                serde_json::Value::Array(segments)
+            ));
+        }
+    }
+    shadow.check(&a)?;
+    Ok(shadow.ops)
+}
+
+/// At least this many operations are checked in one run of the test.
+const MIN_CHECKED_OPS: u64 = 1_000_000;
+
+#[test]
+fn random_programs_match_the_shadow() {
+    let config = ProptestConfig { cases: 3500, max_shrink_iters: 20_000, ..ProptestConfig::default() };
+    let mut runner = proptest::test_runner::TestRunner::new(config);
+    let checked = std::cell::Cell::new(0u64);
+    let strategy = (0..CONFIGS.len(), prop::collection::vec(op_strategy(), 1..600));
+    let result = runner.run(&strategy, |(config, ops)| match run_program(CONFIGS[config], &ops) {
+        Ok(n) => {
+            checked.set(checked.get() + n);
+            Ok(())
+        }
+        Err(message) => Err(TestCaseError::fail(format!("config `{}`: {message}", CONFIGS[config]))),
+    });
+    if let Err(failure) = result {
+        panic!("{failure}");
+    }
+    println!("checked {} operations", checked.get());
+    assert!(checked.get() >= MIN_CHECKED_OPS, "only {} operations checked", checked.get());
+}
