@@ -259,6 +259,7 @@ impl Heap {
     /// One device reserve within the allowed limit: `Ok(None)` when out of memory.
     fn reserve(&mut self, bytes: u64) -> Result<Option<u64>> {
         if self.stats.reserved_bytes.all.current.saturating_add(bytes) > self.allowed {
+            self.stats.num_oom_rejections += 1;
             return Ok(None);
         }
         let start = Instant::now();
@@ -327,8 +328,9 @@ impl Heap {
 
     fn out_of_memory(&mut self, requested: u64, rounded: u64, segment_size: u64) -> Error {
         self.stats.num_ooms += 1;
-        self.trace.record(TraceAction::Oom, 0, rounded, requested, 0, 0);
         let (device_free, device_total) = self.backend.mem_info().unwrap_or((0, self.device_total));
+        // As in torch's trace, an `oom` entry carries the device's free bytes in its address.
+        self.trace.record(TraceAction::Oom, device_free, rounded, requested, 0, 0);
         let reserved = self.stats.reserved_bytes.all.current;
         let allocated = self.stats.allocated_bytes.all.current;
         let largest = self.largest_free_block();

@@ -75,15 +75,21 @@ impl Heap {
                     "stage": if e.action == TraceAction::StepBegin { "START" } else { "END" },
                     "time_us": e.time_us,
                 })),
-                action => trace.push(json!({
-                    "action": action.torch_name(),
-                    "addr": e.addr,
-                    "size": e.size,
-                    "requested_size": e.requested,
-                    "stream": e.stream,
-                    "time_us": e.time_us,
-                    "frames": [],
-                })),
+                action => {
+                    let mut entry = json!({
+                        "action": action.torch_name(),
+                        "addr": e.addr,
+                        "size": e.size,
+                        "requested_size": e.requested,
+                        "stream": e.stream,
+                        "time_us": e.time_us,
+                        "frames": [],
+                    });
+                    if action == TraceAction::Oom {
+                        entry["device_free"] = json!(e.addr);
+                    }
+                    trace.push(entry);
+                }
             }
         }
         (trace, annotations)

@@ -116,6 +116,8 @@ pub struct HeapStats {
     pub num_device_alloc: u64,
     pub num_device_free: u64,
     pub num_sync_all_streams: u64,
+    /// Device reserves refused up front because of `per_process_memory_fraction`.
+    pub num_oom_rejections: u64,
     // stepalloc's own counters.
     pub num_mallocs: u64,
     pub num_frees: u64,
@@ -199,6 +201,7 @@ impl HeapStats {
         self.num_device_alloc = 0;
         self.num_device_free = 0;
         self.num_sync_all_streams = 0;
+        self.num_oom_rejections = 0;
     }
 }
 
@@ -269,6 +272,7 @@ impl DeviceStats {
             ("num_device_alloc", h.num_device_alloc),
             ("num_device_free", h.num_device_free),
             ("num_sync_all_streams", h.num_sync_all_streams),
+            ("num_oom_rejections", h.num_oom_rejections),
         ] {
             m.insert(key.to_string(), json!(value));
         }
@@ -342,6 +346,7 @@ pub fn torch_keys() -> Vec<String> {
         "num_device_alloc",
         "num_device_free",
         "num_sync_all_streams",
+        "num_oom_rejections",
         "max_split_size",
     ] {
         keys.push(k.to_string());

@@ -210,6 +210,9 @@ fn memory_fraction_caps_reserved_bytes() {
     let Error::OutOfMemory(report) = err else { panic!("expected OOM") };
     assert_eq!(report.allowed, Some(50 * MIB));
     assert!(report.hint.contains("per_process_memory_fraction"));
+    // Refused up front, twice: the first attempt and the retry after releasing the cache.
+    assert_eq!(stats(&a).heap.num_oom_rejections, 2);
+    assert_eq!(stats(&a).heap.num_device_alloc, 0);
     let p = a.malloc(0, 40 * MIB, S0).unwrap();
     a.free(0, p, 40 * MIB).unwrap();
     assert!(a.set_memory_fraction(0, 1.5).is_err());

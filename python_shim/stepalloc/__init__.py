@@ -1,0 +1,115 @@
+"""stepalloc: a CUDA caching allocator for PyTorch with step-boundary release and
+fragmentation metrics (Python side of ``libstepalloc.so``).
+
+Typical use::
+
+    import torch
+    import stepalloc
+    stepalloc.install("phase_trim:True", patch_torch=True)   # before CUDA is first used
+
+    for batch in loader:
+        with stepalloc.step("rollout"):
+            with torch.no_grad():
+                ...
+        with stepalloc.step("train"):
+            ...
+    print(stepalloc.memory_summary())
+
+Layer map: ``_lib`` (the ctypes handle, errors), ``steps`` (step hooks), ``stats``
+(torch-compatible statistics), ``snapshot`` (memory-viewer snapshots), ``metrics``
+(Prometheus), ``torch`` (install / mempool / patch_torch), ``integrations`` (framework
+callbacks, agent loops). Importing this package loads no library and imports neither torch
+nor any framework: everything happens on first use.
+"""
+
+from __future__ import annotations
+
+from ._lib import (
+    ConfigError,
+    LibraryNotFoundError,
+    StepallocError,
+    config_help,
+    configure,
+    device_count,
+    find_library,
+    library_path,
+    raw_alloc,
+    raw_free,
+    version,
+)
+from .integrations import AgentLoop, PhaseRecord, hf_callback, lightning_callback
+from .metrics import StepallocCollector, metrics_text, register_prometheus, serve_metrics
+from .snapshot import dump_snapshot, dump_trace, memory_snapshot, trace_jsonl
+from .stats import (
+    max_memory_allocated,
+    max_memory_reserved,
+    memory_allocated,
+    memory_reserved,
+    memory_stats,
+    memory_stats_as_nested_dict,
+    memory_summary,
+    reset_accumulated_memory_stats,
+    reset_peak_memory_stats,
+    stepalloc_stats,
+)
+from .steps import step, step_begin, step_end
+from .torch import Installation, install, installation, is_installed, mempool, patch_torch, unpatch_torch
+
+__version__ = "0.1.0"
+
+
+def empty_cache() -> None:
+    """Releases every unused cached segment to the device (``torch.cuda.empty_cache`` calls
+    this too once ``install()`` ran)."""
+    from . import _lib
+
+    _lib.lib().stepalloc_empty_cache()
+    _lib.check(int(_lib.lib().stepalloc_last_status()))
+
+
+__all__ = [
+    "AgentLoop",
+    "ConfigError",
+    "Installation",
+    "LibraryNotFoundError",
+    "PhaseRecord",
+    "StepallocCollector",
+    "StepallocError",
+    "config_help",
+    "configure",
+    "device_count",
+    "dump_snapshot",
+    "dump_trace",
+    "empty_cache",
+    "find_library",
+    "hf_callback",
+    "install",
+    "installation",
+    "is_installed",
+    "library_path",
+    "lightning_callback",
+    "max_memory_allocated",
+    "max_memory_reserved",
+    "memory_allocated",
+    "memory_reserved",
+    "memory_snapshot",
+    "memory_stats",
+    "memory_stats_as_nested_dict",
+    "memory_summary",
+    "mempool",
+    "metrics_text",
+    "patch_torch",
+    "raw_alloc",
+    "raw_free",
+    "register_prometheus",
+    "reset_accumulated_memory_stats",
+    "reset_peak_memory_stats",
+    "serve_metrics",
+    "step",
+    "step_begin",
+    "step_end",
+    "stepalloc_stats",
+    "trace_jsonl",
+    "unpatch_torch",
+    "version",
+]

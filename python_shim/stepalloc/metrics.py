@@ -1,0 +1,75 @@
+"""Layer: Prometheus metrics. ``serve_metrics()`` starts the library's own endpoint;
+``register_prometheus()`` adds stepalloc's figures to an application's ``prometheus_client``
+registry instead, for programs that already serve one.
+
+Invariants:
+- One definition of the metrics: the bridge reads the library's exposition text
+  (``stepalloc_metrics_text``, the same text the endpoint serves) at scrape time and hands the
+  parsed families to ``prometheus_client``; names, types, labels and help are the library's.
+- ``prometheus_client`` is imported only by ``register_prometheus`` / ``StepallocCollector``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+from . import _lib
+
+DEFAULT_PORT = 9835
+
+
+def serve_metrics(port: int | None = None, host: str = "127.0.0.1") -> str:
+    """Starts the library's Prometheus endpoint (``/metrics``) on one background thread.
+
+    ``port=None`` uses the default port, 9835. Under torchrun each rank listens on
+    ``port + LOCAL_RANK``. Returns the address served. Only one endpoint per process: a second
+    call, or a port that cannot be bound, raises ``StepallocError`` / ``ValueError`` with the
+    library's message.
+    """
+    if port is None:
+        port = DEFAULT_PORT
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ValueError(f"port must be an int in 1..65535, got {port!r}")
+    _lib.check(_lib.lib().stepalloc_metrics_serve(f"{host}:{port}".encode()))
+    return served_address(port, host)
+
+
+def served_address(port: int | None, host: str = "127.0.0.1") -> str:
+    """The address the endpoint listens on when asked for ``port``: under torchrun the library
+    adds ``LOCAL_RANK``, so the ranks of one node do not collide."""
+    if port is None:
+        port = DEFAULT_PORT
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    return f"{host}:{port + int(local_rank)}" if local_rank.isdigit() else f"{host}:{port}"
+
+
+def metrics_text() -> str:
+    """The metrics in the Prometheus text exposition format, as the endpoint serves them."""
+    return _lib.read_text(_lib.lib().stepalloc_metrics_text)
+
+
+class StepallocCollector:
+    """A ``prometheus_client`` collector that reports stepalloc's metrics at scrape time.
+
+    Families (gauges, counters, histograms) keep the library's names and labels, e.g.
+    ``stepalloc_allocated_bytes{device="0"}``.
+    """
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.parser import text_string_to_metric_families
+
+        yield from text_string_to_metric_families(metrics_text())
+
+
+def register_prometheus(registry: Any = None) -> StepallocCollector:
+    """Registers a ``StepallocCollector`` with ``registry`` (default: prometheus_client's global
+    ``REGISTRY``) and returns it (``registry.unregister(collector)`` removes it)."""
+    try:
+        import prometheus_client
+    except ImportError as e:
+        raise ImportError("register_prometheus needs prometheus_client; `pip install prometheus_client`") from e
+    collector = StepallocCollector()
+    (registry if registry is not None else prometheus_client.REGISTRY).register(collector)
+    return collector

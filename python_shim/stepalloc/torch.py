@@ -1,0 +1,299 @@
+"""Layer: PyTorch glue. ``install()`` (process-wide mode), ``mempool()`` (MemPool mode) and
+``patch_torch()`` (torch.cuda's statistics answered by stepalloc).
+
+Invariants:
+- torch is imported inside the functions, never at module import.
+- PyTorch's loader gets ``_lib.library_path()``, the same absolute path ctypes loaded, so both
+  talk to one allocator state.
+- ``install()`` happens at most once per process: PyTorch allows one allocator swap, before
+  CUDA is first used. A second call with the same arguments returns the same handle.
+- The ``CUDAPluggableAllocator`` objects are kept alive here for the life of the process
+  (PyTorch may free tensors through them until exit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from typing import Any, Callable
+
+from . import _lib, snapshot, stats
+from .metrics import served_address
+
+# PyTorch's optional hooks: the setter on the pluggable allocator -> the library's symbol.
+HOOKS: dict[str, str] = {
+    "set_init_fn": "stepalloc_init",
+    "set_reset_fn": "stepalloc_empty_cache",
+    "set_memory_fraction_fn": "stepalloc_set_memory_fraction",
+    "set_base_alloc_fn": "stepalloc_base_alloc",
+    "set_record_stream_fn": "stepalloc_record_stream",
+    "set_begin_allocate_to_pool": "stepalloc_begin_allocate_to_pool",
+    "set_end_allocate_to_pool_fn": "stepalloc_end_allocate_to_pool",
+    "set_release_pool": "stepalloc_release_pool",
+}
+ALLOC_FN = "stepalloc_torch_malloc"
+MEMPOOL_ALLOC_FN = "stepalloc_malloc"
+FREE_FN = "stepalloc_free"
+
+_CUDA_INITIALISED_MESSAGE = (
+    "stepalloc.install() must run before CUDA is first used, but CUDA is already initialised in "
+    "this process (something created a CUDA tensor, moved a model to the GPU or called a "
+    "torch.cuda function that initialises CUDA). PyTorch can swap its allocator only before that. "
+    "Fix: call stepalloc.install() right after `import torch`, at the top of the entry script "
+    "(before models, data loaders or libraries touch the GPU), or use stepalloc.mempool() with "
+    "torch.cuda.use_mem_pool(...) to use stepalloc for part of the program."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Installation:
+    """What ``install()`` set up.
+
+    Attributes:
+        library_path: the ``libstepalloc.so`` PyTorch and ctypes share.
+        version: the library's version.
+        conf: the configuration string passed to ``install`` (None: ``STEPALLOC_CONF`` or defaults).
+        alloc_fn / free_fn: the symbols PyTorch allocates and frees with.
+        hooks: each PyTorch setter called -> the library symbol it was given.
+        metrics_address: where the Prometheus endpoint serves (None: not started here).
+        torch_patched: whether torch.cuda's statistics functions were routed to stepalloc.
+    """
+
+    library_path: str
+    version: str
+    conf: str | None
+    alloc_fn: str
+    free_fn: str
+    hooks: dict[str, str]
+    metrics_address: str | None
+    torch_patched: bool
+    mode: str = "process-wide"
+
+
+_lock = threading.RLock()
+_installation: Installation | None = None
+_keep_alive: list[Any] = []
+_mempool_allocator: Any = None
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError("stepalloc's PyTorch integration needs torch; `pip install torch`") from e
+    if not hasattr(torch.cuda, "memory") or not hasattr(torch.cuda.memory, "CUDAPluggableAllocator"):
+        raise RuntimeError(f"torch {torch.__version__} has no CUDAPluggableAllocator (needs torch >= 2.0)")
+    if not hasattr(torch._C, "_cuda_customAllocator"):
+        raise RuntimeError(f"torch {torch.__version__} was built without CUDA; stepalloc needs a CUDA build")
+    return torch
+
+
+def is_installed() -> bool:
+    """Whether ``install()`` has swapped PyTorch's allocator in this process."""
+    return _installation is not None
+
+
+def installation() -> Installation | None:
+    """The handle ``install()`` returned, or None."""
+    return _installation
+
+
+def install(
+    conf: str | None = None,
+    metrics_port: int | None = None,
+    patch_torch: bool = False,
+) -> Installation:
+    """Makes stepalloc PyTorch's CUDA allocator for this whole process.
+
+    Call it right after ``import torch`` and before anything uses CUDA. Every CUDA tensor is
+    then allocated by stepalloc; ``torch.cuda.empty_cache()``,
+    ``torch.cuda.set_per_process_memory_fraction``, ``Tensor.record_stream`` and CUDA graph
+    pools keep working through the hooks wired here.
+
+    Args:
+        conf: configuration in ``PYTORCH_CUDA_ALLOC_CONF`` syntax (``"phase_trim:True"``); None
+            keeps ``STEPALLOC_CONF`` or the defaults. A bad string raises ``ValueError``.
+        metrics_port: serve Prometheus metrics on 127.0.0.1 at this port.
+        patch_torch: route ``torch.cuda.memory_stats`` and friends to stepalloc (they raise
+            under a pluggable allocator otherwise); see ``patch_torch()``.
+
+    Returns the ``Installation``; calling again with compatible arguments returns the same one
+    (``patch_torch=True`` or a ``metrics_port`` on a later call are applied then).
+
+    Raises:
+        RuntimeError: CUDA is already initialised (the message says how to fix it), or torch
+            lacks CUDA support.
+        ValueError: ``conf`` was rejected, or differs from the installed configuration.
+    """
+    global _installation
+    with _lock:
+        if _installation is not None:
+            return _update_installation(conf, metrics_port, patch_torch)
+        torch = _import_torch()
+        if torch.cuda.is_initialized():
+            raise RuntimeError(_CUDA_INITIALISED_MESSAGE)
+        if conf is not None:
+            _lib.configure(conf)
+        path = _lib.library_path()
+        _lib.lib()  # load through ctypes first: a missing symbol gives our message, not torch's
+        allocator = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC_FN, FREE_FN)
+        raw = allocator.allocator()
+        wired: dict[str, str] = {}
+        for setter, symbol in HOOKS.items():
+            set_fn: Callable[[int], None] | None = getattr(raw, setter, None)
+            if set_fn is None:
+                raise RuntimeError(
+                    f"torch {torch.__version__} lacks CUDAPluggableAllocator.{setter}; stepalloc needs every "
+                    "hook (upgrade torch to >= 2.5)"
+                )
+            set_fn(_lib.symbol_address(symbol))
+            wired[setter] = symbol
+        try:
+            torch.cuda.memory.change_current_allocator(allocator)
+        except RuntimeError as e:
+            raise RuntimeError(f"{_CUDA_INITIALISED_MESSAGE} (PyTorch said: {e})") from e
+        _keep_alive.append(allocator)
+        # Recorded before the optional extras: if serving metrics fails, the swap still stands
+        # and a later install() call retries only the extras.
+        _installation = Installation(
+            library_path=path,
+            version=_lib.version(),
+            conf=conf,
+            alloc_fn=ALLOC_FN,
+            free_fn=FREE_FN,
+            hooks=wired,
+            metrics_address=None,
+            torch_patched=False,
+        )
+        return _update_installation(None, metrics_port, patch_torch)
+
+
+def _update_installation(conf: str | None, metrics_port: int | None, patch: bool) -> Installation:
+    global _installation
+    assert _installation is not None
+    if conf is not None and conf != _installation.conf:
+        raise ValueError(
+            f"stepalloc is already installed with conf={_installation.conf!r}; the configuration is fixed "
+            f"once installed, so conf={conf!r} cannot apply (set it in the first install() call)"
+        )
+    changes: dict[str, Any] = {}
+    if metrics_port is not None:
+        if _installation.metrics_address is None:
+            changes["metrics_address"] = _serve_metrics(metrics_port)
+        elif _installation.metrics_address != served_address(metrics_port):
+            raise ValueError(f"stepalloc already serves metrics on {_installation.metrics_address}")
+    if patch and _patched is None:
+        patch_torch()
+    if _installation.torch_patched != (_patched is not None):  # patched now, or unpatched since
+        changes["torch_patched"] = _patched is not None
+    if changes:
+        _installation = dataclasses.replace(_installation, **changes)
+    return _installation
+
+
+def _serve_metrics(port: int | None) -> str | None:
+    if port is None:
+        return None
+    from .metrics import serve_metrics
+
+    return serve_metrics(port)
+
+
+def mempool(use_on_oom: bool = False) -> Any:
+    """A ``torch.cuda.MemPool`` whose segments come from stepalloc.
+
+    PyTorch's caching allocator stays in charge and asks stepalloc for whole segments while the
+    pool is active::
+
+        pool = stepalloc.mempool()
+        with torch.cuda.use_mem_pool(pool):
+            kv_cache = torch.empty(...)
+
+    Needs torch >= 2.5. Unlike ``install()`` it can be used after CUDA is initialised, and only
+    the code inside ``use_mem_pool`` is affected; but PyTorch's own cache sits in front of
+    stepalloc, so step release and stepalloc's statistics see segments, not tensors.
+    """
+    global _mempool_allocator
+    torch = _import_torch()
+    if not hasattr(torch.cuda, "MemPool"):
+        raise RuntimeError(f"torch {torch.__version__} has no torch.cuda.MemPool (needs torch >= 2.5)")
+    with _lock:
+        if _mempool_allocator is None:
+            _lib.lib()
+            _mempool_allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                _lib.library_path(), MEMPOOL_ALLOC_FN, FREE_FN
+            )
+            _keep_alive.append(_mempool_allocator)
+    return torch.cuda.MemPool(_mempool_allocator.allocator(), use_on_oom=use_on_oom)
+
+
+# ----- patch_torch ---------------------------------------------------------------------------
+
+_patched: dict[tuple[Any, str], Any] | None = None
+
+
+def _torch_snapshot(device: stats.Device = None, augment_with_fx_traces: bool = False) -> dict[str, Any]:
+    """``torch.cuda.memory._snapshot`` answered by stepalloc (all devices; fx traces ignored)."""
+    return snapshot.memory_snapshot()
+
+
+def _torch_memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, Any]]:
+    """``torch.cuda.memory_snapshot`` answered by stepalloc: the segments list."""
+    segments = snapshot.memory_snapshot()["segments"]
+    if mempool_id is not None:
+        wanted = list(mempool_id)
+        segments = [s for s in segments if list(s.get("segment_pool_id", [])) == wanted]
+    return segments
+
+
+REPLACEMENTS: dict[str, Callable[..., Any]] = {
+    "memory_stats": stats.memory_stats,
+    "memory_stats_as_nested_dict": stats.memory_stats_as_nested_dict,
+    "memory_allocated": stats.memory_allocated,
+    "max_memory_allocated": stats.max_memory_allocated,
+    "memory_reserved": stats.memory_reserved,
+    "max_memory_reserved": stats.max_memory_reserved,
+    "memory_cached": stats.memory_reserved,
+    "max_memory_cached": stats.max_memory_reserved,
+    "reset_peak_memory_stats": stats.reset_peak_memory_stats,
+    "reset_accumulated_memory_stats": stats.reset_accumulated_memory_stats,
+    "reset_max_memory_allocated": stats.reset_max_memory_allocated,
+    "reset_max_memory_cached": stats.reset_max_memory_allocated,
+    "memory_summary": stats.memory_summary,
+    "memory_snapshot": _torch_memory_snapshot,
+    "_snapshot": _torch_snapshot,
+}
+
+
+def patch_torch() -> list[str]:
+    """Routes torch.cuda's memory statistics to stepalloc; returns the names replaced.
+
+    Under a pluggable allocator PyTorch's own ``torch.cuda.memory_stats``,
+    ``memory_allocated``, ``memory_reserved``, ``max_memory_*``, ``reset_peak_memory_stats``,
+    ``memory_summary`` and ``memory_snapshot`` raise; after this they answer from stepalloc
+    (in ``torch.cuda`` and ``torch.cuda.memory``), so HF Trainer's memory metrics, Lightning's
+    ``DeviceStatsMonitor`` and ``torch.cuda.memory._dump_snapshot`` keep working.
+    Idempotent; ``unpatch_torch()`` restores the originals.
+    """
+    global _patched
+    torch = _import_torch()
+    with _lock:
+        if _patched is None:
+            saved: dict[tuple[Any, str], Any] = {}
+            for module in (torch.cuda, torch.cuda.memory):
+                for name, fn in REPLACEMENTS.items():
+                    if hasattr(module, name):
+                        saved[(module, name)] = getattr(module, name)
+                        setattr(module, name, fn)
+            _patched = saved
+        return sorted({name for _, name in _patched})
+
+
+def unpatch_torch() -> None:
+    """Restores the torch.cuda functions ``patch_torch()`` replaced."""
+    global _patched
+    with _lock:
+        if _patched is not None:
+            for (module, name), fn in _patched.items():
+                setattr(module, name, fn)
+            _patched = None

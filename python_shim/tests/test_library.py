@@ -1,0 +1,118 @@
+"""Locating and loading libstepalloc.so, configuration errors, the lazy-import promise."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import stepalloc
+from conftest import MIB, check_child, run_python
+from stepalloc import _lib
+
+
+def test_library_path_is_absolute_and_loaded_once() -> None:
+    path = stepalloc.library_path()
+    assert os.path.isabs(path) and path.endswith("libstepalloc.so")
+    assert _lib.lib() is _lib.lib()
+    assert _lib.lib()._name == path  # the exact path PyTorch's loader will be given
+    assert stepalloc.version()
+
+
+def test_explicit_library_that_does_not_exist(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("STEPALLOC_LIBRARY", str(tmp_path / "nope.so"))
+    with pytest.raises(stepalloc.LibraryNotFoundError, match="does not name a file"):
+        stepalloc.find_library()
+
+
+def test_explicit_library_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = stepalloc.library_path()
+    monkeypatch.setenv("STEPALLOC_LIBRARY", real)
+    assert stepalloc.find_library() == real
+
+
+def test_missing_library_message_says_where_and_how(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("STEPALLOC_LIBRARY", raising=False)
+    monkeypatch.setenv("CARGO_TARGET_DIR", str(tmp_path))
+    with pytest.raises(stepalloc.LibraryNotFoundError) as e:
+        stepalloc.find_library()
+    text = str(e.value)
+    assert str(tmp_path / "release" / "libstepalloc.so") in text
+    assert "cargo build --release -p stepalloc-cabi" in text and "STEPALLOC_LIBRARY" in text
+
+
+def test_unknown_key_raises_value_error_with_library_message() -> None:
+    with pytest.raises(ValueError) as e:
+        stepalloc.configure("backend:sim,no_such_key:1")
+    assert "no_such_key" in str(e.value) and "unknown key" in str(e.value)
+    assert str(e.value) == _lib.last_error()  # the library's own message, unchanged
+    assert e.value.status == _lib.CONFIG
+
+
+def test_bad_value_names_the_key_and_the_form() -> None:
+    with pytest.raises(ValueError, match="max_split_size_mb") as e:
+        stepalloc.configure("max_split_size_mb:lots")
+    assert "lots" in str(e.value)
+
+
+def test_configure_after_first_use_is_refused() -> None:
+    # conftest created the allocator; a valid string is now refused, and the state is unchanged.
+    with pytest.raises(ValueError, match="already initialised"):
+        stepalloc.configure("backend:sim")
+    assert stepalloc.device_count() == 2
+
+
+def test_configure_wants_a_string() -> None:
+    with pytest.raises(TypeError):
+        stepalloc.configure(b"backend:sim")  # type: ignore[arg-type]
+
+
+def test_bad_environment_configuration_surfaces_at_first_use() -> None:
+    out = check_child(
+        run_python(
+            """
+            import stepalloc
+            try:
+                stepalloc.device_count()
+            except ValueError as e:
+                print("ValueError:", e)
+            """,
+            env={"STEPALLOC_CONF": "backend:sim,sim_capacity_mb:-5"},
+        )
+    )
+    assert "ValueError:" in out and "sim_capacity_mb" in out
+
+
+def test_config_help_lists_keys() -> None:
+    text = stepalloc.config_help()
+    for key in ("max_split_size_mb", "backend", "phase_trim", "trace_entries"):
+        assert key in text
+
+
+def test_import_loads_nothing_heavy() -> None:
+    out = check_child(
+        run_python(
+            """
+            import sys, stepalloc
+            from stepalloc import _lib
+            heavy = [m for m in ("torch", "transformers", "lightning", "pytorch_lightning", "prometheus_client")
+                     if m in sys.modules]
+            print("heavy:", heavy, "loaded:", _lib._lib is not None)
+            """
+        )
+    )
+    assert "heavy: [] loaded: False" in out
+
+
+def test_raw_alloc_oom_is_memory_error() -> None:
+    before = stepalloc.memory_stats(0)["num_ooms"]
+    with pytest.raises(MemoryError) as e:
+        stepalloc.raw_alloc(4096 * MIB, device=0)  # the simulated device has 1 GiB
+    assert "out of memory" in str(e.value).lower()
+    assert stepalloc.memory_stats(0)["num_ooms"] == before + 1
+
+
+def test_raw_free_of_unknown_pointer_raises() -> None:
+    with pytest.raises(ValueError):
+        stepalloc.raw_free(0xDEAD0000, 512, device=0)

@@ -1,0 +1,90 @@
+"""Step hooks reach the library: its statistics count the steps and phases."""
+
+from __future__ import annotations
+
+import pytest
+
+import stepalloc
+from conftest import MIB
+
+
+def steps(phase: str | None = None) -> int:
+    own = stepalloc.stepalloc_stats(0)
+    return int(own.get("steps" if phase is None else f"steps.{phase}", 0))
+
+
+def test_context_manager_counts_a_step_of_its_phase() -> None:
+    total, rollouts = steps(), steps("rollout")
+    with stepalloc.step("rollout"):
+        p = stepalloc.raw_alloc(2 * MIB)
+        stepalloc.raw_free(p, 2 * MIB)
+    assert steps() == total + 1
+    assert steps("rollout") == rollouts + 1
+
+
+def test_decorator_and_explicit_calls() -> None:
+    @stepalloc.step("train")
+    def train_step() -> int:
+        return 42
+
+    trains = steps("train")
+    assert train_step() == 42
+    assert train_step() == 42
+    stepalloc.step_begin("train")
+    stepalloc.step_end()
+    assert steps("train") == trains + 3
+
+
+def test_step_ends_when_the_body_raises() -> None:
+    evals = steps("eval")
+    with pytest.raises(KeyError), stepalloc.step("eval"):
+        raise KeyError("boom")
+    assert steps("eval") == evals + 1
+    with stepalloc.step("eval"):  # the step was closed: a new one can begin
+        pass
+    assert steps("eval") == evals + 2
+
+
+def test_step_figures_are_the_steps_peak() -> None:
+    with stepalloc.step("rollout"):
+        ptrs = [stepalloc.raw_alloc(4 * MIB) for _ in range(3)]
+        for p in ptrs:
+            stepalloc.raw_free(p, 4 * MIB)
+    own = stepalloc.stepalloc_stats(0)
+    assert own["last_step.peak_allocated_bytes"] >= 12 * MIB
+    assert own["last_step.peak_reserved_bytes"] >= own["last_step.peak_allocated_bytes"]
+
+
+def test_phase_must_be_a_string() -> None:
+    with pytest.raises(TypeError):
+        stepalloc.step(3)  # type: ignore[arg-type]
+
+
+def test_agent_loop_records_each_phase() -> None:
+    loop = stepalloc.AgentLoop(device=0)
+    for _ in range(2):
+        with loop.rollout():
+            cache = [stepalloc.raw_alloc(1 * MIB) for _ in range(6)]  # a growing KV cache
+            for p in cache:
+                stepalloc.raw_free(p, 1 * MIB)
+        with loop.train():
+            p = stepalloc.raw_alloc(16 * MIB)
+            stepalloc.raw_free(p, 16 * MIB)
+        loop.next_iteration()
+    assert [(r.iteration, r.phase) for r in loop.history] == [
+        (0, "rollout"),
+        (0, "train"),
+        (1, "rollout"),
+        (1, "train"),
+    ]
+    assert all(r.peak_allocated_bytes >= 6 * MIB for r in loop.history if r.phase == "rollout")
+    assert all(r.peak_allocated_bytes >= 16 * MIB for r in loop.history if r.phase == "train")
+
+
+def test_steps_do_not_nest() -> None:
+    rollouts = steps("rollout")
+    with stepalloc.step("rollout"), pytest.raises(RuntimeError, match="do not nest"), stepalloc.step("train"):
+        pass
+    assert steps("rollout") == rollouts + 1
+    with stepalloc.step("train"):  # nothing is left open
+        pass
