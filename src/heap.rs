@@ -392,7 +392,6 @@ impl Heap {
         if block_size >= self.config.max_split_size {
             s.oversize_allocations.decrease(1);
         }
-        self.arena.block_mut(id).requested = 0;
         self.trace.record(TraceAction::FreeRequested, ptr, block_size, requested, stream.0, 0);
         match self.arena.block_mut(id).extra_streams.take() {
             None => self.finish_free(id),
@@ -425,16 +424,18 @@ impl Heap {
 
     /// A block becomes free: merge it with free neighbours and file it.
     fn finish_free(&mut self, id: BlockId) -> Result<()> {
-        let (seg_id, size, stream, addr) = {
+        let (seg_id, size, stream, addr, requested) = {
             let b = self.arena.block_mut(id);
             b.state = BlockState::Free;
-            (b.segment, b.size, b.stream, b.addr)
+            b.freed_at = self.alloc_clock;
+            // `requested` stays set while a free is pending, for snapshots and this trace entry.
+            let requested = std::mem::take(&mut b.requested);
+            (b.segment, b.size, b.stream, b.addr, requested)
         };
-        self.arena.block_mut(id).freed_at = self.alloc_clock;
         let small = self.arena.segment(seg_id).small;
         self.stats.active.decrease(small, 1);
         self.stats.active_bytes.decrease(small, size);
-        self.trace.record(TraceAction::FreeCompleted, addr, size, 0, stream.0, 0);
+        self.trace.record(TraceAction::FreeCompleted, addr, size, requested, stream.0, 0);
         self.arena.segment_mut(seg_id).busy -= 1;
         let id = self.merge_neighbours(id);
         self.enlist(id);

@@ -76,10 +76,13 @@ impl Heap {
                     "time_us": e.time_us,
                 })),
                 action => {
+                    // Like torch: block events carry the requested size, segment events their size.
+                    let block_event =
+                        matches!(action, TraceAction::Alloc | TraceAction::FreeRequested | TraceAction::FreeCompleted);
                     let mut entry = json!({
                         "action": action.torch_name(),
                         "addr": e.addr,
-                        "size": e.size,
+                        "size": if block_event { e.requested } else { e.size },
                         "requested_size": e.requested,
                         "stream": e.stream,
                         "time_us": e.time_us,

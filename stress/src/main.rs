@@ -1,1 +1,246 @@
-fn main() {}
+//! `stepalloc-stress`: the command line. Builds an event stream (the `agent` workload by
+//! default, a trace with `replay`), runs it under every compared configuration and prints the
+//! side-by-side report; `random` hammers one allocator from many threads with integrity checks.
+//! Exit status: 0 on success, 1 when an integrity check failed, 2 on bad input.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use indicatif::{ProgressBar, ProgressStyle};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::time::Instant;
+use stepalloc_stress::compare::{self, Base};
+use stepalloc_stress::export::{self, ExportFormat};
+use stepalloc_stress::ops::Program;
+use stepalloc_stress::replay::{self, RunConfig};
+use stepalloc_stress::report::{self, Report};
+use stepalloc_stress::trace;
+use stepalloc_stress::workload::agent::{self, AgentArgs};
+use stepalloc_stress::workload::random::{self, RandomArgs};
+
+#[derive(Parser)]
+#[command(
+    name = "stepalloc-stress",
+    version,
+    about = "Agent workloads, trace replay and side-by-side allocator policy reports for stepalloc"
+)]
+struct Cli {
+    #[command(flatten)]
+    global: Global,
+    #[command(subcommand)]
+    command: Option<Command>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum BackendArg {
+    Sim,
+    Cuda,
+}
+
+#[derive(Args)]
+struct Global {
+    /// Configurations to compare: presets pytorch, split128, empty_cache_every_step, stepalloc,
+    /// or raw strings (`key:value,...`, optionally `name=key:value,...`).
+    #[arg(long, global = true, num_args = 1..)]
+    compare: Vec<String>,
+    #[arg(long, global = true, value_enum, default_value = "sim")]
+    backend: BackendArg,
+    /// Simulated device memory in MiB (81920: an 80 GB GPU).
+    #[arg(long, global = true, default_value_t = 81920)]
+    capacity_mb: u64,
+    /// Simulate an H200 (143771 MiB) instead.
+    #[arg(long, global = true)]
+    h200: bool,
+    /// Print the report as JSON instead of a table.
+    #[arg(long, global = true)]
+    json: bool,
+    /// Also report every step.
+    #[arg(long, global = true)]
+    per_step: bool,
+    /// Draw reserved / allocated / requested over time for every configuration (SVG).
+    #[arg(long, global = true, value_name = "FILE.svg")]
+    plot: Option<PathBuf>,
+    /// Serve live Prometheus metrics while it runs (host:port).
+    #[arg(long, global = true)]
+    metrics_addr: Option<String>,
+    /// Print generation / parse and run times to stderr.
+    #[arg(long, global = true)]
+    timing: bool,
+    /// Describe what holds the reserved bytes at their peak (live blocks, free space in used
+    /// segments, whole free segments by size). Slower: reads statistics at every allocation.
+    #[arg(long, global = true)]
+    explain: bool,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Synthetic multimodal agent-training workload (the default).
+    Agent(AgentArgs),
+    /// Many threads and streams with random sizes, cross-thread frees and integrity checks.
+    Random(RandomArgs),
+    /// Replay a trace: PyTorch snapshot (pickle or JSON), RMM log CSV or stepalloc JSON lines.
+    Replay { file: PathBuf },
+    /// Write the agent workload as a trace file (for replay benchmarks and tests).
+    GenTrace {
+        #[command(flatten)]
+        agent: AgentArgs,
+        #[arg(long, value_enum, default_value = "jsonl")]
+        format: ExportFormat,
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+fn main() {
+    let cli = Cli::parse();
+    match run(cli) {
+        Ok(code) => std::process::exit(code),
+        Err(e) => {
+            eprintln!("error: {e}");
+            std::process::exit(2);
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<i32, String> {
+    let g = &cli.global;
+    let capacity_mb = if g.h200 { 143_771 } else { g.capacity_mb };
+    let command = cli.command.unwrap_or_else(|| Command::Agent(AgentArgs::default()));
+    let started = Instant::now();
+    let (program, workload, defaults) = match command {
+        Command::Agent(args) => {
+            let spec = args.spec()?;
+            let name = format!("agent {} (seed {})", spec.preset, spec.seed);
+            (agent::generate(&spec), name, compare::DEFAULT_AGENT)
+        }
+        Command::Replay { file } => {
+            let program = trace::load(&file).map_err(|e| format!("{}: {e}", file.display()))?;
+            (program, format!("replay {}", file.display()), compare::DEFAULT_OTHER)
+        }
+        Command::Random(args) => return run_random(g, &args, capacity_mb),
+        Command::GenTrace { agent, format, out } => {
+            let program = agent::generate(&agent.spec()?);
+            let file = std::fs::File::create(&out).map_err(|e| format!("{}: {e}", out.display()))?;
+            let mut w = std::io::BufWriter::new(file);
+            let events = export::export(&program, format, &mut w)?;
+            std::io::Write::flush(&mut w).map_err(|e| e.to_string())?;
+            eprintln!("wrote {events} events to {}", out.display());
+            return Ok(0);
+        }
+    };
+    let parse_s = started.elapsed().as_secs_f64();
+    if g.timing {
+        eprintln!("timing: {} ops built in {:.3} s", program.ops.len(), parse_s);
+    }
+    let names: Vec<String> =
+        if g.compare.is_empty() { defaults.iter().map(|s| s.to_string()).collect() } else { g.compare.clone() };
+    let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: program.devices };
+    let mut configs = compare::resolve(&names, &base)?;
+    for rc in &mut configs {
+        rc.explain = g.explain;
+    }
+    let mut report = Report { workload, source: program.notes.clone(), parse_s, runs: Vec::new() };
+    for rc in &configs {
+        let pb = progress(&program, rc);
+        let run = replay::run(&program, rc, pb.as_ref(), g.metrics_addr.as_deref())?;
+        if let Some(pb) = pb {
+            pb.finish_and_clear();
+        }
+        if g.timing {
+            eprintln!(
+                "timing: {}: {} ops in {:.3} s ({:.2} Mops/s)",
+                rc.name,
+                run.ops,
+                run.wall_s,
+                run.ops_per_s / 1e6
+            );
+        }
+        report.runs.push(run);
+    }
+    emit(g, &report)?;
+    Ok(0)
+}
+
+fn progress(program: &Program, rc: &RunConfig) -> Option<ProgressBar> {
+    if !std::io::stderr().is_terminal() {
+        return None;
+    }
+    let pb = ProgressBar::new(program.ops.len() as u64);
+    if let Ok(style) = ProgressStyle::with_template("{msg:>24} [{bar:40}] {pos}/{len} ops ({eta})") {
+        pb.set_style(style.progress_chars("=> "));
+    }
+    pb.set_message(rc.name.clone());
+    Some(pb)
+}
+
+fn emit(g: &Global, report: &Report) -> Result<(), String> {
+    if g.json {
+        let v = report.to_json(g.per_step, false);
+        println!("{}", serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?);
+    } else {
+        print!("{}", report::table(report));
+        if g.per_step {
+            for run in &report.runs {
+                print!("{}", report::step_table(run));
+            }
+        }
+    }
+    if let Some(path) = &g.plot {
+        std::fs::write(path, report::svg(report)).map_err(|e| format!("{}: {e}", path.display()))?;
+        eprintln!("plot written to {}", path.display());
+    }
+    Ok(())
+}
+
+fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, String> {
+    let names: Vec<String> = if g.compare.is_empty() {
+        compare::DEFAULT_OTHER.iter().map(|s| s.to_string()).collect()
+    } else {
+        g.compare.clone()
+    };
+    let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: 1 };
+    let configs = compare::resolve(&names, &base)?;
+    let mut report = Report {
+        workload: format!(
+            "random ({} threads x {} ops, {:?} sizes, seed {})",
+            args.threads, args.ops, args.sizes, args.seed
+        ),
+        ..Default::default()
+    };
+    let mut checks = Vec::new();
+    for rc in &configs {
+        let (run, integrity) = random::run(args, rc)?;
+        if g.timing {
+            eprintln!(
+                "timing: {}: {} ops in {:.3} s ({:.2} Mops/s)",
+                rc.name,
+                run.ops,
+                run.wall_s,
+                run.ops_per_s / 1e6
+            );
+        }
+        report.runs.push(run);
+        checks.push(integrity);
+    }
+    if g.json {
+        let mut v = report.to_json(false, false);
+        v["integrity"] = serde_json::to_value(&checks).map_err(|e| e.to_string())?;
+        println!("{}", serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?);
+    } else {
+        print!("{}", report::table(&report));
+        for c in &checks {
+            println!(
+                "integrity of {}: {} overlapping live blocks, invariants {}, {} bytes leaked, {} refused calls{}",
+                c.config,
+                c.overlaps,
+                match &c.invariants {
+                    Ok(()) => "hold".to_string(),
+                    Err(e) => format!("BROKEN ({e})"),
+                },
+                c.leaked_bytes,
+                c.refused_calls,
+                c.first_refusal.as_ref().map_or(String::new(), |f| format!(" (first: {f})"))
+            );
+        }
+    }
+    Ok(if checks.iter().all(|c| c.ok()) { 0 } else { 1 })
+}

@@ -1,0 +1,16 @@
+//! stepalloc-stress as a library: the pieces of the `stepalloc-stress` binary, public so the
+//! tests in `stress/tests/` drive them directly.
+//!
+//! Layers: workloads (`workload::agent`, `workload::random`) and trace readers (`trace`) produce
+//! an event stream (`ops::Program`); `replay::run` plays it against one `stepalloc::Allocator`
+//! per configuration (`compare`); `report` prints, serialises and plots the results.
+
+#![deny(unsafe_code)]
+
+pub mod compare;
+pub mod export;
+pub mod ops;
+pub mod replay;
+pub mod report;
+pub mod trace;
+pub mod workload;

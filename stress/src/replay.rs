@@ -1,0 +1,334 @@
+//! The runner: plays one `Program` against one `Allocator` and measures what happened.
+//!
+//! Invariants: the runner never frees an id it did not allocate (an allocation that ran out of
+//! memory is counted and its later free and record_stream are skipped); the physical floor is
+//! the peak of live requested bytes as the runner itself counts them, independent of the
+//! allocator; peaks of allocated and reserved bytes come from the allocator's statistics
+//! (summed over devices).
+
+use crate::ops::{Op, Program};
+use crate::report::{PeakExplanation, RunReport, Sample, StepReport};
+use indicatif::ProgressBar;
+use serde::Serialize;
+use std::sync::Arc;
+use std::time::Instant;
+use stepalloc::{Allocator, Config, Error, Stream};
+
+/// Points of the reserved/allocated/requested timeline kept per run (for `--plot`).
+pub const TIMELINE_POINTS: usize = 1500;
+
+/// One configuration to run: a display name, the allocator configuration and the runner's
+/// own emulation of user behaviour.
+#[derive(Clone, Debug, PartialEq, Serialize)]
+pub struct RunConfig {
+    pub name: String,
+    /// The full configuration string given to the allocator (base keys included).
+    pub conf: String,
+    /// Emulate a user calling `torch.cuda.empty_cache()` after every step.
+    pub empty_cache_every_step: bool,
+    /// Describe the heap at its peak of reserved bytes (`PeakExplanation`); costs a statistics
+    /// read per allocation.
+    pub explain: bool,
+}
+
+/// Runs `program` under `rc`. `metrics_addr`: serve live metrics while it runs.
+pub fn run(
+    program: &Program,
+    rc: &RunConfig,
+    progress: Option<&ProgressBar>,
+    metrics_addr: Option<&str>,
+) -> Result<RunReport, String> {
+    let config = Config::parse(&rc.conf).map_err(|e| format!("configuration `{}`: {e}", rc.conf))?;
+    let devices = config.sim.devices.max(1);
+    if config.backend == stepalloc::BackendKind::Sim && devices < program.devices as usize {
+        return Err(format!("the program uses {} devices but the configuration has {devices}", program.devices));
+    }
+    let allocator = Arc::new(Allocator::new(config).map_err(|e| format!("cannot create the allocator: {e}"))?);
+    let _server = match metrics_addr {
+        Some(addr) => match stepalloc::metrics::serve(allocator.clone(), addr) {
+            Ok(server) => {
+                eprintln!("serving live metrics of `{}` on http://{}/metrics", rc.name, server.addr);
+                Some(server)
+            }
+            Err(e) => {
+                eprintln!("warning: metrics endpoint not started: {e}");
+                None
+            }
+        },
+        None => None,
+    };
+    let mut runner = Runner::new(&allocator, program);
+    runner.explain = rc.explain;
+    let started = Instant::now();
+    let stride = (program.ops.len() / TIMELINE_POINTS).max(1);
+    for (i, &op) in program.ops.iter().enumerate() {
+        runner.apply(op, i, rc.empty_cache_every_step)?;
+        if i % stride == 0 {
+            runner.sample(i as u64);
+        }
+        if i % 8192 == 0 {
+            if let Some(pb) = progress {
+                pb.set_position(i as u64);
+            }
+        }
+    }
+    let wall = started.elapsed().as_secs_f64();
+    runner.sample(program.ops.len() as u64);
+    if let Err(e) = allocator.check_invariants() {
+        return Err(format!("allocator invariants broken after `{}`: {e}", rc.name));
+    }
+    Ok(runner.finish(rc, program, wall))
+}
+
+struct Live {
+    device: u16,
+    ptr: u64,
+    size: u64,
+}
+
+struct Runner<'a> {
+    allocator: &'a Allocator,
+    phases: &'a [String],
+    devices: usize,
+    /// By id: the live allocation, if any.
+    live: Vec<Option<Live>>,
+    requested: u64,
+    floor: u64,
+    ooms: u64,
+    skipped_frees: u64,
+    errors: u64,
+    first_error: Option<String>,
+    steps: Vec<StepReport>,
+    step_floor: u64,
+    step_ooms: u64,
+    step_reserved_begin: u64,
+    step_index_op: usize,
+    ext_frag_at_step_end: Vec<f64>,
+    int_frag_samples: Vec<f64>,
+    timeline: Vec<Sample>,
+    explain: bool,
+    explained_at: u64,
+    explanation: Option<PeakExplanation>,
+}
+
+impl<'a> Runner<'a> {
+    fn new(allocator: &'a Allocator, program: &'a Program) -> Runner<'a> {
+        let mut live = Vec::with_capacity(program.ids as usize);
+        live.resize_with(program.ids as usize, || None);
+        Runner {
+            allocator,
+            phases: &program.phases,
+            devices: allocator.device_count(),
+            live,
+            requested: 0,
+            floor: 0,
+            ooms: 0,
+            skipped_frees: 0,
+            errors: 0,
+            first_error: None,
+            steps: Vec::new(),
+            step_floor: 0,
+            step_ooms: 0,
+            step_reserved_begin: 0,
+            step_index_op: 0,
+            ext_frag_at_step_end: Vec::new(),
+            int_frag_samples: Vec::new(),
+            timeline: Vec::with_capacity(TIMELINE_POINTS + 8),
+            explain: false,
+            explained_at: 0,
+            explanation: None,
+        }
+    }
+
+    fn note_error(&mut self, what: String) {
+        self.errors += 1;
+        if self.first_error.is_none() {
+            self.first_error = Some(what);
+        }
+    }
+
+    fn apply(&mut self, op: Op, index: usize, empty_cache_every_step: bool) -> Result<(), String> {
+        match op {
+            Op::Alloc { id, size, stream, device } => {
+                match self.allocator.malloc(device as usize, size, Stream(stream)) {
+                    Ok(ptr) => {
+                        self.live[id as usize] = Some(Live { device, ptr, size });
+                        self.requested += size;
+                        self.floor = self.floor.max(self.requested);
+                        self.step_floor = self.step_floor.max(self.requested);
+                        if self.explain {
+                            self.maybe_explain(device as usize);
+                        }
+                    }
+                    Err(Error::OutOfMemory(_)) => {
+                        self.ooms += 1;
+                        self.step_ooms += 1;
+                    }
+                    Err(e) => self.note_error(format!("op {index}: malloc of {size} bytes: {e}")),
+                }
+            }
+            Op::Free { id } => match self.live.get_mut(id as usize).and_then(Option::take) {
+                Some(l) => {
+                    self.requested -= l.size;
+                    if let Err(e) = self.allocator.free(l.device as usize, l.ptr, l.size) {
+                        self.note_error(format!("op {index}: free of {:#x}: {e}", l.ptr));
+                    }
+                }
+                None => self.skipped_frees += 1,
+            },
+            Op::RecordStream { id, stream } => {
+                if let Some(Some(l)) = self.live.get(id as usize) {
+                    if let Err(e) = self.allocator.record_stream(l.device as usize, l.ptr, Stream(stream)) {
+                        self.note_error(format!("op {index}: record_stream: {e}"));
+                    }
+                }
+            }
+            Op::StepBegin { phase } => {
+                let name = self.phases.get(phase as usize).map_or("step", String::as_str);
+                self.allocator.step_begin(name).map_err(|e| format!("op {index}: step_begin: {e}"))?;
+                self.step_floor = self.requested;
+                self.step_ooms = 0;
+                self.step_index_op = index;
+                let mut reserved = 0;
+                for d in 0..self.devices {
+                    reserved += self.allocator.with_heap(d, |h| h.reserved_at_step_begin()).unwrap_or(0);
+                }
+                self.step_reserved_begin = reserved;
+            }
+            Op::StepEnd => {
+                // External fragmentation as the step leaves the cache, before the step-end policies.
+                let mut cached = 0u64;
+                let mut largest = 0u64;
+                for d in 0..self.devices {
+                    if let Ok(s) = self.allocator.stats(d) {
+                        cached += s.cached_free;
+                        largest = largest.max(s.largest_free_block);
+                    }
+                }
+                self.ext_frag_at_step_end.push(if cached == 0 { 0.0 } else { 1.0 - largest as f64 / cached as f64 });
+                let figures = self.allocator.step_end().map_err(|e| format!("op {index}: step_end: {e}"))?;
+                if empty_cache_every_step {
+                    self.allocator.empty_cache().map_err(|e| format!("op {index}: empty_cache: {e}"))?;
+                }
+                let mut step = StepReport {
+                    step: figures.first().map_or(0, |f| f.steps),
+                    phase: figures.first().map(|f| f.phase.clone()).unwrap_or_default(),
+                    first_op: self.step_index_op as u64,
+                    peak_requested: self.step_floor,
+                    reserved_at_begin: self.step_reserved_begin,
+                    ooms: self.step_ooms,
+                    ..Default::default()
+                };
+                for f in &figures {
+                    step.peak_allocated += f.peak_allocated;
+                    step.peak_reserved += f.peak_reserved;
+                    step.device_mallocs += f.device_mallocs;
+                }
+                step.reserved_at_end = self.current_reserved();
+                step.fragmentation = if step.peak_reserved == 0 {
+                    0.0
+                } else {
+                    1.0 - step.peak_allocated as f64 / step.peak_reserved as f64
+                };
+                self.steps.push(step);
+            }
+            Op::EmptyCache => {
+                self.allocator.empty_cache().map_err(|e| format!("op {index}: empty_cache: {e}"))?;
+            }
+            Op::Advance { ns } => self.allocator.advance_time(ns),
+        }
+        Ok(())
+    }
+
+    /// Records what holds the reserved bytes when they pass the last recorded peak by more than
+    /// 1% (so the description is of a moment within 1% of the true peak).
+    fn maybe_explain(&mut self, device: usize) {
+        let Ok(stats) = self.allocator.stats(device) else { return };
+        let reserved = stats.heap.reserved_bytes.all.current;
+        if reserved <= self.explained_at + self.explained_at / 100 {
+            return;
+        }
+        self.explained_at = reserved;
+        let Ok((segments, live)) = self.allocator.with_heap(device, |h| (h.segments(), h.live_blocks())) else {
+            return;
+        };
+        self.explanation = Some(PeakExplanation::of(device, &stats, self.requested, segments, &live));
+    }
+
+    fn current_reserved(&self) -> u64 {
+        (0..self.devices).filter_map(|d| self.allocator.stats(d).ok()).map(|s| s.heap.reserved_bytes.all.current).sum()
+    }
+
+    fn sample(&mut self, op: u64) {
+        let (mut allocated, mut reserved, mut requested) = (0, 0, 0);
+        for d in 0..self.devices {
+            if let Ok(s) = self.allocator.stats(d) {
+                allocated += s.heap.allocated_bytes.all.current;
+                reserved += s.heap.reserved_bytes.all.current;
+                requested += s.heap.requested_bytes.all.current;
+            }
+        }
+        if allocated > 0 {
+            self.int_frag_samples.push(1.0 - requested as f64 / allocated as f64);
+        }
+        self.timeline.push(Sample { op, requested: self.requested, allocated, reserved });
+    }
+
+    fn finish(self, rc: &RunConfig, program: &Program, wall: f64) -> RunReport {
+        let mut r = RunReport { name: rc.name.clone(), conf: rc.conf.clone(), ..Default::default() };
+        for d in 0..self.devices {
+            let Ok(s) = self.allocator.stats(d) else { continue };
+            let h = &s.heap;
+            r.peak_allocated += h.allocated_bytes.all.peak;
+            r.peak_reserved += h.reserved_bytes.all.peak;
+            r.stats_peak_requested += h.requested_bytes.all.peak;
+            r.device_mallocs += h.num_device_alloc;
+            r.device_frees += h.num_device_free;
+            r.device_malloc_time_s += s.driver_time.reserve_ns as f64 * 1e-9;
+            r.device_free_time_s += s.driver_time.release_ns as f64 * 1e-9;
+            r.alloc_retries += h.num_alloc_retries;
+            r.final_reserved += h.reserved_bytes.all.current;
+        }
+        r.ops = program.ops.len() as u64;
+        r.floor = self.floor;
+        r.reserved_over_floor = ratio(r.peak_reserved, r.floor);
+        r.allocated_over_floor = ratio(r.peak_allocated, r.floor);
+        r.ooms = self.ooms;
+        r.skipped_frees = self.skipped_frees;
+        r.errors = self.errors;
+        r.first_error = self.first_error;
+        r.steps_count = self.steps.len() as u64;
+        r.reserved_at_step_begin_mean = mean(self.steps.iter().map(|s| s.reserved_at_begin as f64));
+        r.reserved_at_step_end_mean = mean(self.steps.iter().map(|s| s.reserved_at_end as f64));
+        r.step_fragmentation_mean = mean(self.steps.iter().map(|s| s.fragmentation));
+        r.external_fragmentation_mean = mean(self.ext_frag_at_step_end.iter().copied());
+        r.internal_fragmentation_mean = mean(self.int_frag_samples.iter().copied());
+        r.wall_s = wall;
+        r.ops_per_s = if wall > 0.0 { r.ops as f64 / wall } else { 0.0 };
+        r.steps = self.steps;
+        r.timeline = self.timeline;
+        r.peak_explanation = self.explanation;
+        r
+    }
+}
+
+pub fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+fn mean(values: impl Iterator<Item = f64>) -> f64 {
+    let (mut sum, mut n) = (0.0, 0usize);
+    for v in values {
+        sum += v;
+        n += 1;
+    }
+    if n == 0 {
+        0.0
+    } else {
+        sum / n as f64
+    }
+}

@@ -1,0 +1,399 @@
+//! Reports: plain data gathered by the runner, printed as a table, as JSON, or drawn as SVG.
+//!
+//! Wall-clock fields (`wall_s`, `ops_per_s`, `parse_s`) are the only ones that differ between
+//! two runs of the same seed; `without_wall_clock` removes them for comparisons.
+
+use crate::ops::SourceNotes;
+use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
+use serde::Serialize;
+use std::fmt::Write as _;
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Sample {
+    pub op: u64,
+    pub requested: u64,
+    pub allocated: u64,
+    pub reserved: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct StepReport {
+    pub step: u64,
+    pub phase: String,
+    /// Index of the step's `StepBegin` in the event stream.
+    pub first_op: u64,
+    /// Peak live requested bytes within the step (the step's floor).
+    pub peak_requested: u64,
+    pub peak_allocated: u64,
+    pub peak_reserved: u64,
+    /// Reserved when the step began, after phase trims.
+    pub reserved_at_begin: u64,
+    /// Reserved after the step-end policies (and the emulated empty_cache, if any).
+    pub reserved_at_end: u64,
+    pub device_mallocs: u64,
+    /// 1 - peak allocated / peak reserved within the step.
+    pub fragmentation: f64,
+    pub ooms: u64,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct RunReport {
+    pub name: String,
+    pub conf: String,
+    pub ops: u64,
+    /// Peak live requested bytes (the physical floor), counted by the runner.
+    pub floor: u64,
+    /// The allocator's own peak of requested bytes (equals `floor` on one device).
+    pub stats_peak_requested: u64,
+    pub peak_allocated: u64,
+    pub peak_reserved: u64,
+    pub reserved_over_floor: f64,
+    pub allocated_over_floor: f64,
+    pub final_reserved: u64,
+    pub steps_count: u64,
+    pub reserved_at_step_begin_mean: f64,
+    pub reserved_at_step_end_mean: f64,
+    /// Mean over steps of 1 - largest free block / cached free bytes, at each step's end.
+    pub external_fragmentation_mean: f64,
+    /// Mean over timeline samples of 1 - requested / allocated.
+    pub internal_fragmentation_mean: f64,
+    /// Mean over steps of 1 - peak allocated / peak reserved.
+    pub step_fragmentation_mean: f64,
+    pub device_mallocs: u64,
+    pub device_frees: u64,
+    /// Modelled (sim cost model) or measured time in device malloc / free.
+    pub device_malloc_time_s: f64,
+    pub device_free_time_s: f64,
+    pub alloc_retries: u64,
+    pub ooms: u64,
+    /// Frees skipped because their allocation had failed (OOM) or was never made.
+    pub skipped_frees: u64,
+    /// Calls the allocator refused for another reason than out of memory (should be 0).
+    pub errors: u64,
+    pub first_error: Option<String>,
+    pub wall_s: f64,
+    pub ops_per_s: f64,
+    pub steps: Vec<StepReport>,
+    pub timeline: Vec<Sample>,
+    /// With `--explain`: what held the reserved bytes at (within 1% of) their peak.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_explanation: Option<PeakExplanation>,
+}
+
+/// Where the reserved bytes sat at the peak: live blocks, free space inside segments that hold
+/// live blocks, and whole free (cached, releasable) segments by size.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PeakExplanation {
+    pub device: usize,
+    pub reserved: u64,
+    pub allocated: u64,
+    /// Live requested bytes on all devices at that moment.
+    pub requested: u64,
+    pub segments: u64,
+    /// Free bytes inside segments that also hold live blocks (not releasable without moving data).
+    pub free_in_used_segments: u64,
+    pub whole_free_segments: u64,
+    pub whole_free_bytes: u64,
+    /// The most common sizes of whole free segments: (size in bytes, count), largest total first.
+    pub whole_free_by_size: Vec<(u64, u64)>,
+}
+
+impl PeakExplanation {
+    /// Builds the description from the heap's segments (address, size, small) and live blocks
+    /// (address, block size, requested, stream).
+    pub fn of(
+        device: usize,
+        stats: &stepalloc::DeviceStats,
+        requested: u64,
+        mut segments: Vec<(u64, u64, bool)>,
+        live: &[(u64, u64, u64, stepalloc::Stream)],
+    ) -> PeakExplanation {
+        segments.sort_unstable();
+        let mut used = vec![0u64; segments.len()];
+        for &(addr, size, _, _) in live {
+            // The segment holding the block: the last one starting at or below its address.
+            let i = segments.partition_point(|s| s.0 <= addr);
+            if i > 0 {
+                used[i - 1] += size;
+            }
+        }
+        let mut e = PeakExplanation {
+            device,
+            reserved: stats.heap.reserved_bytes.all.current,
+            allocated: stats.heap.allocated_bytes.all.current,
+            requested,
+            segments: segments.len() as u64,
+            ..Default::default()
+        };
+        let mut by_size = std::collections::BTreeMap::<u64, u64>::new();
+        for (seg, &u) in segments.iter().zip(&used) {
+            if u == 0 {
+                e.whole_free_segments += 1;
+                e.whole_free_bytes += seg.1;
+                *by_size.entry(seg.1).or_default() += 1;
+            } else {
+                e.free_in_used_segments += seg.1.saturating_sub(u);
+            }
+        }
+        let mut sizes: Vec<(u64, u64)> = by_size.into_iter().collect();
+        sizes.sort_by_key(|&(size, n)| std::cmp::Reverse(size * n));
+        sizes.truncate(6);
+        e.whole_free_by_size = sizes;
+        e
+    }
+
+    pub fn describe(&self, name: &str) -> String {
+        let sizes: Vec<String> =
+            self.whole_free_by_size.iter().map(|(size, n)| format!("{n} x {} MiB", size >> 20)).collect();
+        format!(
+            "{name}: at peak reserved {} GiB on device {}: allocated {} GiB (requested {} GiB); {} GiB free inside \
+             segments holding live blocks; {} whole free segments = {} GiB ({})",
+            gib(self.reserved),
+            self.device,
+            gib(self.allocated),
+            gib(self.requested),
+            gib(self.free_in_used_segments),
+            self.whole_free_segments,
+            gib(self.whole_free_bytes),
+            if sizes.is_empty() { "none".to_string() } else { sizes.join(", ") }
+        )
+    }
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Report {
+    pub workload: String,
+    pub source: SourceNotes,
+    /// Seconds spent generating or parsing the event stream.
+    pub parse_s: f64,
+    pub runs: Vec<RunReport>,
+}
+
+impl Report {
+    /// The report as JSON; `timeline` and per-step figures only when asked for.
+    pub fn to_json(&self, per_step: bool, timeline: bool) -> serde_json::Value {
+        let mut v = serde_json::to_value(self).unwrap_or_default();
+        if let Some(runs) = v.get_mut("runs").and_then(|r| r.as_array_mut()) {
+            for run in runs {
+                if let Some(obj) = run.as_object_mut() {
+                    if !per_step {
+                        obj.remove("steps");
+                    }
+                    if !timeline {
+                        obj.remove("timeline");
+                    }
+                }
+            }
+        }
+        v
+    }
+}
+
+/// Removes the wall-clock fields from a JSON report (for comparing two runs).
+pub fn without_wall_clock(mut v: serde_json::Value) -> serde_json::Value {
+    if let Some(obj) = v.as_object_mut() {
+        obj.remove("parse_s");
+    }
+    if let Some(runs) = v.get_mut("runs").and_then(|r| r.as_array_mut()) {
+        for run in runs {
+            if let Some(obj) = run.as_object_mut() {
+                obj.remove("wall_s");
+                obj.remove("ops_per_s");
+            }
+        }
+    }
+    v
+}
+
+pub fn gib(bytes: u64) -> String {
+    format!("{:.2}", bytes as f64 / (1u64 << 30) as f64)
+}
+
+fn pct(x: f64) -> String {
+    format!("{:.1}%", x * 100.0)
+}
+
+/// The side-by-side table of every run.
+pub fn table(report: &Report) -> String {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    let mut header = vec!["".to_string()];
+    header.extend(report.runs.iter().map(|r| r.name.clone()));
+    t.set_header(header);
+    type Row = (&'static str, fn(&RunReport) -> String);
+    let rows: &[Row] = &[
+        ("peak requested (floor), GiB", |r| gib(r.floor)),
+        ("peak allocated, GiB", |r| gib(r.peak_allocated)),
+        ("peak reserved, GiB", |r| gib(r.peak_reserved)),
+        ("reserved / floor", |r| format!("{:.3}x", r.reserved_over_floor)),
+        ("reserved at step begin (mean), GiB", |r| gib(r.reserved_at_step_begin_mean as u64)),
+        ("reserved at step end (mean), GiB", |r| gib(r.reserved_at_step_end_mean as u64)),
+        ("external fragmentation (step ends)", |r| pct(r.external_fragmentation_mean)),
+        ("internal fragmentation", |r| pct(r.internal_fragmentation_mean)),
+        ("step fragmentation", |r| pct(r.step_fragmentation_mean)),
+        ("device mallocs / frees", |r| format!("{} / {}", r.device_mallocs, r.device_frees)),
+        ("device malloc / free time, ms", |r| {
+            format!("{:.1} / {:.1}", r.device_malloc_time_s * 1e3, r.device_free_time_s * 1e3)
+        }),
+        ("alloc retries (OOM path ran)", |r| r.alloc_retries.to_string()),
+        ("OOMs", |r| r.ooms.to_string()),
+        ("steps", |r| r.steps_count.to_string()),
+        ("ops", |r| r.ops.to_string()),
+        ("throughput, Mops/s", |r| format!("{:.2}", r.ops_per_s / 1e6)),
+    ];
+    for (label, f) in rows {
+        let mut row = vec![label.to_string()];
+        row.extend(report.runs.iter().map(f));
+        t.add_row(row);
+    }
+    for (i, column) in t.column_iter_mut().enumerate() {
+        if i > 0 {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    let mut out = format!("workload: {}\n", report.workload);
+    let n = &report.source;
+    if n.unknown_frees + n.duplicate_allocs + n.ignored_events + n.recorded_failures > 0 {
+        let _ = writeln!(
+            out,
+            "trace: {} frees of unknown addresses skipped, {} duplicate allocations, {} other events ignored, {} failures recorded",
+            n.unknown_frees, n.duplicate_allocs, n.ignored_events, n.recorded_failures
+        );
+    }
+    if let Some(native) = &n.native {
+        let _ = writeln!(
+            out,
+            "PyTorch's native allocator in this snapshot: peak reserved {} GiB, reserved at snapshot {} GiB ({} segment allocs, {} segment frees)",
+            native.peak_reserved.map_or("?".into(), gib),
+            native.current_reserved.map_or("?".into(), gib),
+            native.segment_allocs,
+            native.segment_frees
+        );
+    }
+    out.push_str(&t.to_string());
+    out.push('\n');
+    for r in &report.runs {
+        let _ = writeln!(out, "  {} = `{}`", r.name, r.conf);
+    }
+    for r in &report.runs {
+        if let Some(e) = &r.peak_explanation {
+            let _ = writeln!(out, "{}", e.describe(&r.name));
+        }
+    }
+    for r in &report.runs {
+        if let Some(e) = &r.first_error {
+            let _ = writeln!(out, "{}: {} refused calls; first: {e}", r.name, r.errors);
+        }
+    }
+    out
+}
+
+/// Per-step table of one run.
+pub fn step_table(run: &RunReport) -> String {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header(vec![
+        "step",
+        "phase",
+        "floor GiB",
+        "peak alloc GiB",
+        "peak resv GiB",
+        "resv begin GiB",
+        "resv end GiB",
+        "dev mallocs",
+        "frag",
+        "OOMs",
+    ]);
+    for s in &run.steps {
+        t.add_row(vec![
+            s.step.to_string(),
+            s.phase.clone(),
+            gib(s.peak_requested),
+            gib(s.peak_allocated),
+            gib(s.peak_reserved),
+            gib(s.reserved_at_begin),
+            gib(s.reserved_at_end),
+            s.device_mallocs.to_string(),
+            pct(s.fragmentation),
+            s.ooms.to_string(),
+        ]);
+    }
+    format!("per step: {}\n{t}\n", run.name)
+}
+
+/// Reserved / allocated / requested over time, one panel per configuration, same scales.
+pub fn svg(report: &Report) -> String {
+    const W: f64 = 900.0;
+    const PANEL_H: f64 = 180.0;
+    const LEFT: f64 = 70.0;
+    const RIGHT: f64 = 20.0;
+    const TOP: f64 = 40.0;
+    const GAP: f64 = 50.0;
+    let runs = &report.runs;
+    let max_y =
+        runs.iter().flat_map(|r| r.timeline.iter()).map(|s| s.reserved.max(s.allocated)).max().unwrap_or(1).max(1)
+            as f64;
+    let max_x = runs.iter().flat_map(|r| r.timeline.iter()).map(|s| s.op).max().unwrap_or(1).max(1) as f64;
+    let height = TOP + runs.len() as f64 * (PANEL_H + GAP) + 10.0;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="{height}" viewBox="0 0 {W} {height}" font-family="sans-serif" font-size="12">"#
+    );
+    let _ = writeln!(out, r#"<rect width="100%" height="100%" fill="white"/>"#);
+    let _ = writeln!(
+        out,
+        r#"<text x="{LEFT}" y="20" font-size="14">{}: reserved (blue), allocated (orange), requested (black) over events, GiB</text>"#,
+        xml_escape(&report.workload)
+    );
+    for (i, run) in runs.iter().enumerate() {
+        let y0 = TOP + i as f64 * (PANEL_H + GAP);
+        let sx = |op: u64| LEFT + op as f64 / max_x * (W - LEFT - RIGHT);
+        let sy = |b: u64| y0 + PANEL_H - b as f64 / max_y * PANEL_H;
+        let _ = writeln!(
+            out,
+            r#"<text x="{LEFT}" y="{:.1}" font-weight="bold">{} — peak reserved {} GiB, {:.3}x floor</text>"#,
+            y0 - 6.0,
+            xml_escape(&run.name),
+            gib(run.peak_reserved),
+            run.reserved_over_floor
+        );
+        let _ = writeln!(
+            out,
+            r##"<rect x="{LEFT}" y="{y0}" width="{:.1}" height="{PANEL_H}" fill="none" stroke="#999"/>"##,
+            W - LEFT - RIGHT
+        );
+        for k in 0..=4 {
+            let b = (max_y * k as f64 / 4.0) as u64;
+            let _ = writeln!(
+                out,
+                r##"<text x="{:.1}" y="{:.1}" text-anchor="end" fill="#555">{}</text>"##,
+                LEFT - 6.0,
+                sy(b) + 4.0,
+                gib(b)
+            );
+        }
+        let series: [Series; 3] =
+            [("#1f77b4", |s| s.reserved), ("#ff7f0e", |s| s.allocated), ("#000000", |s| s.requested)];
+        for (color, f) in series {
+            let mut points = String::new();
+            for s in &run.timeline {
+                let _ = write!(points, "{:.1},{:.1} ", sx(s.op), sy(f(s)));
+            }
+            let _ = writeln!(
+                out,
+                r#"<polyline fill="none" stroke="{color}" stroke-width="1.2" points="{}"/>"#,
+                points.trim_end()
+            );
+        }
+    }
+    out.push_str("</svg>\n");
+    out
+}
+
+/// A timeline line: its colour and the figure it draws.
+type Series = (&'static str, fn(&Sample) -> u64);
+
+fn xml_escape(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}

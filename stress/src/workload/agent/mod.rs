@@ -1,0 +1,640 @@
+//! The `agent` workload: a multimodal agent-training loop generated from model dimensions.
+//!
+//! Shape (every dimension is a flag, presets give defaults):
+//! - weights allocated once (decoder, vision encoder, projector, LoRA adapters);
+//! - rollout steps (`step_begin("rollout")`): a batch of episodes generated in lockstep, each of
+//!   1–3 turns; a turn runs the vision encoder (no grad) over the turn's images at their
+//!   resolution, prefills the new tokens and decodes the response token by token; the KV cache
+//!   (one K and one V tensor per layer) is reallocated in chunks as the sequence grows and freed
+//!   when the episode ends; image pixels arrive on a copy stream (`record_stream` onto compute);
+//! - training steps (`step_begin("train")`): a no-grad log-prob pass, then micro-batches of the
+//!   episodes' sequences (packed, so lengths vary) through forward (saved activations per layer,
+//!   or only layer inputs under gradient checkpointing, with recomputation in backward) and
+//!   backward; gradients live until the optimizer step; optimizer state (Adam, fp32 moments)
+//!   is created at the first step and kept;
+//! - the `llm-7b-sft` preset has no rollouts: text-only SFT steps with padded batches of
+//!   variable lengths and a periodic no-grad evaluation step (`step_begin("eval")`).
+//!
+//! Determinism: the same spec and seed give the same event stream (one seeded generator, no
+//! hash-map iteration).
+
+mod spec;
+
+pub use spec::{AgentArgs, AgentSpec, Optimizer, Preset};
+
+use super::lognormal;
+use crate::ops::{Program, ProgramBuilder};
+use rand::{RngExt, SeedableRng};
+use rand_xorshift::XorShiftRng;
+
+const COMPUTE: u64 = 0;
+/// The host-to-device copy stream of the data loader.
+const COPY: u64 = 7;
+
+/// Generates the whole event stream of `spec`.
+pub fn generate(spec: &AgentSpec) -> Program {
+    let mut g = Gen::new(spec);
+    g.weights();
+    if spec.rollout {
+        for _ in 0..spec.iterations {
+            let seqs = g.rollout_step();
+            g.train_step_rl(&seqs);
+        }
+    } else {
+        for i in 0..spec.iterations {
+            g.train_step_sft();
+            if spec.eval_every > 0 && (i + 1) % spec.eval_every == 0 {
+                g.eval_step();
+            }
+        }
+    }
+    g.b.finish()
+}
+
+/// A sequence of a finished episode, as training sees it.
+#[derive(Clone, Debug)]
+struct Sequence {
+    tokens: u64,
+    /// Image token counts (one per image).
+    images: Vec<u64>,
+}
+
+/// A trainable tensor: its parameter elements (grads and optimizer state follow from it).
+struct Trainable {
+    elements: u64,
+    /// Bytes per element of the parameter and its gradient.
+    grad_bytes: u64,
+}
+
+struct Gen<'a> {
+    s: &'a AgentSpec,
+    b: ProgramBuilder,
+    rng: XorShiftRng,
+    trainables: Vec<Trainable>,
+    /// Adam moments, created at the first optimizer step and kept.
+    optimizer_state: Vec<u32>,
+}
+
+impl<'a> Gen<'a> {
+    fn new(s: &'a AgentSpec) -> Gen<'a> {
+        Gen {
+            s,
+            b: ProgramBuilder::new(&format!("agent {} (seed {})", s.preset, s.seed)),
+            rng: XorShiftRng::seed_from_u64(s.seed),
+            trainables: Vec::new(),
+            optimizer_state: Vec::new(),
+        }
+    }
+
+    fn alloc(&mut self, bytes: u64) -> u32 {
+        self.b.alloc(bytes, COMPUTE, 0)
+    }
+
+    fn free(&mut self, id: u32) {
+        self.b.free(id);
+    }
+
+    fn kv_width(&self) -> u64 {
+        self.s.hidden / self.s.heads * self.s.kv_heads
+    }
+
+    /// (in, out) of every projection of a decoder layer.
+    fn decoder_mats(&self) -> [(u64, u64); 7] {
+        let (h, kv, i) = (self.s.hidden, self.kv_width(), self.s.intermediate);
+        [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+    }
+
+    fn first_trainable_layer(&self) -> u64 {
+        match self.s.optimizer {
+            Optimizer::Partial => self.s.layers.saturating_sub(self.s.trainable_layers),
+            _ => 0,
+        }
+    }
+
+    // ----- weights ---------------------------------------------------------------------------
+
+    fn weights(&mut self) {
+        let s = self.s;
+        let e = s.dtype_bytes;
+        self.alloc(s.vocab * s.hidden * e); // embedding
+        let first_trainable = self.first_trainable_layer();
+        for layer in 0..s.layers {
+            self.alloc(s.hidden * e); // input norm
+            for (fan_in, fan_out) in self.decoder_mats() {
+                self.alloc(fan_in * fan_out * e);
+                match s.optimizer {
+                    Optimizer::Lora => {
+                        // Adapters A (r x in) and B (out x r), fp32.
+                        for n in [s.lora_rank * fan_in, fan_out * s.lora_rank] {
+                            self.alloc(n * 4);
+                            self.trainables.push(Trainable { elements: n, grad_bytes: 4 });
+                        }
+                    }
+                    Optimizer::Partial if layer < first_trainable => {}
+                    Optimizer::Partial | Optimizer::Full => {
+                        self.trainables.push(Trainable { elements: fan_in * fan_out, grad_bytes: e })
+                    }
+                }
+            }
+            self.alloc(s.hidden * e); // post-attention norm
+        }
+        self.alloc(s.hidden * e); // final norm
+        self.alloc(s.vocab * s.hidden * e); // lm head
+        if s.vision {
+            let (vh, vi) = (s.vision_hidden, s.vision_intermediate);
+            self.alloc(3 * s.patch * s.patch * vh * e); // patch embedding
+            let max_res = s.resolutions.iter().copied().max().unwrap_or(336);
+            self.alloc(((max_res / s.patch).pow(2) + 1) * vh * e); // position embedding
+            for _ in 0..s.vision_layers {
+                for (n, bias) in [(vh * 3 * vh, 3 * vh), (vh * vh, vh), (vh * vi, vi), (vi * vh, vh)] {
+                    self.alloc(n * e);
+                    self.alloc(bias * e);
+                    if s.train_vision {
+                        self.trainables.push(Trainable { elements: n, grad_bytes: e });
+                    }
+                }
+                self.alloc(2 * vh * e); // norms
+                self.alloc(2 * vh * e);
+            }
+            // Projector: a two-layer MLP from the vision width to the decoder width.
+            self.alloc(vh * s.hidden * e);
+            self.alloc(s.hidden * s.hidden * e);
+        }
+    }
+
+    // ----- sampling ------------------------------------------------------------------------
+
+    fn image_tokens(&mut self) -> u64 {
+        let s = self.s;
+        let r = s.resolutions[self.rng.random_range(0..s.resolutions.len())];
+        (r / s.patch).pow(2)
+    }
+
+    fn images(&mut self, first_turn: bool) -> Vec<u64> {
+        let s = self.s;
+        if !s.vision {
+            return Vec::new();
+        }
+        let n = if first_turn {
+            self.rng.random_range(s.images_min..=s.images_max)
+        } else {
+            // A tool observation is a screenshot about a third of the time.
+            u64::from(self.rng.random_bool(0.3))
+        };
+        (0..n).map(|_| self.image_tokens()).collect()
+    }
+
+    fn response_len(&mut self) -> u64 {
+        let s = self.s;
+        let u: f64 = self.rng.random();
+        s.response_min + ((s.response_max - s.response_min) as f64 * u * u) as u64
+    }
+
+    // ----- vision encoder ------------------------------------------------------------------
+
+    /// Encodes one image of `n` patches without grad; returns the projected embeddings.
+    fn vision_forward_nograd(&mut self, n: u64) -> u32 {
+        let s = self.s;
+        let e = s.dtype_bytes;
+        let side = (n as f64).sqrt() as u64 * s.patch;
+        // Pixels arrive on the copy stream and are handed to the compute stream.
+        let pixels = self.b.alloc(3 * side * side * e, COPY, 0);
+        self.b.record_stream(pixels, COMPUTE);
+        let mut x = self.alloc((n + 1) * s.vision_hidden * e);
+        self.free(pixels);
+        for _ in 0..s.vision_layers {
+            x = self.vision_layer_nograd(n + 1, x);
+        }
+        let mid = self.alloc(n * s.hidden * e);
+        self.free(x);
+        let out = self.alloc(n * s.hidden * e);
+        self.free(mid);
+        out
+    }
+
+    fn vision_layer_nograd(&mut self, n: u64, input: u32) -> u32 {
+        let (vh, vi, e) = (self.s.vision_hidden, self.s.vision_intermediate, self.s.dtype_bytes);
+        let norm = self.alloc(n * vh * e);
+        let qkv = self.alloc(n * 3 * vh * e);
+        self.free(norm);
+        let attn = self.alloc(n * vh * e);
+        self.free(qkv);
+        let res = self.alloc(n * vh * e);
+        self.free(attn);
+        self.free(input);
+        let fc1 = self.alloc(n * vi * e);
+        let out = self.alloc(n * vh * e);
+        self.free(fc1);
+        self.free(res);
+        out
+    }
+
+    /// Trained vision encoder: saves every layer's activations for backward.
+    fn vision_forward_train(&mut self, n: u64, saved: &mut Vec<(u32, u64)>) -> u32 {
+        let s = self.s;
+        let (vh, vi, e) = (s.vision_hidden, s.vision_intermediate, s.dtype_bytes);
+        let side = (n as f64).sqrt() as u64 * s.patch;
+        let pixels = self.b.alloc(3 * side * side * e, COPY, 0);
+        self.b.record_stream(pixels, COMPUTE);
+        let n = n + 1;
+        saved.push((self.alloc(n * vh * e), n * vh * e));
+        self.free(pixels);
+        for _ in 0..s.vision_layers {
+            for bytes in [n * vh * e, n * 3 * vh * e, n * vh * e, n * vh * e, n * vh * e, n * vi * e, n * vi * e] {
+                saved.push((self.alloc(bytes), bytes));
+            }
+        }
+        self.alloc((n - 1) * s.hidden * e)
+    }
+
+    // ----- decoder ---------------------------------------------------------------------------
+
+    /// One decoder layer over `t` tokens without grad (prefill, log-probs, eval, frozen layers).
+    fn layer_nograd(&mut self, t: u64, input: u32) -> u32 {
+        let s = self.s;
+        let (h, kv, i, e) = (s.hidden, self.kv_width(), s.intermediate, s.dtype_bytes);
+        let norm = self.alloc(t * h * e);
+        let qkv = self.alloc(t * (h + 2 * kv) * e);
+        self.free(norm);
+        let attn = self.alloc(t * h * e);
+        self.free(qkv);
+        let res = self.alloc(t * h * e);
+        self.free(attn);
+        self.free(input);
+        let gate_up = self.alloc(t * 2 * i * e);
+        let act = self.alloc(t * i * e);
+        self.free(gate_up);
+        let out = self.alloc(t * h * e);
+        self.free(act);
+        self.free(res);
+        out
+    }
+
+    /// Sizes of the tensors one decoder layer saves for backward over `t` tokens.
+    fn layer_saved_sizes(&self, t: u64) -> Vec<u64> {
+        let s = self.s;
+        let (h, kv, i, e) = (s.hidden, self.kv_width(), s.intermediate, s.dtype_bytes);
+        let mut v = vec![
+            t * 4,           // rms statistics (fp32)
+            t * h * e,       // normed input
+            t * h * e,       // q
+            t * kv * e,      // k
+            t * kv * e,      // v
+            t * h * e,       // attention output
+            t * s.heads * 4, // softmax log-sum-exp (fp32)
+            t * h * e,       // residual
+            t * 4,
+            t * h * e, // normed
+            t * i * e, // gate
+            t * i * e, // up
+            t * i * e, // silu(gate)
+            t * i * e, // product
+        ];
+        if s.optimizer == Optimizer::Lora {
+            // x @ A for every adapted projection.
+            v.extend(std::iter::repeat_n(t * s.lora_rank * e, 7));
+        }
+        v
+    }
+
+    /// Forward of one trained layer. Without checkpointing its activations are appended to
+    /// `saved`; with checkpointing they are freed and only the input stays (in `saved`).
+    fn layer_forward_train(&mut self, t: u64, input: u32, saved: &mut Vec<u32>) -> u32 {
+        let e = self.s.dtype_bytes;
+        let sizes = self.layer_saved_sizes(t);
+        let ids: Vec<u32> = sizes.iter().map(|&b| self.alloc(b)).collect();
+        let out = self.alloc(t * self.s.hidden * e);
+        if self.s.grad_checkpointing {
+            for id in ids {
+                self.free(id);
+            }
+        } else {
+            saved.extend(ids);
+        }
+        saved.push(input);
+        out
+    }
+
+    /// Backward of one trained layer: recompute (checkpointing), gradients per saved tensor
+    /// freed as it is consumed, weight gradients on the first micro-batch.
+    fn layer_backward(&mut self, t: u64, saved: &mut Vec<u32>, grad_out: u32, grads: &mut Vec<u32>, layer: u64) -> u32 {
+        let s = self.s;
+        let e = s.dtype_bytes;
+        let input = saved.pop();
+        let sizes = self.layer_saved_sizes(t);
+        let acts: Vec<u32> = if s.grad_checkpointing {
+            sizes.iter().map(|&b| self.alloc(b)).collect()
+        } else {
+            let n = sizes.len();
+            saved.split_off(saved.len() - n)
+        };
+        let mut grad = grad_out;
+        for (&act, &bytes) in acts.iter().zip(&sizes).rev() {
+            if bytes > t * 8 {
+                let g = self.alloc(bytes);
+                self.free(grad);
+                grad = g;
+            }
+            self.free(act);
+        }
+        if grads.len() < self.trainables_of_layer_end(layer) {
+            self.layer_weight_grads(layer, grads);
+        }
+        let grad_in = self.alloc(t * s.hidden * e);
+        self.free(grad);
+        if let Some(input) = input {
+            self.free(input);
+        }
+        grad_in
+    }
+
+    /// Trainables are pushed layer by layer for the decoder: index range of `layer`'s.
+    fn trainables_per_layer(&self) -> usize {
+        match self.s.optimizer {
+            Optimizer::Lora => 14,
+            Optimizer::Partial | Optimizer::Full => 7,
+        }
+    }
+
+    fn trainables_of_layer_end(&self, layer: u64) -> usize {
+        let first = self.first_trainable_layer();
+        if layer < first {
+            return 0;
+        }
+        // Gradients are created from the last layer down, so layer L's are complete once
+        // (layers - L) layers' worth exist.
+        ((self.s.layers - layer) as usize) * self.trainables_per_layer()
+    }
+
+    fn layer_weight_grads(&mut self, layer: u64, grads: &mut Vec<u32>) {
+        let per = self.trainables_per_layer();
+        let base = (layer - self.first_trainable_layer()) as usize * per;
+        for k in 0..per {
+            let (n, gb) = match self.trainables.get(base + k) {
+                Some(tr) => (tr.elements, tr.grad_bytes),
+                None => continue,
+            };
+            grads.push(self.alloc(n * gb));
+        }
+    }
+
+    /// Logits (bf16 and their fp32 copy) and the loss over `t` tokens; returns what backward
+    /// needs (the fp32 logits) after freeing the rest.
+    fn logits_and_loss(&mut self, t: u64, hidden: u32) -> (u32, u32) {
+        let s = self.s;
+        let norm = self.alloc(t * s.hidden * s.dtype_bytes);
+        self.free(hidden);
+        let logits = self.alloc(t * s.vocab * s.dtype_bytes);
+        let logits32 = self.alloc(t * s.vocab * 4);
+        self.free(logits);
+        let loss = self.alloc(t * 4);
+        self.free(loss);
+        (norm, logits32)
+    }
+
+    /// Forward without grad over `t` tokens with the output logits freed at once (log-probs,
+    /// evaluation).
+    fn forward_nograd(&mut self, t: u64) {
+        let s = self.s;
+        let mut x = self.alloc(t * s.hidden * s.dtype_bytes);
+        for _ in 0..s.layers {
+            x = self.layer_nograd(t, x);
+        }
+        let (norm, logits32) = self.logits_and_loss(t, x);
+        let logp = self.alloc(t * 4);
+        self.free(logits32);
+        self.free(norm);
+        self.free(logp);
+    }
+
+    /// One micro-batch of `t` tokens (with `images` image token counts) forward and backward.
+    fn micro_batch(&mut self, t: u64, images: &[u64], grads: &mut Vec<u32>) {
+        let s = self.s;
+        let e = s.dtype_bytes;
+        // Vision: frozen encoders run without grad; trained ones keep activations.
+        let mut vision_saved = Vec::new();
+        let mut image_embeds = Vec::new();
+        for &n in images {
+            let out = if s.train_vision {
+                self.vision_forward_train(n, &mut vision_saved)
+            } else {
+                self.vision_forward_nograd(n)
+            };
+            image_embeds.push(out);
+        }
+        let mut x = self.alloc(t * s.hidden * e); // input embeddings (text + image tokens)
+        for id in image_embeds {
+            self.free(id);
+        }
+        let first = self.first_trainable_layer();
+        let mut saved = Vec::new();
+        for layer in 0..s.layers {
+            x = if layer < first { self.layer_nograd(t, x) } else { self.layer_forward_train(t, x, &mut saved) };
+        }
+        let (norm, logits32) = self.logits_and_loss(t, x);
+        // Backward.
+        let dlogits = self.alloc(t * s.vocab * 4);
+        self.free(logits32);
+        let mut grad = self.alloc(t * s.hidden * e);
+        self.free(dlogits);
+        self.free(norm);
+        for layer in (first..s.layers).rev() {
+            grad = self.layer_backward(t, &mut saved, grad, grads, layer);
+        }
+        self.free(grad);
+        // The vision encoder's backward (when trained) frees its activations in reverse.
+        // Gradients of the same size as each saved activation, freed as they are consumed.
+        let mut grad = None;
+        while let Some((id, bytes)) = vision_saved.pop() {
+            let g = self.alloc(bytes);
+            if let Some(previous) = grad.replace(g) {
+                self.free(previous);
+            }
+            self.free(id);
+        }
+        if let Some(g) = grad {
+            self.free(g);
+        }
+        if s.train_vision && grads.len() < self.trainables.len() {
+            let start = grads.len();
+            for k in start..self.trainables.len() {
+                let bytes = self.trainables[k].elements * self.trainables[k].grad_bytes;
+                grads.push(self.alloc(bytes));
+            }
+        }
+    }
+
+    /// Adam: moments created at the first step and kept; a temporary per tensor; then the
+    /// gradients are dropped (`zero_grad(set_to_none=True)`).
+    fn optimizer_step(&mut self, grads: Vec<u32>) {
+        if self.optimizer_state.is_empty() {
+            for k in 0..self.trainables.len() {
+                let n = self.trainables[k].elements;
+                let m = self.alloc(n * 4);
+                let v = self.alloc(n * 4);
+                self.optimizer_state.extend([m, v]);
+            }
+        }
+        for k in 0..self.trainables.len() {
+            let tmp = self.alloc(self.trainables[k].elements * 4);
+            self.free(tmp);
+        }
+        for g in grads {
+            self.free(g);
+        }
+    }
+
+    // ----- steps ---------------------------------------------------------------------------
+
+    fn ensure_kv(&mut self, kv: &mut Vec<u32>, cap: &mut u64, need: u64) {
+        if need <= *cap {
+            return;
+        }
+        let s = self.s;
+        let new_cap = need.div_ceil(s.kv_chunk) * s.kv_chunk;
+        let bytes = s.rollout_batch * new_cap * self.kv_width() * s.dtype_bytes;
+        if kv.is_empty() {
+            for _ in 0..2 * s.layers {
+                kv.push(self.alloc(bytes));
+            }
+        } else {
+            // torch.cat into a larger tensor, then the old one is dropped; layer by layer.
+            for slot in kv.iter_mut() {
+                let new = self.b.alloc(bytes, COMPUTE, 0);
+                self.b.free(*slot);
+                *slot = new;
+            }
+        }
+        *cap = new_cap;
+    }
+
+    /// One rollout step: a batch of episodes generated in lockstep. Returns the sequences.
+    fn rollout_step(&mut self) -> Vec<Sequence> {
+        let s = self.s;
+        let e = s.dtype_bytes;
+        let b = s.rollout_batch;
+        self.b.step_begin("rollout");
+        let mut seqs: Vec<Sequence> = (0..b).map(|_| Sequence { tokens: 0, images: Vec::new() }).collect();
+        let turns = self.rng.random_range(s.turns_min..=s.turns_max);
+        let (mut kv, mut cap, mut len) = (Vec::new(), 0u64, 0u64);
+        for turn in 0..turns {
+            // New input of every episode: prompt or tool observation, plus images.
+            let mut padded = 0;
+            let mut embeds = Vec::new();
+            for seq in seqs.iter_mut() {
+                let text = if turn == 0 {
+                    lognormal(&mut self.rng, s.prompt_median as f64, 0.9, 16, s.prompt_max)
+                } else {
+                    lognormal(&mut self.rng, s.observation_median as f64, 1.0, 8, s.prompt_max)
+                };
+                let images = self.images(turn == 0);
+                for &n in &images {
+                    embeds.push(self.vision_forward_nograd(n));
+                }
+                let new = text + images.iter().sum::<u64>();
+                seq.tokens += new;
+                seq.images.extend(images);
+                padded = padded.max(new);
+            }
+            // Prefill.
+            let t = b * padded;
+            let mut x = self.alloc(t * s.hidden * e);
+            for id in embeds {
+                self.free(id);
+            }
+            self.ensure_kv(&mut kv, &mut cap, len + padded);
+            for _ in 0..s.layers {
+                x = self.layer_nograd(t, x);
+            }
+            let logits = self.alloc(b * s.vocab * 4);
+            self.free(logits);
+            self.free(x);
+            len += padded;
+            // Decode token by token until the longest response of the batch ends.
+            let responses: Vec<u64> = (0..b).map(|_| self.response_len()).collect();
+            let steps = responses.iter().copied().max().unwrap_or(0);
+            for (j, r) in responses.iter().enumerate() {
+                seqs[j].tokens += r;
+            }
+            let mut x = self.alloc(b * s.hidden * e);
+            for _ in 0..steps {
+                self.ensure_kv(&mut kv, &mut cap, len + 1);
+                for _ in 0..s.layers {
+                    x = self.layer_nograd(b, x);
+                }
+                let logits = self.alloc(b * s.vocab * 4);
+                let probs = self.alloc(b * s.vocab * 4);
+                self.free(logits);
+                let token = self.alloc(b * 8);
+                self.free(probs);
+                self.free(token);
+                len += 1;
+            }
+            self.free(x);
+        }
+        for id in kv {
+            self.free(id);
+        }
+        self.b.step_end();
+        seqs
+    }
+
+    /// One RL training step over the rollout's sequences.
+    fn train_step_rl(&mut self, seqs: &[Sequence]) {
+        let s = self.s;
+        self.b.step_begin("train");
+        let groups = split(seqs, s.micro_batches as usize);
+        // Log-probs of the behaviour policy: no grad.
+        for g in &groups {
+            let t: u64 = g.iter().map(|q| q.tokens).sum();
+            for &n in g.iter().flat_map(|q| q.images.iter()) {
+                let id = self.vision_forward_nograd(n);
+                self.free(id);
+            }
+            self.forward_nograd(t);
+        }
+        let mut grads = Vec::new();
+        for g in &groups {
+            let t: u64 = g.iter().map(|q| q.tokens).sum();
+            let images: Vec<u64> = g.iter().flat_map(|q| q.images.iter().copied()).collect();
+            self.micro_batch(t, &images, &mut grads);
+        }
+        self.optimizer_step(grads);
+        self.b.step_end();
+    }
+
+    fn sft_batch_tokens(&mut self) -> u64 {
+        let s = self.s;
+        let longest = (0..s.sft_batch)
+            .map(|_| lognormal(&mut self.rng, s.prompt_median as f64, 0.9, 16, s.prompt_max))
+            .max()
+            .unwrap_or(1);
+        s.sft_batch * longest
+    }
+
+    fn train_step_sft(&mut self) {
+        self.b.step_begin("train");
+        let mut grads = Vec::new();
+        for _ in 0..self.s.micro_batches {
+            let t = self.sft_batch_tokens();
+            self.micro_batch(t, &[], &mut grads);
+        }
+        self.optimizer_step(grads);
+        self.b.step_end();
+    }
+
+    fn eval_step(&mut self) {
+        self.b.step_begin("eval");
+        for _ in 0..2 * self.s.micro_batches {
+            let t = 2 * self.sft_batch_tokens();
+            self.forward_nograd(t);
+        }
+        self.b.step_end();
+    }
+}
+
+/// Splits `seqs` into `n` consecutive groups (the last ones may be empty when n > len).
+fn split(seqs: &[Sequence], n: usize) -> Vec<Vec<Sequence>> {
+    let per = seqs.len().div_ceil(n.max(1)).max(1);
+    seqs.chunks(per).map(|c| c.to_vec()).collect()
+}

@@ -1,0 +1,229 @@
+//! Workloads and reports: the agent workload is reproducible and shaped by its dimensions, the
+//! runner survives out-of-memory, exported traces replay to the same figures, the random
+//! workload's integrity checks hold, and the command line prints what it promises.
+
+use stepalloc_stress::compare::{self, Base};
+use stepalloc_stress::export::{self, ExportFormat};
+use stepalloc_stress::ops::{Op, Program};
+use stepalloc_stress::replay;
+use stepalloc_stress::report::{self, Report};
+use stepalloc_stress::trace;
+use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, Preset};
+use stepalloc_stress::workload::random::{self, RandomArgs, SizeDist};
+
+const GIB: u64 = 1 << 30;
+
+fn base(capacity_mb: u64) -> Base {
+    Base { cuda: false, capacity_mb, devices: 1 }
+}
+
+fn small_vlm(seed: u64) -> AgentSpec {
+    AgentSpec { seed, iterations: 2, ..AgentSpec::preset(Preset::Vlm7b) }
+}
+
+fn run_all(program: &Program, names: &[&str], capacity_mb: u64) -> Report {
+    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    let configs = compare::resolve(&names, &base(capacity_mb)).unwrap();
+    let runs = configs.iter().map(|rc| replay::run(program, rc, None, None).unwrap()).collect();
+    Report { workload: "test".into(), source: program.notes.clone(), parse_s: 0.0, runs }
+}
+
+#[test]
+fn same_seed_same_report() {
+    let names = ["pytorch", "empty_cache_every_step", "stepalloc"];
+    let a = run_all(&agent::generate(&small_vlm(7)), &names, 81920);
+    let b = run_all(&agent::generate(&small_vlm(7)), &names, 81920);
+    let ja = report::without_wall_clock(a.to_json(true, true));
+    let jb = report::without_wall_clock(b.to_json(true, true));
+    assert_eq!(ja, jb);
+    assert!(ja["runs"][0].get("wall_s").is_none());
+    let other = agent::generate(&small_vlm(8));
+    assert_ne!(agent::generate(&small_vlm(7)).ops, other.ops, "the seed matters");
+}
+
+#[test]
+fn agent_workload_follows_its_dimensions() {
+    let spec = small_vlm(3);
+    let p = agent::generate(&spec);
+    assert_eq!(p.phases, vec!["rollout".to_string(), "train".to_string()]);
+    let steps = p.ops.iter().filter(|op| matches!(op, Op::StepBegin { .. })).count();
+    assert_eq!(steps as u64, 2 * spec.iterations);
+    // Weights before the first step: 7B decoder in bf16 + ViT-L + projector + LoRA adapters.
+    let first_step = p.ops.iter().position(|op| matches!(op, Op::StepBegin { .. })).unwrap();
+    let weights: u64 =
+        p.ops[..first_step].iter().map(|op| if let Op::Alloc { size, .. } = op { *size } else { 0 }).sum();
+    assert!((13 * GIB..15 * GIB).contains(&weights), "weights {weights}");
+    // KV cache: per layer K and V of batch x capacity x hidden x 2 bytes, grown in chunks.
+    let kv_unit = spec.rollout_batch * spec.kv_chunk * spec.hidden * spec.dtype_bytes;
+    let kv_sizes: Vec<u64> = p
+        .ops
+        .iter()
+        .filter_map(|op| match op {
+            Op::Alloc { size, .. } if *size % kv_unit == 0 && *size >= kv_unit => Some(*size / kv_unit),
+            _ => None,
+        })
+        .collect();
+    assert!(kv_sizes.windows(2).any(|w| w[1] == w[0] + 1), "KV tensors grow by one chunk");
+    // Pixels arrive on the copy stream and are recorded on the compute stream.
+    assert!(p.ops.iter().any(|op| matches!(op, Op::RecordStream { stream: 0, .. })));
+    assert!(p.ops.iter().any(|op| matches!(op, Op::Alloc { stream: 7, .. })));
+    // Everything a step allocates is freed except persistent state: after the run only
+    // weights and optimizer state are live (the same in every configuration).
+    let r = run_all(&p, &["pytorch", "stepalloc"], 81920);
+    assert_eq!(r.runs[0].floor, r.runs[1].floor, "the floor does not depend on the allocator");
+    assert!(r.runs.iter().all(|run| run.ooms == 0 && run.errors == 0));
+    let persistent = r.runs[0].timeline.last().unwrap().requested;
+    assert!(persistent >= weights && persistent < weights + 3 * GIB, "persistent {persistent}");
+}
+
+#[test]
+fn presets_and_flags_change_the_workload() {
+    let sft = AgentArgs { preset: Some(Preset::Llm7bSft), iterations: Some(6), ..Default::default() }.spec().unwrap();
+    let p = agent::generate(&sft);
+    assert!(!p.phases.contains(&"rollout".to_string()));
+    assert!(p.phases.contains(&"eval".to_string()), "SFT evaluates every 6 steps");
+    let ckpt = AgentArgs { grad_checkpointing: Some(false), iterations: Some(1), ..Default::default() }.spec().unwrap();
+    let with = agent::generate(&AgentSpec { iterations: 1, ..AgentSpec::preset(Preset::Vlm7b) });
+    let without = agent::generate(&ckpt);
+    let r_with = run_all(&with, &["pytorch"], 1 << 20);
+    let r_without = run_all(&without, &["pytorch"], 1 << 20);
+    let train_floor = |r: &Report| r.runs[0].steps.iter().find(|s| s.phase == "train").unwrap().peak_requested;
+    assert!(train_floor(&r_without) > train_floor(&r_with), "checkpointing saves activation memory");
+    let trained = AgentArgs { train_vision: Some(true), iterations: Some(1), ..Default::default() }.spec().unwrap();
+    let r_trained = run_all(&agent::generate(&trained), &["pytorch"], 1 << 20);
+    assert!(train_floor(&r_trained) > train_floor(&r_with), "a trained vision encoder keeps activations and state");
+    let bad = AgentArgs { heads: Some(5), ..Default::default() }.spec();
+    assert!(bad.is_err());
+}
+
+#[test]
+fn out_of_memory_is_counted_and_the_run_goes_on() {
+    let p = agent::generate(&small_vlm(1));
+    let r = run_all(&p, &["pytorch"], 30 * 1024);
+    let run = &r.runs[0];
+    assert!(run.ooms > 0, "30 GiB is too small for this workload");
+    assert_eq!(run.errors, 0, "frees of failed allocations are skipped, not refused");
+    assert!(run.skipped_frees > 0);
+    assert!(run.peak_reserved <= 30 * GIB);
+    assert_eq!(run.steps_count, 4);
+}
+
+#[test]
+fn empty_cache_every_step_leaves_only_live_memory_at_step_ends() {
+    let p = agent::generate(&small_vlm(2));
+    let r = run_all(&p, &["pytorch", "empty_cache_every_step"], 81920);
+    let (native, emptied) = (&r.runs[0], &r.runs[1]);
+    assert!(emptied.reserved_at_step_end_mean < native.reserved_at_step_end_mean);
+    assert!(emptied.device_frees > native.device_frees);
+    for s in &emptied.steps {
+        // Only live blocks' segments remain: weights and optimizer state, well under the floor.
+        assert!(s.reserved_at_end < emptied.floor, "step {}: {}", s.step, s.reserved_at_end);
+    }
+}
+
+#[test]
+fn exported_traces_replay_to_the_same_figures() {
+    let p = agent::generate(&AgentSpec { iterations: 1, ..AgentSpec::preset(Preset::Llm7bSft) });
+    let original = run_all(&p, &["pytorch"], 81920).runs.remove(0);
+    for format in [ExportFormat::Jsonl, ExportFormat::Rmm, ExportFormat::TorchJson] {
+        let mut buf = Vec::new();
+        export::export(&p, format, &mut buf).unwrap();
+        let parsed = trace::parse(&buf).unwrap();
+        assert_eq!(parsed.count_allocs(), p.count_allocs(), "{format:?}");
+        assert_eq!(parsed.notes.unknown_frees, 0);
+        let replayed = run_all(&parsed, &["pytorch"], 81920).runs.remove(0);
+        assert_eq!(replayed.floor, original.floor, "{format:?}");
+        assert_eq!(replayed.peak_allocated, original.peak_allocated, "{format:?}");
+        assert_eq!(replayed.peak_reserved, original.peak_reserved, "{format:?}");
+    }
+}
+
+#[test]
+fn random_workload_keeps_blocks_apart() {
+    let args = RandomArgs {
+        threads: 3,
+        ops: 4000,
+        streams: 2,
+        sizes: SizeDist::Mixed,
+        cross_free: 0.2,
+        record_stream: 0.1,
+        live_fraction: 0.5,
+        step_every: 500,
+        seed: 5,
+    };
+    for rc in compare::resolve(&["pytorch".into(), "stepalloc".into()], &base(16384)).unwrap() {
+        let (run, integrity) = random::run(&args, &rc).unwrap();
+        assert!(integrity.ok(), "{integrity:?}");
+        assert_eq!(run.ops, 12000);
+        assert!(run.floor > 0 && run.peak_reserved >= run.floor);
+    }
+}
+
+#[test]
+fn peak_explanation_accounts_for_every_reserved_byte() {
+    let s = stepalloc::Stream(0);
+    let segments = vec![(2000, 50, false), (0, 100, false), (1000, 50, true)];
+    let live = [(0, 30, 29, s), (40, 20, 20, s)];
+    let e = report::PeakExplanation::of(0, &stepalloc::DeviceStats::default(), 49, segments, &live);
+    assert_eq!((e.segments, e.free_in_used_segments, e.whole_free_segments, e.whole_free_bytes), (3, 50, 2, 100));
+    assert_eq!(e.whole_free_by_size, vec![(50, 2)]);
+
+    let p = agent::generate(&small_vlm(5));
+    let mut configs = compare::resolve(&["pytorch".into()], &base(81920)).unwrap();
+    configs[0].explain = true;
+    let run = replay::run(&p, &configs[0], None, None).unwrap();
+    let e = run.peak_explanation.expect("--explain describes the peak");
+    assert_eq!(e.allocated + e.free_in_used_segments + e.whole_free_bytes, e.reserved);
+    assert!(e.reserved * 100 >= run.peak_reserved * 99, "within 1% of the peak");
+    assert!(e.whole_free_bytes > 0);
+}
+
+#[test]
+fn shadow_map_finds_overlaps() {
+    let shadow: std::collections::BTreeMap<u64, u64> = [(100, 200), (300, 400)].into_iter().collect();
+    for (start, end, expected) in
+        [(0, 100, false), (0, 101, true), (150, 160, true), (199, 300, true), (200, 300, false), (350, 360, true)]
+    {
+        assert_eq!(random::overlaps_live(&shadow, start, end), expected, "[{start}, {end})");
+    }
+}
+
+#[test]
+fn plot_draws_three_lines_per_configuration() {
+    let p = agent::generate(&small_vlm(4));
+    let r = run_all(&p, &["pytorch", "split128", "stepalloc"], 81920);
+    let svg = report::svg(&r);
+    assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
+    assert_eq!(svg.matches("<polyline").count(), 9);
+    let table = report::table(&r);
+    for name in ["pytorch", "split128", "stepalloc", "reserved / floor", "device mallocs"] {
+        assert!(table.contains(name), "{name}");
+    }
+}
+
+#[test]
+fn command_line_prints_json_and_rejects_bad_traces() {
+    let exe = env!("CARGO_BIN_EXE_stepalloc-stress");
+    let out = std::process::Command::new(exe)
+        .args(["agent", "--iterations", "1", "--json", "--compare", "pytorch", "big=phase_trim:True"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["runs"].as_array().unwrap().len(), 2);
+    assert_eq!(v["runs"][1]["name"], "big");
+    assert!(v["runs"][0]["floor"].as_u64().unwrap() > 0);
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("cut.pickle");
+    let good = std::fs::read(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/data/snapshot_small.pickle")).unwrap();
+    std::fs::write(&bad, &good[..good.len() / 3]).unwrap();
+    let out = std::process::Command::new(exe).arg("replay").arg(&bad).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("at byte"), "{err}");
+
+    let out = std::process::Command::new(exe).args(["agent", "--compare", "max_split_size_mb:3"]).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("max_split_size_mb"));
+}
