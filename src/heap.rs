@@ -239,12 +239,13 @@ impl Heap {
             self.garbage_collect()?;
         }
         let seg_size = sizeclass::segment_size(rounded);
+        // During a CUDA-graph capture, freeing device memory or waiting on streams would break
+        // the capture: only a plain reserve is tried.
         let capturing = self.captures_underway > 0;
         let mut attempt = self.reserve(seg_size)?;
-        if attempt.is_none() && self.release_oversize(seg_size)? {
+        if attempt.is_none() && !capturing && self.release_oversize(seg_size)? {
             attempt = self.reserve(seg_size)?;
         }
-        // Waiting on every stream would break a CUDA-graph capture in progress.
         if attempt.is_none() && !capturing {
             self.stats.num_alloc_retries += 1;
             self.release_all_cached(ReleaseReason::Oom)?;
@@ -666,8 +667,9 @@ impl Heap {
         self.stats.num_device_synchronize += 1;
         // All free blocks, ANY ones too: a merge reaches one neighbour each way, so a chain of
         // free blocks merges fully only if each of its blocks gets its turn.
-        let free: Vec<BlockId> =
-            (0..self.arena.blocks.len() as BlockId).filter(|&id| self.arena.block(id).state == BlockState::Free).collect();
+        let free: Vec<BlockId> = (0..self.arena.blocks.len() as BlockId)
+            .filter(|&id| self.arena.block(id).state == BlockState::Free)
+            .collect();
         // First every free block becomes ANY, so that each merge below yields ANY again.
         for &id in &free {
             self.unlist(id);

@@ -364,3 +364,21 @@ fn stats_map_uses_torch_keys() {
     let json: serde_json::Value = serde_json::from_str(&a.stats_json(0).unwrap()).unwrap();
     assert_eq!(json["allocated_bytes.all.freed"], 3072);
 }
+
+#[test]
+fn no_memory_is_freed_or_waited_for_during_a_graph_capture() {
+    let a = sim("sim_capacity_mb:100,max_split_size_mb:32");
+    let cached = a.malloc(0, 60 * MIB, S0).unwrap();
+    a.free(0, cached, 60 * MIB).unwrap();
+    a.begin_allocate_to_pool(0, (1, 1)).unwrap();
+    // The device has 40 MiB left: while capturing, the cached 60 MiB is not released for this.
+    assert!(a.malloc_in_pool(0, 50 * MIB, S1, Some((1, 1))).unwrap_err().is_out_of_memory());
+    let s = stats(&a);
+    assert_eq!((s.heap.num_device_free, s.heap.num_alloc_retries, s.heap.num_sync_all_streams), (0, 0, 0));
+    a.end_allocate_to_pool(0, (1, 1)).unwrap();
+    // After the capture the same request runs the whole OOM path and succeeds.
+    let p = a.malloc_in_pool(0, 50 * MIB, S1, Some((1, 1))).unwrap();
+    assert_eq!(stats(&a).heap.num_device_free, 1);
+    a.free(0, p, 50 * MIB).unwrap();
+    a.release_pool(0, (1, 1)).unwrap();
+}

@@ -12,18 +12,31 @@
 //! proptest shrinks a failing program to a minimal one.
 
 use proptest::prelude::*;
-use stepalloc::{Allocator, Config, Error, Stream};
 use std::collections::{BTreeMap, HashMap};
+use stepalloc::{Allocator, Config, Error, Stream};
 
 #[derive(Clone, Debug)]
 enum Op {
-    Malloc { device: usize, size: u64, stream: u64 },
+    Malloc {
+        device: usize,
+        size: u64,
+        stream: u64,
+    },
     /// Frees the live allocation at this index (modulo the number live).
-    Free { pick: usize },
-    RecordStream { pick: usize, stream: u64 },
+    Free {
+        pick: usize,
+    },
+    RecordStream {
+        pick: usize,
+        stream: u64,
+    },
     EmptyCache,
-    Advance { us: u64 },
-    Step { phase: u8 },
+    Advance {
+        us: u64,
+    },
+    Step {
+        phase: u8,
+    },
 }
 
 fn size_strategy() -> impl Strategy<Value = u64> {
@@ -84,13 +97,21 @@ impl Shadow {
             let mine: Vec<&Live> = self.live.iter().filter(|l| l.device == device).collect();
             let h = &stats.heap;
             if h.allocation.all.current != mine.len() as u64 {
-                return Err(format!("device {device}: {} allocations, shadow has {}", h.allocation.all.current, mine.len()));
+                return Err(format!(
+                    "device {device}: {} allocations, shadow has {}",
+                    h.allocation.all.current,
+                    mine.len()
+                ));
             }
             let requested: u64 = mine.iter().map(|l| l.requested).sum();
             if h.requested_bytes.all.current != requested {
-                return Err(format!("device {device}: requested {} vs shadow {requested}", h.requested_bytes.all.current));
+                return Err(format!(
+                    "device {device}: requested {} vs shadow {requested}",
+                    h.requested_bytes.all.current
+                ));
             }
-            let (blocks, segments) = a.with_heap(device, |h| (h.live_blocks(), h.segments())).map_err(|e| e.to_string())?;
+            let (blocks, segments) =
+                a.with_heap(device, |h| (h.live_blocks(), h.segments())).map_err(|e| e.to_string())?;
             let sizes: HashMap<u64, u64> = blocks.iter().map(|b| (b.0, b.1)).collect();
             let mut spans: Vec<(u64, u64)> = Vec::new();
             for l in &mine {
@@ -118,7 +139,8 @@ impl Shadow {
     /// A new block on `stream` must not reuse memory freed by another stream without events.
     fn check_reuse(&mut self, device: usize, addr: u64, size: u64, stream: u64) -> Result<(), String> {
         let freed = &mut self.freed[device];
-        let overlapping: Vec<u64> = freed.range(..addr + size).filter(|(_, &(end, _))| end > addr).map(|(&s, _)| s).collect();
+        let overlapping: Vec<u64> =
+            freed.range(..addr + size).filter(|(_, &(end, _))| end > addr).map(|(&s, _)| s).collect();
         for start in overlapping {
             let (end, owner) = freed[&start];
             if let Some(owner) = owner {
@@ -151,7 +173,8 @@ impl Shadow {
 fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
     let a = Allocator::new(Config::parse(config).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
     let devices = a.device_count();
-    let mut shadow = Shadow { live: Vec::new(), freed: vec![BTreeMap::new(); devices], syncs: vec![0; devices], ops: 0 };
+    let mut shadow =
+        Shadow { live: Vec::new(), freed: vec![BTreeMap::new(); devices], syncs: vec![0; devices], ops: 0 };
     let mut in_step = false;
     for (i, op) in ops.iter().enumerate() {
         let context = |e: String| format!("op {i} {op:?}: {e}");
@@ -234,7 +257,10 @@ fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
     a.empty_cache().map_err(|e| e.to_string())?;
     for device in 0..a.device_count() {
         let s = a.stats(device).map_err(|e| e.to_string())?;
-        if s.heap.reserved_bytes.all.current != 0 || s.heap.allocated_bytes.all.current != 0 || s.heap.active.all.current != 0 {
+        if s.heap.reserved_bytes.all.current != 0
+            || s.heap.allocated_bytes.all.current != 0
+            || s.heap.active.all.current != 0
+        {
             let segments = a.with_heap(device, |h| h.snapshot_segments()).unwrap_or_default();
             return Err(format!(
                 "device {device} not empty after freeing everything: {:?}; segments: {}",

@@ -1,0 +1,248 @@
+//! Control and inspection: configuration, step boundaries, statistics, snapshots, traces and
+//! metrics. Layer: the boundary; everything here is off the hot path.
+//!
+//! Text comes out as `size_t f(char *buf, size_t cap)`: the return value is the full length
+//! in bytes (without the NUL); with `buf` NULL nothing is written (measure first, then call
+//! again with `cap` = length + 1); otherwise at most `cap - 1` bytes and a NUL are written.
+//! A text that may change between the two calls (snapshot, stats) can come back longer the
+//! second time: compare the returned length with `cap` and retry. On failure these return 0
+//! and set the last error; `stepalloc_last_status()` tells an empty text from a failure.
+
+use crate::guard::{guard, guard_status};
+use crate::status::AbiError;
+use crate::{allocator, device_index, last_error};
+use std::ffi::{c_char, c_int, CStr};
+use std::net::SocketAddr;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use stepalloc::metrics;
+use stepalloc::Config;
+
+/// Copies `text` into `buf` as described at the top; returns `text.len()`.
+///
+/// # Safety
+/// `buf` must be NULL or point to `cap` writable bytes.
+unsafe fn write_text(text: &str, buf: *mut c_char, cap: usize) -> usize {
+    if !buf.is_null() && cap > 0 {
+        let n = text.len().min(cap - 1);
+        // Safety: the caller guarantees `cap` writable bytes at `buf`; n + 1 <= cap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
+    }
+    text.len()
+}
+
+/// A C string argument as UTF-8.
+///
+/// # Safety
+/// `s` must be NULL or a NUL-terminated string.
+unsafe fn c_str<'a>(s: *const c_char, what: &str) -> Result<&'a str, AbiError> {
+    if s.is_null() {
+        return Err(AbiError::invalid(format!("{what} is NULL")));
+    }
+    // Safety: non-NULL and NUL-terminated by the caller's contract.
+    let s = unsafe { CStr::from_ptr(s) };
+    s.to_str().map_err(|_| AbiError::invalid(format!("{what} is not valid UTF-8")))
+}
+
+/// Sets the configuration (`STEPALLOC_CONF` syntax, `key:value,...`) before the first use;
+/// afterwards the configuration is fixed and this fails with `STEPALLOC_INVALID_ARGUMENT`.
+/// A bad key or value fails with `STEPALLOC_CONFIG`, naming the key and the accepted form,
+/// and changes nothing. Returns a status.
+///
+/// # Safety
+/// `conf` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_configure(conf: *const c_char) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let text = unsafe { c_str(conf, "configuration string") }?;
+        stepalloc::configure_global(text)?;
+        Ok(())
+    })
+}
+
+/// Every configuration key with its default, accepted form and meaning, one per line.
+///
+/// # Safety
+/// `buf` must be NULL or point to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_config_help(buf: *mut c_char, cap: usize) -> usize {
+    // Safety: forwarded caller contract.
+    guard(|| Ok(unsafe { write_text(&Config::describe(), buf, cap) }))
+}
+
+/// Begins a step of the loop, labelled `phase` (e.g. "rollout", "train"); ends the current
+/// step first if one is open. Release policies run at step boundaries. Returns a status.
+///
+/// # Safety
+/// `phase` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_step_begin(phase: *const c_char) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let phase = unsafe { c_str(phase, "phase") }?;
+        allocator()?.step_begin(phase)?;
+        Ok(())
+    })
+}
+
+/// Ends the current step on every device. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_step_end() -> c_int {
+    guard_status(|| {
+        allocator()?.step_end()?;
+        Ok(())
+    })
+}
+
+/// Resets the `.peak` statistics of `device` to their current values. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_reset_peak_stats(device: c_int) -> c_int {
+    guard_status(|| {
+        allocator()?.reset_peak_stats(device_index(device)?)?;
+        Ok(())
+    })
+}
+
+/// Resets the `.allocated` / `.freed` counters and `num_*` counts of `device`. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_reset_accumulated_stats(device: c_int) -> c_int {
+    guard_status(|| {
+        allocator()?.reset_accumulated_stats(device_index(device)?)?;
+        Ok(())
+    })
+}
+
+/// The number of devices the allocator drives, or -1 when it cannot be created (see the
+/// last error).
+#[no_mangle]
+pub extern "C" fn stepalloc_device_count() -> c_int {
+    // `guard` yields 0 on failure, so shift by one: failure becomes -1.
+    let count_plus_one = guard(|| Ok(allocator()?.device_count() + 1));
+    count_plus_one as c_int - 1
+}
+
+/// `torch.cuda.memory_stats(device)` as one JSON object (same keys, plus `stepalloc.*`).
+///
+/// # Safety
+/// `buf` must be NULL or point to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_stats_json(device: c_int, buf: *mut c_char, cap: usize) -> usize {
+    guard(|| {
+        let text = allocator()?.stats_json(device_index(device)?)?;
+        // Safety: forwarded caller contract.
+        Ok(unsafe { write_text(&text, buf, cap) })
+    })
+}
+
+/// The whole state as JSON in the layout of `torch.cuda.memory._snapshot()`.
+///
+/// # Safety
+/// `buf` must be NULL or point to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_snapshot_json(buf: *mut c_char, cap: usize) -> usize {
+    guard(|| {
+        let text = allocator()?.snapshot().to_string();
+        // Safety: forwarded caller contract.
+        Ok(unsafe { write_text(&text, buf, cap) })
+    })
+}
+
+/// The recorded event trace (configure `trace_entries`), in stepalloc's JSON-lines format.
+///
+/// # Safety
+/// `buf` must be NULL or point to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_trace_jsonl(buf: *mut c_char, cap: usize) -> usize {
+    guard(|| {
+        let text = allocator()?.trace_jsonl();
+        // Safety: forwarded caller contract.
+        Ok(unsafe { write_text(&text, buf, cap) })
+    })
+}
+
+/// The Prometheus text exposition of the allocator's metrics.
+///
+/// # Safety
+/// `buf` must be NULL or point to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_metrics_text(buf: *mut c_char, cap: usize) -> usize {
+    guard(|| {
+        let text = metrics::render(allocator()?);
+        // Safety: forwarded caller contract.
+        Ok(unsafe { write_text(&text, buf, cap) })
+    })
+}
+
+/// Where `stepalloc_metrics_serve` started the endpoint, if it did.
+static SERVED: parking_lot::Mutex<Option<SocketAddr>> = parking_lot::Mutex::new(None);
+
+/// Starts the Prometheus endpoint (`/metrics`) on one background thread at `addr`
+/// (`host:port`, `:port` or `port`; NULL or "" means 127.0.0.1:9835; under torchrun the port
+/// is offset by `LOCAL_RANK`). One endpoint per process: a second call, or a call after the
+/// `metrics_addr` key started one, fails with `STEPALLOC_INVALID_ARGUMENT`. Returns a status.
+///
+/// # Safety
+/// `addr` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_metrics_serve(addr: *const c_char) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let addr = if addr.is_null() { "" } else { unsafe { c_str(addr, "address") }? };
+        let allocator = allocator()?;
+        let mut served = SERVED.lock();
+        if let Some(running) = served.or_else(metrics::global_server_addr) {
+            return Err(AbiError::invalid(format!("the metrics endpoint is already serving on {running}")));
+        }
+        let server = metrics::serve(Arc::clone(allocator), addr)?;
+        // The endpoint runs for the life of the process; only its address is kept.
+        *served = Some(server.addr);
+        Ok(())
+    })
+}
+
+/// The message of the last failure on this thread ("" if none). Does not change the last
+/// status or error.
+///
+/// # Safety
+/// `buf` must be NULL or point to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_last_error(buf: *mut c_char, cap: usize) -> usize {
+    // Safety: forwarded caller contract.
+    catch_unwind(AssertUnwindSafe(|| last_error::with_message(|m| unsafe { write_text(m, buf, cap) }))).unwrap_or(0)
+}
+
+/// The status of the last stepalloc call on this thread (`STEPALLOC_OK` after a success).
+/// Does not change it.
+#[no_mangle]
+pub extern "C" fn stepalloc_last_status() -> c_int {
+    catch_unwind(last_error::status).unwrap_or(crate::status::STEPALLOC_PANIC)
+}
+
+/// The library version, e.g. "0.1.0" (a static string; do not free).
+#[no_mangle]
+pub extern "C" fn stepalloc_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn write_text_measures_truncates_and_terminates() {
+        let mut buf = [0x7f as c_char; 8];
+        // Safety (all calls): `buf` has 8 bytes.
+        assert_eq!(unsafe { write_text("hello world", std::ptr::null_mut(), 0) }, 11);
+        assert_eq!(unsafe { write_text("hello world", buf.as_mut_ptr(), 0) }, 11);
+        assert_eq!(buf[0], 0x7f, "cap 0 writes nothing");
+        assert_eq!(unsafe { write_text("hello world", buf.as_mut_ptr(), 6) }, 11);
+        assert_eq!(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_bytes(), b"hello");
+        assert_eq!(buf[6], 0x7f, "nothing past cap");
+        assert_eq!(unsafe { write_text("hi", buf.as_mut_ptr(), 8) }, 2);
+        assert_eq!(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_bytes(), b"hi");
+    }
+}

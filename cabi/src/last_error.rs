@@ -1,0 +1,44 @@
+//! The thread-local last status and error message. Layer: the boundary.
+//!
+//! Every export records its outcome on the calling thread: the status of the last call
+//! (`STEPALLOC_OK` on success) and, on failure, a message. The message of the last failure is
+//! kept until another failure replaces it, so a caller can read it after any number of
+//! successful calls. Recording success touches one thread-local integer (no allocation).
+
+use crate::status::STEPALLOC_OK;
+use std::cell::{Cell, RefCell};
+use std::ffi::c_int;
+
+thread_local! {
+    static LAST_STATUS: Cell<c_int> = const { Cell::new(STEPALLOC_OK) };
+    static LAST_MESSAGE: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// Records a successful call.
+#[inline]
+pub fn set_ok() {
+    LAST_STATUS.with(|s| s.set(STEPALLOC_OK));
+}
+
+/// Records a failed call with its status and message.
+pub fn set_error(status: c_int, message: String) {
+    LAST_STATUS.with(|s| s.set(status));
+    // try_borrow_mut: never panic here, even if a caller re-entered during a read.
+    LAST_MESSAGE.with(|m| {
+        if let Ok(mut m) = m.try_borrow_mut() {
+            *m = message;
+        }
+    });
+}
+
+pub fn status() -> c_int {
+    LAST_STATUS.with(Cell::get)
+}
+
+/// Runs `f` on the last failure's message ("" when nothing failed on this thread).
+pub fn with_message<R>(f: impl FnOnce(&str) -> R) -> R {
+    LAST_MESSAGE.with(|m| match m.try_borrow() {
+        Ok(m) => f(&m),
+        Err(_) => f(""),
+    })
+}

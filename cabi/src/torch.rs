@@ -1,0 +1,169 @@
+//! The entry points PyTorch calls, with PyTorch's exact signatures (the C part; the C++ part,
+//! `stepalloc_torch_malloc` and the CUDA-graph pool hooks, is in `trampoline.cpp`).
+//! Layer: the boundary. Each export runs under `guard`; a failure sets the thread's last error.
+//!
+//! Hot path: `stepalloc_malloc` and `stepalloc_free` do no heap allocation and no formatting
+//! unless they fail: one atomic load for the process-wide allocator, one call into the C++
+//! unit that reads an atomic count of captures underway (the filters run only while a CUDA
+//! graph is being captured), the device lock, the heap operation, one thread-local store.
+
+use crate::guard::guard;
+use crate::{allocator, cudaStream_t, device_index, AbiError};
+use std::ffi::{c_int, c_void};
+use stepalloc::{PoolId, Stream};
+
+extern "C" {
+    /// Defined in trampoline.cpp. When a CUDA graph capture is underway on `device` and one of
+    /// its filters claims `stream`, writes the capture's pool id to `pool[0..2]` and returns 1;
+    /// otherwise returns 0 (first checking an atomic count, so this is cheap with no capture).
+    /// Never throws.
+    fn stepalloc_internal_capture_pool(device: c_int, stream: cudaStream_t, pool: *mut u64) -> c_int;
+}
+
+fn stream_of(stream: cudaStream_t) -> Stream {
+    Stream(stream as usize as u64)
+}
+
+/// Allocates `size` bytes on `device` for use on `stream`; returns NULL when it fails (out of
+/// memory after the whole out-of-memory path, or a bad argument) and sets the last error.
+///
+/// Size 0 returns a valid, unique pointer (a 512-byte block) that must be freed like any
+/// other, so a non-NULL result always means success. While a CUDA graph capture is underway
+/// (`stepalloc_begin_allocate_to_pool`), allocations on the capturing stream go to the graph's
+/// private pool. This is the function for `torch.cuda.MemPool` mode, where NULL is the
+/// supported out-of-memory signal; process-wide mode uses `stepalloc_torch_malloc`.
+#[no_mangle]
+// The stream is an opaque handle passed on to the filters; nothing dereferences it.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub extern "C" fn stepalloc_malloc(size: usize, device: c_int, stream: cudaStream_t) -> *mut c_void {
+    guard(|| {
+        let index = device_index(device)?;
+        let allocator = allocator()?;
+        let mut pool = [0u64; 2];
+        // Safety: defined in trampoline.cpp; writes at most two integers into `pool`, never throws.
+        let captured = unsafe { stepalloc_internal_capture_pool(device, stream, pool.as_mut_ptr()) } != 0;
+        let pool: Option<PoolId> = captured.then_some((pool[0], pool[1]));
+        let ptr = allocator.malloc_in_pool(index, size as u64, stream_of(stream), pool)?;
+        Ok(ptr as usize as *mut c_void)
+    })
+}
+
+/// Frees a pointer from `stepalloc_malloc` / `stepalloc_torch_malloc`. `size` is the size
+/// asked for at allocation (0: not checked) and `device` the device it was allocated on; the
+/// stream is the one given at allocation and is not needed. Freeing NULL does nothing.
+/// An unknown pointer, a double free, or a wrong size or device changes nothing and sets the
+/// last error (`STEPALLOC_UNKNOWN_POINTER` or `STEPALLOC_INVALID_ARGUMENT`).
+#[no_mangle]
+pub extern "C" fn stepalloc_free(ptr: *mut c_void, size: usize, device: c_int, stream: cudaStream_t) {
+    let _ = stream;
+    guard(|| {
+        if ptr.is_null() {
+            return Ok(());
+        }
+        let index = device_index(device)?;
+        allocator()?.free(index, ptr as usize as u64, size as u64)?;
+        Ok(())
+    })
+}
+
+/// PyTorch's init hook: creates the allocator (reading `STEPALLOC_CONF` or the string given to
+/// `stepalloc_configure`). Sets the last error when that fails or when PyTorch sees more
+/// devices than the allocator has.
+#[no_mangle]
+pub extern "C" fn stepalloc_init(device_count: c_int) {
+    guard(|| {
+        let allocator = allocator()?;
+        let have = allocator.device_count();
+        if device_count < 0 || device_count as usize > have {
+            return Err(AbiError::invalid(format!(
+                "PyTorch reports {device_count} devices but stepalloc has {have} (backend {:?})",
+                allocator.config().backend
+            )));
+        }
+        Ok(())
+    })
+}
+
+/// `torch.cuda.empty_cache()`: returns every unused cached segment on every device.
+#[no_mangle]
+pub extern "C" fn stepalloc_empty_cache() {
+    guard(|| {
+        allocator()?.empty_cache()?;
+        Ok(())
+    })
+}
+
+/// `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in (0, 1].
+#[no_mangle]
+pub extern "C" fn stepalloc_set_memory_fraction(fraction: f64, device: c_int) {
+    guard(|| {
+        let index = device_index(device)?;
+        allocator()?.set_memory_fraction(index, fraction)?;
+        Ok(())
+    })
+}
+
+/// The segment holding `ptr` (anywhere inside it): returns its base address and writes its size
+/// to `*size`. NULL when `ptr` is in no segment or `size` is NULL.
+///
+/// # Safety
+/// `size` must be NULL or point to a writable `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_base_alloc(ptr: *mut c_void, size: *mut usize) -> *mut c_void {
+    guard(|| {
+        if size.is_null() {
+            return Err(AbiError::invalid("stepalloc_base_alloc: size is NULL".into()));
+        }
+        let addr = ptr as usize as u64;
+        let (base, bytes) = allocator()?.base_allocation(addr).ok_or(AbiError::UnknownPointer(addr))?;
+        // Safety: checked non-NULL above; the caller guarantees it points to a size_t.
+        unsafe { *size = bytes as usize };
+        Ok(base as usize as *mut c_void)
+    })
+}
+
+/// `Tensor.record_stream(stream)`: the block at `ptr` is reused only after the work queued on
+/// `stream` before its free has completed.
+#[no_mangle]
+pub extern "C" fn stepalloc_record_stream(ptr: *mut c_void, stream: cudaStream_t) {
+    guard(|| {
+        let addr = ptr as usize as u64;
+        let allocator = allocator()?;
+        let device = allocator.device_of(addr).ok_or(AbiError::UnknownPointer(addr))?;
+        allocator.record_stream(device, addr, stream_of(stream))?;
+        Ok(())
+    })
+}
+
+// ----- called by trampoline.cpp only (exported as a side effect of `no_mangle`; not in the
+// ----- header, not part of the interface) ------------------------------------------------
+
+/// A CUDA graph capture begins allocating to pool `(id0, id1)` on `device`. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_internal_pool_begin(device: c_int, id0: u64, id1: u64) -> c_int {
+    crate::guard::guard_status(|| {
+        let index = device_index(device)?;
+        allocator()?.begin_allocate_to_pool(index, (id0, id1))?;
+        Ok(())
+    })
+}
+
+/// The capture of pool `(id0, id1)` on `device` ends. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_internal_pool_end(device: c_int, id0: u64, id1: u64) -> c_int {
+    crate::guard::guard_status(|| {
+        let index = device_index(device)?;
+        allocator()?.end_allocate_to_pool(index, (id0, id1))?;
+        Ok(())
+    })
+}
+
+/// The graph owning pool `(id0, id1)` is destroyed. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_internal_pool_release(device: c_int, id0: u64, id1: u64) -> c_int {
+    crate::guard::guard_status(|| {
+        let index = device_index(device)?;
+        allocator()?.release_pool(index, (id0, id1))?;
+        Ok(())
+    })
+}

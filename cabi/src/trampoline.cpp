@@ -1,0 +1,131 @@
+// The C++ part of libstepalloc.so. Layer: the boundary, beside the Rust exports.
+//
+// Why C++: PyTorch calls these through C++ types. `stepalloc_torch_malloc` must report
+// out-of-memory as a C++ exception (PyTorch does not check for NULL in process-wide mode and
+// turns a std::exception into a Python RuntimeError), and the CUDA-graph pool hooks take
+// `std::pair` and `std::function` by value, which only C++ can receive.
+//
+// Invariants:
+// - Every function has C linkage so PyTorch finds it by name (dlsym); the exports.map version
+//   script makes them visible in the cdylib, whose own version script lists only Rust symbols.
+// - Only `stepalloc_torch_malloc` and `stepalloc_begin_allocate_to_pool` throw. The function
+//   Rust calls (`stepalloc_internal_capture_pool`) never throws; release and end never throw
+//   (PyTorch calls release from destructors), they leave a failure in the last error.
+// - The capture table is created on first use and never destroyed, and `g_active` counts its
+//   entries, read first on every malloc so that no capture costs one atomic load.
+// - A filter runs under the table's mutex; PyTorch's filters only query the stream's capture
+//   state and never call back into the allocator.
+
+#include "stepalloc.h"
+
+#include <atomic>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+using MempoolId = std::pair<unsigned long long, unsigned long long>;
+using StreamFilter = std::function<bool(cudaStream_t)>;
+
+extern "C" {
+// Defined in torch.rs; each returns a status and sets the last error on failure.
+int stepalloc_internal_pool_begin(int device, unsigned long long id0, unsigned long long id1);
+int stepalloc_internal_pool_end(int device, unsigned long long id0, unsigned long long id1);
+int stepalloc_internal_pool_release(int device, unsigned long long id0, unsigned long long id1);
+int stepalloc_internal_capture_pool(int device, cudaStream_t stream, unsigned long long *pool) noexcept;
+}
+
+namespace {
+
+struct Capture {
+    int device;
+    MempoolId pool;
+    StreamFilter filter;
+};
+
+std::atomic<int> g_active{0};
+
+std::mutex &table_mutex() {
+    static std::mutex *m = new std::mutex();  // never destroyed: callers may outlive statics
+    return *m;
+}
+
+std::vector<Capture> &table() {
+    static std::vector<Capture> *t = new std::vector<Capture>();  // never destroyed, as above
+    return *t;
+}
+
+std::string last_error_text() {
+    size_t n = stepalloc_last_error(nullptr, 0);
+    std::string text(n, '\0');
+    if (n > 0) {
+        stepalloc_last_error(&text[0], n + 1);
+    }
+    return text;
+}
+
+}  // namespace
+
+extern "C" void *stepalloc_torch_malloc(size_t size, int device, cudaStream_t stream) {
+    void *ptr = stepalloc_malloc(size, device, stream);
+    if (ptr != nullptr) {
+        return ptr;  // size 0 included: it gets a unique 512-byte block, never NULL
+    }
+    if (stepalloc_last_status() == STEPALLOC_OUT_OF_MEMORY) {
+        // The report already begins "CUDA out of memory." as PyTorch's own message does.
+        throw std::runtime_error(last_error_text());
+    }
+    throw std::runtime_error("stepalloc: " + last_error_text());
+}
+
+extern "C" void stepalloc_begin_allocate_to_pool(int device, MempoolId mempool_id, StreamFilter filter) {
+    if (stepalloc_internal_pool_begin(device, mempool_id.first, mempool_id.second) != STEPALLOC_OK) {
+        throw std::runtime_error("stepalloc: beginAllocateToPool failed: " + last_error_text());
+    }
+    std::lock_guard<std::mutex> lock(table_mutex());
+    table().push_back(Capture{device, mempool_id, std::move(filter)});
+    g_active.fetch_add(1, std::memory_order_relaxed);
+}
+
+extern "C" void stepalloc_end_allocate_to_pool(int device, MempoolId mempool_id) {
+    bool found = false;
+    {
+        std::lock_guard<std::mutex> lock(table_mutex());
+        std::vector<Capture> &t = table();
+        for (auto it = t.begin(); it != t.end(); ++it) {
+            if (it->device == device && it->pool == mempool_id) {
+                t.erase(it);
+                g_active.fetch_sub(1, std::memory_order_relaxed);
+                found = true;
+                break;
+            }
+        }
+    }
+    // Only a capture that began is ended in the core; an unmatched end changes nothing.
+    if (found) {
+        stepalloc_internal_pool_end(device, mempool_id.first, mempool_id.second);
+    }
+}
+
+extern "C" void stepalloc_release_pool(int device, MempoolId mempool_id) {
+    stepalloc_internal_pool_release(device, mempool_id.first, mempool_id.second);
+}
+
+extern "C" int stepalloc_internal_capture_pool(int device, cudaStream_t stream, unsigned long long *pool) noexcept {
+    if (g_active.load(std::memory_order_relaxed) == 0) {
+        return 0;
+    }
+    try {
+        std::lock_guard<std::mutex> lock(table_mutex());
+        for (const Capture &c : table()) {
+            if (c.device == device && c.filter && c.filter(stream)) {
+                pool[0] = c.pool.first;
+                pool[1] = c.pool.second;
+                return 1;
+            }
+        }
+    } catch (...) {
+        // A throwing filter claims nothing; the allocation goes to the general pool.
+    }
+    return 0;
+}

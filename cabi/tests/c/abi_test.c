@@ -1,0 +1,304 @@
+/* Drives libstepalloc.so from C through dlopen/dlsym on the simulated device.
+ * Usage: abi_test LIBRARY SCENARIO. Prints "ok SCENARIO" and exits 0 when every check holds.
+ * After each misuse the statistics must stay consistent and a further malloc/free must work. */
+#define _GNU_SOURCE
+#include <pthread.h>
+#include <stdint.h>
+
+#include "common.h"
+
+#define MIB ((size_t)1 << 20)
+
+static int status(void) { return p_stepalloc_last_status(); }
+
+/* ----- many threads, several streams, two devices -------------------------------------- */
+
+enum { THREADS = 8, SLOTS = 48, OPS = 6000, STREAMS = 4 };
+
+struct slot {
+    void *ptr;
+    size_t size;
+    int device;
+    cudaStream_t stream;
+};
+
+static uint64_t next_random(uint64_t *state) {
+    *state ^= *state << 13;
+    *state ^= *state >> 7;
+    *state ^= *state << 17;
+    return *state;
+}
+
+static size_t random_size(uint64_t *rng) {
+    uint64_t r = next_random(rng) % 100;
+    if (r < 70) return next_random(rng) % MIB;                     /* small pool, incl. 0 */
+    if (r < 95) return 1 + next_random(rng) % (20 * MIB);          /* large pool */
+    return 20 * MIB + next_random(rng) % (180 * MIB);              /* big segments */
+}
+
+static void *worker(void *arg) {
+    int id = (int)(intptr_t)arg;
+    uint64_t rng = 0x9E3779B97F4A7C15ull ^ (uint64_t)(id + 1) * 0x100000001B3ull;
+    struct slot slots[SLOTS];
+    memset(slots, 0, sizeof slots);
+    for (int op = 0; op < OPS; op++) {
+        struct slot *s = &slots[next_random(&rng) % SLOTS];
+        if (s->ptr != NULL) {
+            if (next_random(&rng) % 8 == 0) {
+                cudaStream_t other = (cudaStream_t)(uintptr_t)(1 + next_random(&rng) % STREAMS);
+                p_stepalloc_record_stream(s->ptr, other);
+                CHECK(status() == STEPALLOC_OK, "record_stream: %s", last_error());
+            }
+            p_stepalloc_free(s->ptr, s->size, s->device, s->stream);
+            CHECK(status() == STEPALLOC_OK, "thread %d free: %s", id, last_error());
+            s->ptr = NULL;
+        } else {
+            s->size = random_size(&rng);
+            s->device = (int)(next_random(&rng) % 2);
+            s->stream = (cudaStream_t)(uintptr_t)(next_random(&rng) % (STREAMS + 1)); /* 0 = default */
+            s->ptr = p_stepalloc_malloc(s->size, s->device, s->stream);
+            CHECK(s->ptr != NULL, "thread %d malloc(%zu): %s", id, s->size, last_error());
+        }
+        if (id == 0 && op % 500 == 0) {
+            CHECK(p_stepalloc_step_begin(op % 1000 == 0 ? "rollout" : "train") == STEPALLOC_OK, "step: %s",
+                  last_error());
+            char *json = fetch_text(stats_of, op % 2);
+            free(json);
+        }
+    }
+    for (int i = 0; i < SLOTS; i++) {
+        if (slots[i].ptr != NULL) {
+            p_stepalloc_free(slots[i].ptr, slots[i].size, slots[i].device, slots[i].stream);
+            CHECK(status() == STEPALLOC_OK, "final free: %s", last_error());
+        }
+    }
+    return NULL;
+}
+
+static void scenario_threads(void) {
+    CHECK(p_stepalloc_configure("backend:sim,sim_devices:2") == STEPALLOC_OK, "%s", last_error());
+    pthread_t threads[THREADS];
+    for (int i = 0; i < THREADS; i++) {
+        CHECK(pthread_create(&threads[i], NULL, worker, (void *)(intptr_t)i) == 0, "pthread_create");
+    }
+    for (int i = 0; i < THREADS; i++) {
+        pthread_join(threads[i], NULL);
+    }
+    CHECK(p_stepalloc_step_end() == STEPALLOC_OK, "%s", last_error());
+    for (int d = 0; d < 2; d++) {
+        check_stats(d, 0, 0);
+        CHECK(stat(d, "allocated_bytes.all.current") == 0, "device %d leaks", d);
+        CHECK(stat(d, "stepalloc.num_mallocs") == stat(d, "stepalloc.num_frees"), "mallocs != frees on %d", d);
+        CHECK(stat(d, "stepalloc.num_mallocs") > 1000, "device %d saw few mallocs", d);
+        CHECK(stat(d, "num_ooms") == 0, "unexpected OOM");
+    }
+    p_stepalloc_empty_cache();
+    CHECK(status() == STEPALLOC_OK, "empty_cache: %s", last_error());
+    for (int d = 0; d < 2; d++) {
+        CHECK(stat(d, "reserved_bytes.all.current") == 0, "device %d keeps %.0f bytes after empty_cache", d,
+              stat(d, "reserved_bytes.all.current"));
+        check_roundtrip(d);
+    }
+}
+
+/* ----- edge cases and misuse ------------------------------------------------------------ */
+
+static void scenario_edge(void) {
+    CHECK(p_stepalloc_configure("backend:sim,sim_devices:2") == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_device_count() == 2, "device_count %d", p_stepalloc_device_count());
+    p_stepalloc_init(2);
+    CHECK(status() == STEPALLOC_OK, "init(2): %s", last_error());
+    p_stepalloc_init(3);
+    CHECK(status() == STEPALLOC_INVALID_ARGUMENT, "init(3) with 2 devices: %d", status());
+    cudaStream_t s1 = (cudaStream_t)(uintptr_t)1;
+
+    /* Size 0: a valid, unique, freeable pointer. */
+    void *z1 = p_stepalloc_malloc(0, 0, NULL);
+    void *z2 = p_stepalloc_malloc(0, 0, NULL);
+    CHECK(z1 != NULL && z2 != NULL && z1 != z2, "size 0 gave %p and %p", z1, z2);
+    check_stats(0, 2, 0);
+    p_stepalloc_free(z1, 0, 0, NULL);
+    p_stepalloc_free(z2, 0, 0, NULL);
+    CHECK(status() == STEPALLOC_OK, "free of size 0: %s", last_error());
+    check_stats(0, 0, 0);
+
+    /* SIZE_MAX: NULL with out-of-memory, nothing else changes. */
+    CHECK(p_stepalloc_malloc(SIZE_MAX, 0, NULL) == NULL, "SIZE_MAX succeeded");
+    CHECK(status() == STEPALLOC_OUT_OF_MEMORY, "SIZE_MAX status %d", status());
+    CHECK(strncmp(last_error(), "CUDA out of memory.", 19) == 0, "SIZE_MAX message: %s", last_error());
+    check_stats(0, 0, 0);
+    check_roundtrip(0);
+
+    void *p = p_stepalloc_malloc(3000, 0, s1);
+    CHECK(p != NULL, "%s", last_error());
+    check_stats(0, 1, 3000);
+
+    /* Free of an unknown pointer and of an interior pointer. */
+    p_stepalloc_free((void *)(uintptr_t)0xdead0000, 16, 0, NULL);
+    CHECK(status() == STEPALLOC_UNKNOWN_POINTER, "unknown pointer: %d", status());
+    CHECK(strstr(last_error(), "0xdead0000") != NULL, "message names the pointer: %s", last_error());
+    p_stepalloc_free((char *)p + 512, 0, 0, s1);
+    CHECK(status() == STEPALLOC_UNKNOWN_POINTER, "interior pointer: %d", status());
+    check_stats(0, 1, 3000);
+
+    /* Wrong size, wrong device, device out of range, negative device: refused, still live. */
+    p_stepalloc_free(p, 2999, 0, s1);
+    CHECK(status() == STEPALLOC_INVALID_ARGUMENT, "wrong size: %d", status());
+    p_stepalloc_free(p, 3000, 1, s1);
+    CHECK(status() == STEPALLOC_UNKNOWN_POINTER, "wrong device: %d", status());
+    p_stepalloc_free(p, 3000, 7, s1);
+    CHECK(status() == STEPALLOC_INVALID_ARGUMENT, "device 7: %d", status());
+    p_stepalloc_free(p, 3000, -1, s1);
+    CHECK(status() == STEPALLOC_INVALID_ARGUMENT, "device -1: %d", status());
+    CHECK(p_stepalloc_malloc(10, -1, NULL) == NULL && status() == STEPALLOC_INVALID_ARGUMENT, "malloc device -1");
+    CHECK(p_stepalloc_malloc(10, 2, NULL) == NULL && status() == STEPALLOC_INVALID_ARGUMENT, "malloc device 2");
+    check_stats(0, 1, 3000);
+    check_stats(1, 0, 0);
+
+    /* base_alloc: the segment around any interior pointer; NULL size refused. */
+    size_t seg_size = 0;
+    void *base = p_stepalloc_base_alloc((char *)p + 100, &seg_size);
+    CHECK(base != NULL && (char *)base <= (char *)p && (char *)p + 3000 <= (char *)base + seg_size,
+          "base_alloc gave %p + %zu for %p", base, seg_size, p);
+    CHECK(p_stepalloc_base_alloc(p, NULL) == NULL && status() == STEPALLOC_INVALID_ARGUMENT, "base_alloc NULL");
+    CHECK(p_stepalloc_base_alloc((void *)16, &seg_size) == NULL && status() == STEPALLOC_UNKNOWN_POINTER,
+          "base_alloc of unknown pointer");
+    p_stepalloc_record_stream((void *)16, s1);
+    CHECK(status() == STEPALLOC_UNKNOWN_POINTER, "record_stream of unknown pointer: %d", status());
+
+    /* The right free works, then a double free is refused. */
+    p_stepalloc_free(p, 3000, 0, s1);
+    CHECK(status() == STEPALLOC_OK, "%s", last_error());
+    p_stepalloc_free(p, 3000, 0, s1);
+    CHECK(status() == STEPALLOC_UNKNOWN_POINTER, "double free: %d", status());
+    p_stepalloc_free(NULL, 0, 0, NULL);
+    CHECK(status() == STEPALLOC_OK, "free(NULL) is a no-op");
+    check_stats(0, 0, 0);
+    check_roundtrip(0);
+    check_roundtrip(1);
+
+    /* Control misuse. */
+    p_stepalloc_set_memory_fraction(1.5, 0);
+    CHECK(status() == STEPALLOC_INVALID_ARGUMENT, "fraction 1.5: %d", status());
+    CHECK(p_stepalloc_step_begin(NULL) == STEPALLOC_INVALID_ARGUMENT, "step_begin(NULL)");
+    CHECK(p_stepalloc_configure("backend:sim") == STEPALLOC_INVALID_ARGUMENT, "configure after first use");
+    CHECK(strstr(last_error(), "already initialised") != NULL, "%s", last_error());
+    CHECK(p_stepalloc_reset_peak_stats(5) == STEPALLOC_INVALID_ARGUMENT, "reset_peak_stats(5)");
+    CHECK(p_stepalloc_reset_peak_stats(0) == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_reset_accumulated_stats(1) == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_stats_json(9, NULL, 0) == 0 && status() == STEPALLOC_INVALID_ARGUMENT, "stats_json(9)");
+
+    /* Text functions: measure, truncate with a NUL, full write. */
+    size_t n = p_stepalloc_config_help(NULL, 0);
+    CHECK(n > 100, "config_help length %zu", n);
+    char small[8];
+    memset(small, 'x', sizeof small);
+    CHECK(p_stepalloc_config_help(small, sizeof small) == n && small[7] == '\0' && strlen(small) == 7, "truncation");
+    char *help = (char *)malloc(n + 1);
+    CHECK(p_stepalloc_config_help(help, n + 1) == n && strlen(help) == n, "full write");
+    CHECK(strstr(help, "max_split_size_mb") != NULL && strstr(help, "backend") != NULL, "help: %s", help);
+    free(help);
+    size_t snap = p_stepalloc_snapshot_json(NULL, 0);
+    CHECK(snap > 0 && status() == STEPALLOC_OK, "snapshot_json: %s", last_error());
+    p_stepalloc_trace_jsonl(NULL, 0);
+    CHECK(status() == STEPALLOC_OK, "trace_jsonl: %s", last_error());
+    p_stepalloc_metrics_text(NULL, 0);
+    CHECK(status() == STEPALLOC_OK, "metrics_text: %s", last_error());
+    CHECK(p_stepalloc_metrics_serve("127.0.0.1:notaport") == STEPALLOC_INVALID_ARGUMENT, "bad address: %s",
+          last_error());
+    CHECK(p_stepalloc_metrics_serve("127.0.0.1:0") == STEPALLOC_OK, "metrics_serve: %s", last_error());
+    CHECK(p_stepalloc_metrics_serve("127.0.0.1:0") == STEPALLOC_INVALID_ARGUMENT, "second endpoint");
+    CHECK(strstr(last_error(), "already serving on 127.0.0.1:") != NULL, "%s", last_error());
+    const char *version = p_stepalloc_version();
+    CHECK(version != NULL && version[0] >= '0' && version[0] <= '9', "version %s", version ? version : "NULL");
+
+    /* The last error survives successful calls; the status does not. */
+    p_stepalloc_free((void *)(uintptr_t)0xbad000, 0, 0, NULL);
+    check_roundtrip(0);
+    CHECK(status() == STEPALLOC_OK, "status after success");
+    CHECK(strstr(last_error(), "0xbad000") != NULL, "last error kept: %s", last_error());
+    check_stats(0, 0, 0);
+}
+
+/* ----- configuration errors ------------------------------------------------------------- */
+
+static void scenario_bad_config(void) {
+    CHECK(p_stepalloc_configure("max_split_size_mb:abc") == STEPALLOC_CONFIG, "bad value");
+    CHECK(strstr(last_error(), "max_split_size_mb") != NULL, "names the key: %s", last_error());
+    CHECK(p_stepalloc_configure("no_such_key:1") == STEPALLOC_CONFIG, "unknown key");
+    CHECK(strstr(last_error(), "no_such_key") != NULL && strstr(last_error(), "accepted keys") != NULL, "%s",
+          last_error());
+    CHECK(p_stepalloc_configure("backend") == STEPALLOC_CONFIG, "no value");
+    CHECK(p_stepalloc_configure("backend:sim,expandable_segments:True") == STEPALLOC_CONFIG, "unsupported");
+    CHECK(p_stepalloc_configure(NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL");
+    CHECK(p_stepalloc_configure("backend:sim,\xff:1") == STEPALLOC_INVALID_ARGUMENT, "not UTF-8");
+    /* Nothing was applied: a good configuration still can be. */
+    CHECK(p_stepalloc_configure("backend:sim,sim_capacity_mb:1024") == STEPALLOC_OK, "%s", last_error());
+    check_roundtrip(0);
+    CHECK(stat(0, "stepalloc.device_total_bytes") == 1024.0 * MIB, "capacity");
+    check_stats(0, 0, 0);
+}
+
+/* STEPALLOC_CONF is bad (set by the caller): use fails with a clear error until configured. */
+static void scenario_bad_env(void) {
+    CHECK(p_stepalloc_malloc(100, 0, NULL) == NULL, "malloc with a bad STEPALLOC_CONF");
+    CHECK(status() == STEPALLOC_CONFIG, "status %d", status());
+    CHECK(strstr(last_error(), "max_split_size_mb") != NULL, "%s", last_error());
+    CHECK(p_stepalloc_device_count() == -1, "device_count");
+    CHECK(p_stepalloc_configure("backend:sim") == STEPALLOC_OK, "recover: %s", last_error());
+    check_roundtrip(0);
+    check_stats(0, 0, 0);
+}
+
+/* backend:auto without a CUDA driver: a clear error, no crash. */
+static void scenario_no_backend(void) {
+    void *cuda = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    if (cuda == NULL) cuda = dlopen("libcuda.so", RTLD_NOW | RTLD_LOCAL);
+    if (cuda != NULL) {
+        printf("skip no_backend: a CUDA driver is installed\n");
+        return;
+    }
+    CHECK(p_stepalloc_configure("backend:auto") == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_malloc(100, 0, NULL) == NULL, "malloc without a driver");
+    CHECK(status() == STEPALLOC_UNAVAILABLE, "status %d", status());
+    CHECK(strstr(last_error(), "backend:sim") != NULL && strstr(last_error(), "libcuda") != NULL, "%s",
+          last_error());
+    p_stepalloc_free((void *)(uintptr_t)0x1000, 0, 0, NULL);
+    CHECK(status() == STEPALLOC_UNAVAILABLE, "free status %d", status());
+}
+
+/* ----- out of memory through stepalloc_malloc ------------------------------------------- */
+
+static void scenario_oom(void) {
+    CHECK(p_stepalloc_configure("backend:sim,sim_capacity_mb:64") == STEPALLOC_OK, "%s", last_error());
+    void *a = p_stepalloc_malloc(40 * MIB, 0, NULL);
+    CHECK(a != NULL, "first 40 MiB: %s", last_error());
+    void *b = p_stepalloc_malloc(40 * MIB, 0, NULL);
+    CHECK(b == NULL, "second 40 MiB fits in 64 MiB?");
+    CHECK(status() == STEPALLOC_OUT_OF_MEMORY, "status %d", status());
+    CHECK(strncmp(last_error(), "CUDA out of memory. Tried to allocate 40", 40) == 0, "message: %s", last_error());
+    CHECK(stat(0, "num_ooms") == 1, "num_ooms %.0f", stat(0, "num_ooms"));
+    check_stats(0, 1, 40.0 * MIB);
+    p_stepalloc_free(a, 40 * MIB, 0, NULL);
+    CHECK(status() == STEPALLOC_OK, "%s", last_error());
+    b = p_stepalloc_malloc(40 * MIB, 0, NULL);
+    CHECK(b != NULL, "40 MiB after the free: %s", last_error());
+    p_stepalloc_free(b, 40 * MIB, 0, NULL);
+    check_stats(0, 0, 0);
+    check_roundtrip(0);
+}
+
+int main(int argc, char **argv) {
+    CHECK(argc == 3, "usage: %s LIBRARY SCENARIO", argv[0]);
+    load_library(argv[1]);
+    const char *scenario = argv[2];
+    if (strcmp(scenario, "threads") == 0) scenario_threads();
+    else if (strcmp(scenario, "edge") == 0) scenario_edge();
+    else if (strcmp(scenario, "bad_config") == 0) scenario_bad_config();
+    else if (strcmp(scenario, "bad_env") == 0) scenario_bad_env();
+    else if (strcmp(scenario, "no_backend") == 0) scenario_no_backend();
+    else if (strcmp(scenario, "oom") == 0) scenario_oom();
+    else CHECK(0, "unknown scenario %s", scenario);
+    printf("ok %s\n", scenario);
+    return 0;
+}

@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# GPU validation of stepalloc: run once on a machine with an NVIDIA GPU, in the repository
+# root or anywhere (it finds the root from its own path). Builds nothing heavy: it uses the
+# prebuilt library (default target/release/libstepalloc.so; or pass a path / set
+# STEPALLOC_LIB). Needs python3; uses torch, cc/c++ and cargo when present, skips what is
+# missing and says so. Bounded: every step runs under `timeout`; about 3-6 minutes in all.
+#
+# Steps:
+#   1. environment: GPU, driver, python, torch, compilers, cargo
+#   2. the library exports every symbol PyTorch and the Python package look up
+#   3. capture_probe.py: which driver calls are legal during stream capture (open question 1)
+#   4. cuda_smoke.py: stepalloc on the CUDA backend without torch
+#   5. torch_check.py: process-wide mode under PyTorch; whether an exception thrown from the
+#      alloc function leaves the pluggable allocator usable (open question 2); CUDA graphs
+#   6. the C / C++ ABI test programs against this library (simulated device), if cc/c++ exist
+#   7. the Rust CUDA backend tests (STEPALLOC_GPU_TESTS=1), if cargo and the crates are there
+# Ends with a summary; exit status 0 when nothing failed.
+set -u
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$ROOT"
+LIB=${1:-${STEPALLOC_LIB:-target/release/libstepalloc.so}}
+WORK=$(mktemp -d /tmp/stepalloc-gpu.XXXXXX)
+SUMMARY="$WORK/summary"
+: > "$SUMMARY"
+START=$(date +%s)
+# The whole run stays within this many seconds: a step gets at most what is left.
+BUDGET=${STEPALLOC_GPU_BUDGET:-450}
+
+section() { printf '\n========== %s ==========\n' "$*"; }
+record() { echo "RESULT $*" >> "$SUMMARY"; echo "RESULT $*"; }
+# run_step NAME LIMIT_SECONDS COMMAND...: runs under timeout, shows the output, keeps the
+# RESULT / ANSWER lines for the summary, and records a failure if the step itself failed.
+run_step() {
+    local name=$1 limit=$2
+    shift 2
+    local log="$WORK/$name.log"
+    local left=$(( BUDGET - ($(date +%s) - START) ))
+    if [ "$left" -lt 30 ]; then
+        record "SKIP $name the time budget (${BUDGET}s) is spent"
+        return 0
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    timeout -k 10 "$limit" "$@" > "$log" 2>&1
+    local rc=$?
+    cat "$log"
+    grep -E '^(RESULT|ANSWER) ' "$log" >> "$SUMMARY"
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then
+        record "FAIL $name timed out after ${limit}s"
+    elif [ $rc -ne 0 ] && ! grep -q '^RESULT FAIL' "$log"; then
+        record "FAIL $name exited with status $rc"
+    fi
+    echo "# step $name: status $rc, $(( $(date +%s) - START ))s since start"
+    return 0
+}
+
+section "1. environment"
+date -u
+uname -a
+if command -v nvidia-smi > /dev/null; then
+    timeout 30 nvidia-smi --query-gpu=index,name,driver_version,memory.total,memory.used --format=csv || true
+    timeout 30 nvidia-smi -q | grep -E 'CUDA Version|MIG Mode' -A1 | head -8 || true
+else
+    echo "nvidia-smi: not found"
+fi
+PYTHON=$(command -v python3 || true)
+echo "python3: ${PYTHON:-not found} $( [ -n "$PYTHON" ] && "$PYTHON" --version 2>&1)"
+if [ -n "$PYTHON" ]; then
+    timeout 120 "$PYTHON" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())' 2>&1 | tail -1
+fi
+for tool in cc c++ cargo nm; do echo "$tool: $(command -v $tool || echo not found)"; done
+
+section "2. library"
+if [ ! -f "$LIB" ]; then
+    record "FAIL library $LIB not found (build it with: cargo build --release -p stepalloc-cabi)"
+    cat "$SUMMARY"
+    exit 1
+fi
+LIB=$(readlink -f "$LIB")
+ls -l "$LIB"
+if [ -n "$PYTHON" ]; then
+    run_step symbols 60 "$PYTHON" - "$LIB" <<'PY'
+import ctypes, sys
+sys.path.insert(0, "gpu")
+from stepalloc_ctypes import EXPORTS, Stepalloc
+lib = ctypes.CDLL(sys.argv[1])
+missing = [s for s in EXPORTS if not hasattr(lib, s)]
+if missing:
+    print("RESULT FAIL symbols missing:", " ".join(missing))
+    sys.exit(1)
+print(f"RESULT PASS symbols all {len(EXPORTS)} exports found; version {Stepalloc(sys.argv[1]).version().decode()}")
+PY
+else
+    record "FAIL python3 is required for the GPU checks"
+fi
+
+if [ -n "$PYTHON" ]; then
+    section "3. driver calls during stream capture (open question 1)"
+    run_step capture_probe 120 "$PYTHON" gpu/capture_probe.py
+
+    section "4. stepalloc on the CUDA backend, no torch"
+    run_step cuda_smoke 150 "$PYTHON" gpu/cuda_smoke.py "$LIB"
+
+    section "5. stepalloc under PyTorch (open question 2)"
+    run_step torch_check 330 "$PYTHON" gpu/torch_check.py "$LIB"
+fi
+
+section "6. C / C++ ABI programs (simulated device) against this library"
+if command -v cc > /dev/null && command -v c++ > /dev/null; then
+    C_OK=1
+    cc -std=gnu11 -O1 -pthread -Icabi/include cabi/tests/c/abi_test.c -o "$WORK/abi_test" -ldl > "$WORK/cc.log" 2>&1 || C_OK=0
+    c++ -std=c++17 -O1 -pthread -Icabi/include cabi/tests/c/torch_caller.cpp -o "$WORK/torch_caller" -ldl >> "$WORK/cc.log" 2>&1 || C_OK=0
+    if [ $C_OK -eq 1 ]; then
+        for scenario in threads edge bad_config oom; do
+            if timeout 60 "$WORK/abi_test" "$LIB" "$scenario" > "$WORK/c_$scenario.log" 2>&1; then
+                record "PASS c_abi_$scenario"
+            else
+                cat "$WORK/c_$scenario.log"
+                record "FAIL c_abi_$scenario (status $?)"
+            fi
+        done
+        if timeout 60 env STEPALLOC_CONF="backend:sim,max_split_size_mb:abc" "$WORK/abi_test" "$LIB" bad_env > "$WORK/c_bad_env.log" 2>&1; then
+            record "PASS c_abi_bad_env"
+        else
+            cat "$WORK/c_bad_env.log"; record "FAIL c_abi_bad_env"
+        fi
+        if timeout 60 "$WORK/torch_caller" "$LIB" > "$WORK/cxx.log" 2>&1; then
+            record "PASS cxx_torch_caller C++ exception through std::function, pool hooks"
+        else
+            cat "$WORK/cxx.log"; record "FAIL cxx_torch_caller"
+        fi
+    else
+        cat "$WORK/cc.log"
+        record "SKIP c_abi the test programs did not compile here (see above)"
+    fi
+else
+    record "SKIP c_abi no cc/c++ on this machine"
+fi
+
+section "7. Rust CUDA backend tests"
+if command -v cargo > /dev/null && [ "${STEPALLOC_GPU_CARGO:-1}" != 0 ]; then
+    run_step cargo_gpu_tests 240 env STEPALLOC_GPU_TESTS=1 cargo test --offline -p stepalloc --lib backend::cuda -- --nocapture --test-threads=1
+    CLOG="$WORK/cargo_gpu_tests.log"
+    if grep -q 'test result: ok' "$CLOG"; then
+        SKIPPED=$(grep -c 'skipped gpu_' "$CLOG")
+        RAN=$(grep -oE 'test result: ok\. [0-9]+ passed' "$CLOG" | grep -oE '[0-9]+' | head -1)
+        if [ "$SKIPPED" -gt 0 ] && command -v nvidia-smi > /dev/null; then
+            record "FAIL cargo_gpu_tests $SKIPPED GPU tests skipped themselves on a GPU machine: $(grep -m1 -o 'skipped gpu_.*' "$CLOG")"
+        else
+            record "PASS cargo_gpu_tests $RAN tests passed, of which $SKIPPED skipped themselves (no GPU)"
+        fi
+    elif grep -qiE 'offline|failed to download|no matching package|failed to load source' "$CLOG"; then
+        sed -i '/^RESULT FAIL cargo_gpu_tests/d' "$SUMMARY"
+        record "SKIP cargo_gpu_tests cargo cannot build offline here (crates not available)"
+    elif ! grep -q '^RESULT FAIL cargo_gpu_tests' "$SUMMARY"; then
+        record "FAIL cargo_gpu_tests no 'test result: ok' (see the log above)"
+    fi
+else
+    record "SKIP cargo_gpu_tests no cargo here (or STEPALLOC_GPU_CARGO=0)"
+fi
+
+section "SUMMARY ($(( $(date +%s) - START ))s)"
+grep '^ANSWER ' "$SUMMARY" | sed 's/^ANSWER /  * /'
+echo
+if [ -f "$WORK/capture_probe.log" ]; then
+    echo "  driver calls during stream capture (mode, call, verdict):"
+    grep '^CAPTURE ' "$WORK/capture_probe.log" | awk '{printf "    %-20s %-62s %s\n", $2, $3, $NF}'
+fi
+echo
+PASS=$(grep -c '^RESULT PASS' "$SUMMARY")
+FAIL=$(grep -c '^RESULT FAIL' "$SUMMARY")
+SKIP=$(grep -c '^RESULT SKIP' "$SUMMARY")
+grep '^RESULT ' "$SUMMARY" | sed 's/^RESULT /  /'
+echo
+echo "stepalloc GPU validation: $PASS passed, $FAIL failed, $SKIP skipped (logs in $WORK)"
+[ "$FAIL" -eq 0 ]
