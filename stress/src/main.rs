@@ -146,13 +146,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             pb.finish_and_clear();
         }
         if g.timing {
-            eprintln!(
-                "timing: {}: {} ops in {:.3} s ({:.2} Mops/s)",
-                rc.name,
-                run.ops,
-                run.wall_s,
-                run.ops_per_s / 1e6
-            );
+            print_timing(&rc.name, &run);
         }
         report.runs.push(run);
     }
@@ -210,13 +204,7 @@ fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, St
     for rc in &configs {
         let (run, integrity) = random::run(args, rc)?;
         if g.timing {
-            eprintln!(
-                "timing: {}: {} ops in {:.3} s ({:.2} Mops/s)",
-                rc.name,
-                run.ops,
-                run.wall_s,
-                run.ops_per_s / 1e6
-            );
+            print_timing(&rc.name, &run);
         }
         report.runs.push(run);
         checks.push(integrity);
@@ -243,4 +231,9 @@ fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, St
         }
     }
     Ok(if checks.iter().all(|c| c.ok()) { 0 } else { 1 })
+}
+
+/// `--timing`: one line per configuration on stderr.
+fn print_timing(name: &str, run: &report::RunReport) {
+    eprintln!("timing: {name}: {} ops in {:.3} s ({:.2} Mops/s)", run.ops, run.wall_s, run.ops_per_s / 1e6);
 }
