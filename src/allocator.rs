@@ -139,6 +139,19 @@ impl Allocator {
         Ok(())
     }
 
+    /// Statistics as `stats_json` reports them before any allocator exists: all zero, as torch
+    /// reports before the first allocation. Reading statistics must not create the allocator,
+    /// since creating it fixes the configuration.
+    pub fn empty_stats_json(device: usize) -> String {
+        let stats = DeviceStats { device, max_split_size: u64::MAX, ..Default::default() };
+        serde_json::to_string(&stats.to_map()).unwrap_or_default()
+    }
+
+    /// A snapshot with no segments and no trace, for before any allocator exists.
+    pub fn empty_snapshot() -> serde_json::Value {
+        json!({"segments": [], "device_traces": [], "external_annotations": [], "allocator_settings": {}})
+    }
+
     /// The whole state in the layout of `torch.cuda.memory._snapshot()`.
     pub fn snapshot(&self) -> serde_json::Value {
         let mut segments = Vec::new();

@@ -88,6 +88,8 @@ int stepalloc_reset_accumulated_stats(int device);
 int stepalloc_device_count(void);
 
 // `torch.cuda.memory_stats(device)` as one JSON object (same keys, plus `stepalloc.*`).
+// Like the other readers below, it does not create the allocator: before the first
+// allocation it reports zeros, so reading statistics never fixes the configuration.
 //
 // # Safety
 // `buf` must be NULL or point to `cap` writable bytes.

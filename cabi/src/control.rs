@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use stepalloc::metrics;
-use stepalloc::Config;
+use stepalloc::{Allocator, Config};
 
 /// Copies `text` into `buf` as described at the top; returns `text.len()`.
 ///
@@ -126,13 +126,19 @@ pub extern "C" fn stepalloc_device_count() -> c_int {
 }
 
 /// `torch.cuda.memory_stats(device)` as one JSON object (same keys, plus `stepalloc.*`).
+/// Like the other readers below, it does not create the allocator: before the first
+/// allocation it reports zeros, so reading statistics never fixes the configuration.
 ///
 /// # Safety
 /// `buf` must be NULL or point to `cap` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn stepalloc_stats_json(device: c_int, buf: *mut c_char, cap: usize) -> usize {
     guard(|| {
-        let text = allocator()?.stats_json(device_index(device)?)?;
+        let device = device_index(device)?;
+        let text = match stepalloc::allocator::global_if_initialised() {
+            Some(allocator) => allocator.stats_json(device)?,
+            None => Allocator::empty_stats_json(device),
+        };
         // Safety: forwarded caller contract.
         Ok(unsafe { write_text(&text, buf, cap) })
     })
@@ -145,7 +151,10 @@ pub unsafe extern "C" fn stepalloc_stats_json(device: c_int, buf: *mut c_char, c
 #[no_mangle]
 pub unsafe extern "C" fn stepalloc_snapshot_json(buf: *mut c_char, cap: usize) -> usize {
     guard(|| {
-        let text = allocator()?.snapshot().to_string();
+        let text = match stepalloc::allocator::global_if_initialised() {
+            Some(allocator) => allocator.snapshot().to_string(),
+            None => Allocator::empty_snapshot().to_string(),
+        };
         // Safety: forwarded caller contract.
         Ok(unsafe { write_text(&text, buf, cap) })
     })
@@ -158,7 +167,7 @@ pub unsafe extern "C" fn stepalloc_snapshot_json(buf: *mut c_char, cap: usize) -
 #[no_mangle]
 pub unsafe extern "C" fn stepalloc_trace_jsonl(buf: *mut c_char, cap: usize) -> usize {
     guard(|| {
-        let text = allocator()?.trace_jsonl();
+        let text = stepalloc::allocator::global_if_initialised().map(|a| a.trace_jsonl()).unwrap_or_default();
         // Safety: forwarded caller contract.
         Ok(unsafe { write_text(&text, buf, cap) })
     })
@@ -171,7 +180,7 @@ pub unsafe extern "C" fn stepalloc_trace_jsonl(buf: *mut c_char, cap: usize) -> 
 #[no_mangle]
 pub unsafe extern "C" fn stepalloc_metrics_text(buf: *mut c_char, cap: usize) -> usize {
     guard(|| {
-        let text = metrics::render(allocator()?);
+        let text = stepalloc::allocator::global_if_initialised().map(|a| metrics::render(a)).unwrap_or_default();
         // Safety: forwarded caller contract.
         Ok(unsafe { write_text(&text, buf, cap) })
     })

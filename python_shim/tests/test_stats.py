@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 import stepalloc
-from conftest import MIB
+from conftest import MIB, check_child, run_python
 
 # The keys torch.cuda.memory_stats() documents (torch 2.15 docstring, "Core statistics",
 # event counters, max_split_size / oversize_*, requested_bytes). Written out here from the
@@ -128,3 +128,23 @@ def test_memory_summary_is_a_table_of_the_figures() -> None:
     assert row.split("|")[2].strip() == "7168 KiB"  # current usage: the 7 MiB block
     short = stepalloc.memory_summary(0, abbreviated=True)
     assert "from large pool" not in short
+
+
+def test_reading_statistics_does_not_fix_the_configuration() -> None:
+    # Before the first allocation, statistics, snapshots and metrics read zeros and leave the
+    # allocator uncreated, so configuring afterwards still works.
+    out = check_child(
+        run_python(
+            """
+            import stepalloc
+            assert stepalloc.memory_stats(0)["reserved_bytes.all.current"] == 0
+            assert stepalloc.memory_snapshot()["segments"] == []
+            stepalloc.configure("backend:sim,sim_capacity_mb:1024")
+            ptr = stepalloc.raw_alloc(4096)
+            assert stepalloc.memory_stats(0)["allocated_bytes.all.current"] == 4096
+            stepalloc.raw_free(ptr)
+            print("ok")
+            """
+        )
+    )
+    assert out.strip() == "ok"
