@@ -13,6 +13,9 @@
 //! - on a failed device reserve: release cached oversize blocks and retry; then wait for pending
 //!   events, release every unsplit cached segment and retry; then report out of memory.
 //!
+//! Giving memory back (OOM steps, `empty_cache`, limits, GC) and CUDA-graph pools live in
+//! `heap/release.rs`.
+//!
 //! Invariants (checked by `check_invariants` in tests): blocks tile their segments; adjacent
 //! free blocks of compatible streams are merged; the free lists hold exactly the `Free` blocks;
 //! `live` maps exactly the `Allocated` blocks; every statistic equals the sum it stands for.
@@ -21,7 +24,7 @@ use crate::backend::{Backend, Event, Stream};
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::freelist::{FreeList, ListKey};
-use crate::segment::{Arena, Block, BlockId, BlockState, Segment, SegmentId, ANY_STREAM, NIL};
+use crate::segment::{Arena, Block, BlockId, BlockState, Segment, ANY_STREAM, NIL};
 use crate::sizeclass::{self, GRANULE, MAX_REQUEST, SMALL_REQUEST};
 use crate::stats::{DeviceStats, HeapStats, ReleaseReason};
 use crate::step::StepState;
@@ -30,6 +33,8 @@ use crate::units::{format_bytes, MIB};
 use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::time::Instant;
+
+mod release;
 
 /// Exclusive upper bounds of the free-block size ranges of `Heap::free_block_ranges`:
 /// < 1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, and >= 1 GiB.
@@ -552,280 +557,6 @@ impl Heap {
             self.event_completed(event, id)?;
         }
         Ok(())
-    }
-
-    // ----- releasing cached memory ---------------------------------------------------------
-
-    /// Returns a segment whose single block is free to the device.
-    pub(crate) fn release_segment(&mut self, seg_id: SegmentId, reason: ReleaseReason) -> Result<u64> {
-        let seg = self.arena.segment(seg_id).clone();
-        let id = seg.first;
-        debug_assert!(
-            seg.busy == 0 && self.arena.block(id).next == NIL && self.arena.block(id).state == BlockState::Free
-        );
-        self.backend.release(seg.addr, seg.size)?;
-        self.unlist(id);
-        self.arena.drop_block(id);
-        self.arena.drop_segment(seg_id);
-        if seg.pool > 0 {
-            let slot = &mut self.private_pools[seg.pool as usize - 1];
-            if let Some(p) = slot.as_mut() {
-                p.segments -= 1;
-                if p.segments == 0 && p.use_count == 0 {
-                    *slot = None;
-                }
-            }
-        }
-        let s = &mut self.stats;
-        s.num_device_free += 1;
-        s.segment.decrease(seg.small, 1);
-        s.reserved_bytes.decrease(seg.small, seg.size);
-        if seg.oversize {
-            s.oversize_segments.decrease(1);
-        }
-        s.released_bytes[reason as usize] += seg.size;
-        self.trace.record(TraceAction::SegmentFree, seg.addr, seg.size, 0, seg.stream.0, 0);
-        Ok(seg.size)
-    }
-
-    /// Whether a segment is entirely one free block.
-    pub(crate) fn segment_is_free(&self, seg_id: SegmentId) -> bool {
-        let seg = self.arena.segment(seg_id);
-        seg.busy == 0 && {
-            let b = self.arena.block(seg.first);
-            b.next == NIL && b.state == BlockState::Free
-        }
-    }
-
-    /// Free segments that may be released (not held by an active graph pool).
-    pub(crate) fn releasable_segments(&self) -> Vec<SegmentId> {
-        self.arena
-            .live_segment_ids()
-            .filter(|&s| self.segment_is_free(s))
-            .filter(|&s| {
-                let pool = self.arena.segment(s).pool;
-                pool == 0 || self.private_pools[pool as usize - 1].as_ref().is_none_or(|p| p.use_count == 0)
-            })
-            .collect()
-    }
-
-    /// First OOM step: release cached oversize blocks (whole segments) — the smallest one that
-    /// covers `needed`, else the largest ones until `needed` bytes are released.
-    fn release_oversize(&mut self, needed: u64) -> Result<bool> {
-        if self.config.max_split_size == u64::MAX {
-            return Ok(false);
-        }
-        let mut candidates: Vec<(u64, SegmentId)> = self
-            .releasable_segments()
-            .into_iter()
-            .filter(|&s| self.arena.segment(s).oversize)
-            .map(|s| (self.arena.segment(s).size, s))
-            .collect();
-        candidates.sort_unstable();
-        if let Some(&(_, seg)) = candidates.iter().find(|(size, _)| *size >= needed) {
-            self.release_segment(seg, ReleaseReason::Oom)?;
-            return Ok(true);
-        }
-        let mut released = 0;
-        for &(_, seg) in candidates.iter().rev() {
-            if released >= needed {
-                break;
-            }
-            released += self.release_segment(seg, ReleaseReason::Oom)?;
-        }
-        Ok(released >= needed)
-    }
-
-    /// Waits for pending events, then releases every free unsplit segment. Returns bytes released.
-    pub fn release_all_cached(&mut self, reason: ReleaseReason) -> Result<u64> {
-        self.synchronize_pending()?;
-        if self.has_stranded_free_blocks() {
-            self.settle_free_streams()?;
-        }
-        let mut released = 0;
-        for seg in self.releasable_segments() {
-            released += self.release_segment(seg, reason)?;
-        }
-        Ok(released)
-    }
-
-    /// Whether some segment holds adjacent free blocks of different streams, which cannot merge
-    /// (and so cannot be released) while either stream may still have work queued.
-    fn has_stranded_free_blocks(&self) -> bool {
-        self.arena.blocks.iter().any(|b| {
-            b.state == BlockState::Free
-                && b.next != NIL
-                && self.arena.block(b.next).state == BlockState::Free
-                && merged_stream(b.stream, self.arena.block(b.next).stream).is_none()
-        })
-    }
-
-    /// Waits for the whole device; then no stream has work queued, every free block may serve
-    /// any stream, and neighbours that could not merge before are merged.
-    fn settle_free_streams(&mut self) -> Result<()> {
-        self.backend.synchronize()?;
-        self.stats.num_device_synchronize += 1;
-        // All free blocks, ANY ones too: a merge reaches one neighbour each way, so a chain of
-        // free blocks merges fully only if each of its blocks gets its turn.
-        let free: Vec<BlockId> = (0..self.arena.blocks.len() as BlockId)
-            .filter(|&id| self.arena.block(id).state == BlockState::Free)
-            .collect();
-        // First every free block becomes ANY, so that each merge below yields ANY again.
-        for &id in &free {
-            self.unlist(id);
-            self.arena.block_mut(id).stream = ANY_STREAM;
-            self.enlist(id);
-        }
-        for id in free {
-            // An earlier merge in this loop may have absorbed this block already.
-            if self.arena.block(id).state != BlockState::Free {
-                continue;
-            }
-            self.unlist(id);
-            self.split_stat_out(id);
-            let merged = self.merge_neighbours(id);
-            self.enlist(merged);
-            self.split_stat_in(merged);
-        }
-        Ok(())
-    }
-
-    /// `torch.cuda.empty_cache()`.
-    pub fn empty_cache(&mut self) -> Result<u64> {
-        self.release_all_cached(ReleaseReason::EmptyCache)
-    }
-
-    /// Releases free segments in the given order until `done` says enough.
-    pub(crate) fn release_in_order(
-        &mut self,
-        order: Vec<SegmentId>,
-        reason: ReleaseReason,
-        mut done: impl FnMut(&Heap) -> bool,
-    ) -> Result<u64> {
-        let mut released = 0;
-        for seg in order {
-            if done(self) {
-                break;
-            }
-            released += self.release_segment(seg, reason)?;
-        }
-        Ok(released)
-    }
-
-    /// The cache limit in bytes (0 = none).
-    pub(crate) fn cache_limit(&self) -> u64 {
-        let from_fraction = (self.config.cache_limit_fraction * self.device_total as f64) as u64;
-        match (self.config.cache_limit_bytes, from_fraction) {
-            (0, f) => f,
-            (b, 0) => b,
-            (b, f) => b.min(f),
-        }
-    }
-
-    pub(crate) fn cached_free(&self) -> u64 {
-        self.stats.reserved_bytes.all.current - self.stats.active_bytes.all.current
-    }
-
-    fn over_cache_limit(&self) -> bool {
-        let limit = self.cache_limit();
-        limit > 0 && self.cached_free() > limit
-    }
-
-    /// PyTorch's garbage collection: with a memory fraction set and reserved memory above
-    /// `garbage_collection_threshold` of it, release unsplit free large segments older than
-    /// the average age until reserved drops below the threshold.
-    fn garbage_collect(&mut self) -> Result<()> {
-        let threshold = (self.config.garbage_collection_threshold * self.allowed as f64) as u64;
-        let reserved = self.stats.reserved_bytes.all.current;
-        if reserved <= threshold {
-            return Ok(());
-        }
-        let target = reserved - threshold;
-        let mut candidates: Vec<(u64, SegmentId)> = self
-            .releasable_segments()
-            .into_iter()
-            .filter(|&s| !self.arena.segment(s).small && self.arena.segment(s).pool == 0)
-            .map(|s| (self.alloc_clock - self.arena.block(self.arena.segment(s).first).freed_at, s))
-            .collect();
-        if candidates.is_empty() {
-            return Ok(());
-        }
-        self.synchronize_pending()?;
-        let mut reclaimed = 0;
-        while reclaimed < target && !candidates.is_empty() {
-            let average = candidates.iter().map(|c| c.0).sum::<u64>() / candidates.len() as u64;
-            let (old, young): (Vec<_>, Vec<_>) = candidates.into_iter().partition(|c| c.0 >= average);
-            for (_, seg) in old {
-                if reclaimed >= target {
-                    break;
-                }
-                reclaimed += self.release_segment(seg, ReleaseReason::Limit)?;
-            }
-            candidates = young;
-        }
-        Ok(())
-    }
-
-    // ----- private pools (CUDA graphs) -----------------------------------------------------
-
-    /// `beginAllocateToPool`: a capture starts; creates the pool or takes another reference.
-    pub fn begin_pool(&mut self, id: PoolId) {
-        self.captures_underway += 1;
-        self.add_pool_reference(id);
-    }
-
-    /// `endAllocateToPool`: the capture ends; the pool keeps its memory until `release_pool`.
-    pub fn end_pool(&mut self, _id: PoolId) {
-        self.captures_underway = self.captures_underway.saturating_sub(1);
-    }
-
-    fn add_pool_reference(&mut self, id: PoolId) {
-        if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) {
-            p.use_count += 1;
-            return;
-        }
-        let pool = PrivatePool { id, use_count: 1, segments: 0 };
-        match self.private_pools.iter().position(Option::is_none) {
-            Some(i) => self.private_pools[i] = Some(pool),
-            None => self.private_pools.push(Some(pool)),
-        }
-    }
-
-    /// `releasePool`: drops a reference; at zero the pool's free segments go back to the
-    /// device now and its other segments as soon as they are free.
-    pub fn release_pool(&mut self, id: PoolId) -> Result<()> {
-        let Some(index) = self.private_pools.iter().position(|p| p.as_ref().is_some_and(|p| p.id == id)) else {
-            return Err(Error::InvalidArgument(format!("release of unknown memory pool ({}, {})", id.0, id.1)));
-        };
-        let pool = self.private_pools[index].as_mut().expect("position found it");
-        pool.use_count = pool.use_count.saturating_sub(1);
-        if pool.use_count > 0 {
-            return Ok(());
-        }
-        if pool.segments == 0 {
-            self.private_pools[index] = None;
-            return Ok(());
-        }
-        let number = index as u32 + 1;
-        let free: Vec<SegmentId> =
-            self.releasable_segments().into_iter().filter(|&s| self.arena.segment(s).pool == number).collect();
-        for seg in free {
-            self.release_segment(seg, ReleaseReason::EmptyCache)?;
-        }
-        Ok(())
-    }
-
-    fn private_pool_index(&mut self, id: PoolId) -> u32 {
-        if let Some(i) = self.private_pools.iter().position(|p| p.as_ref().is_some_and(|p| p.id == id)) {
-            return i as u32 + 1;
-        }
-        // Allocating to a pool nobody began: create it with no references (freed when empty).
-        self.add_pool_reference(id);
-        let i = self.private_pools.iter().position(|p| p.as_ref().is_some_and(|p| p.id == id)).unwrap_or(0);
-        if let Some(p) = self.private_pools[i].as_mut() {
-            p.use_count = 0;
-        }
-        i as u32 + 1
     }
 
     // ----- free lists ----------------------------------------------------------------------
