@@ -106,11 +106,6 @@ impl FreeList {
         (found < size.saturating_add(max_extra)).then_some(id)
     }
 
-    /// Oversize blocks, smallest first.
-    pub fn oversize_blocks(&self) -> impl DoubleEndedIterator<Item = (u64, BlockId)> + '_ {
-        self.oversize.iter().map(|&(size, _, id)| (size, id))
-    }
-
     /// The largest free block's size.
     pub fn largest(&self, blocks: &[Block]) -> u64 {
         let mut largest = self.oversize.last().map_or(0, |&(size, _, _)| size);

@@ -375,17 +375,18 @@ impl Heap {
     /// Frees the block at `ptr`. `size`, when not 0, must be the size asked for at malloc;
     /// a mismatch is refused and the block stays allocated.
     pub fn free(&mut self, ptr: u64, size: u64) -> Result<()> {
-        let Some(&id) = self.live.get(&ptr) else {
+        // One hash lookup on the common path; a refused free puts the entry back.
+        let Some(id) = self.live.remove(&ptr) else {
             return Err(Error::UnknownPointer { device: self.device, ptr });
         };
         let requested = self.arena.block(id).requested;
         if size != 0 && size != requested {
+            self.live.insert(ptr, id);
             return Err(Error::InvalidArgument(format!(
                 "free of {ptr:#x} on device {} with size {size}, but {requested} bytes were allocated there",
                 self.device
             )));
         }
-        self.live.remove(&ptr);
         let (block_size, stream, small) = {
             let b = self.arena.block(id);
             (b.size, b.stream, self.arena.segment(b.segment).small)
