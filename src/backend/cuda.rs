@@ -20,7 +20,7 @@
 //! - `CUDA_ERROR_OUT_OF_MEMORY` becomes `Error::OutOfMemory` (the heap fills in the report);
 //!   every other failure becomes `Error::Driver` with the call and the error's name.
 
-use super::{Backend, DeviceInfo, DriverTime, Event, Stream};
+use super::{Backend, DeviceInfo, DriverTime, Event, PhysHandle, Stream};
 use crate::error::{Error, Result};
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
@@ -286,6 +286,38 @@ impl Backend for CudaDevice {
 
     fn driver_time(&self) -> DriverTime {
         self.time
+    }
+
+    fn vm_granularity(&mut self) -> Result<u64> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn reserve_address(&mut self, _bytes: u64) -> Result<u64> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn free_address(&mut self, _addr: u64, _bytes: u64) -> Result<()> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn create_physical(&mut self, _bytes: u64) -> Result<PhysHandle> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn release_physical(&mut self, _handle: PhysHandle) -> Result<()> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn map(&mut self, _addr: u64, _bytes: u64, _handle: PhysHandle) -> Result<()> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn unmap(&mut self, _addr: u64, _bytes: u64) -> Result<()> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn synchronize_stream(&mut self, _stream: Stream) -> Result<()> {
+        self.synchronize()
     }
 }
 

@@ -38,7 +38,16 @@ pub struct DriverTime {
     pub release_ns: u64,
     pub event_ns: u64,
     pub sync_ns: u64,
+    /// Virtual memory: `create_physical` and `release_physical`.
+    pub create_ns: u64,
+    /// Virtual memory: `map` (map and set access) and `unmap`.
+    pub map_ns: u64,
 }
+
+/// A physical memory chunk created by `Backend::create_physical` (`CUmemGenericAllocationHandle`
+/// on CUDA), opaque to the allocator.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PhysHandle(pub u64);
 
 /// A device as the allocator needs it. Preconditions are the caller's (the heap's) duty;
 /// a backend may assume them and must not panic when they hold.
@@ -74,6 +83,40 @@ pub trait Backend: Send {
     fn synchronize(&mut self) -> Result<()>;
 
     fn driver_time(&self) -> DriverTime;
+
+    // ----- virtual memory (CUDA's cuMem* API) ----------------------------------------------
+    // The rules are the driver's; a backend enforces them or relies on the driver to: sizes
+    // and addresses are multiples of `vm_granularity`; `map` only inside a reserved range and
+    // never over a mapped byte; `unmap` only exactly what one `map` mapped; physical memory
+    // counts against the device's capacity from `create_physical` until `release_physical`;
+    // a reserved range is freed only when nothing in it is mapped.
+
+    /// The granularity of every virtual-memory size and address (2 MiB on current GPUs), or
+    /// `Error::Unavailable` when the device does not support virtual memory management.
+    fn vm_granularity(&mut self) -> Result<u64>;
+
+    /// Reserves `bytes` of virtual address space (no memory behind it).
+    fn reserve_address(&mut self, bytes: u64) -> Result<u64>;
+
+    /// Frees a range from `reserve_address`. Precondition: nothing in it is mapped.
+    fn free_address(&mut self, addr: u64, bytes: u64) -> Result<()>;
+
+    /// Creates `bytes` of physical memory. Out of device memory is `Error::OutOfMemory`.
+    fn create_physical(&mut self, bytes: u64) -> Result<PhysHandle>;
+
+    /// Releases a chunk from `create_physical`. Precondition: it is mapped nowhere.
+    fn release_physical(&mut self, handle: PhysHandle) -> Result<()>;
+
+    /// Maps the whole chunk `handle` (of `bytes`) at `addr` inside a reserved range and makes
+    /// it readable and writable by this device.
+    fn map(&mut self, addr: u64, bytes: u64, handle: PhysHandle) -> Result<()>;
+
+    /// Unmaps `bytes` at `addr`, exactly what one `map` mapped. Precondition: no queued work
+    /// still uses it (the caller synchronized the streams that used it).
+    fn unmap(&mut self, addr: u64, bytes: u64) -> Result<()>;
+
+    /// Blocks the host until the work queued on `stream` so far completes.
+    fn synchronize_stream(&mut self, stream: Stream) -> Result<()>;
 
     /// Lets simulated time pass (the stress tool's model of kernel time). A no-op on real
     /// devices, where time passes by itself.

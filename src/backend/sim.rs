@@ -6,7 +6,7 @@
 //! each driver call a modelled time. Time is virtual: it advances only through the cost model,
 //! `advance_time`, and waits, so every run with the same inputs is the same run.
 
-use super::{Backend, DeviceInfo, DriverTime, Event, Stream};
+use super::{Backend, DeviceInfo, DriverTime, Event, PhysHandle, Stream};
 use crate::config::SimConfig;
 use crate::error::{Error, OomReport, Result};
 use crate::units::MIB;
@@ -203,6 +203,38 @@ impl Backend for SimDevice {
 
     fn driver_time(&self) -> DriverTime {
         self.time
+    }
+
+    fn vm_granularity(&mut self) -> Result<u64> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn reserve_address(&mut self, _bytes: u64) -> Result<u64> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn free_address(&mut self, _addr: u64, _bytes: u64) -> Result<()> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn create_physical(&mut self, _bytes: u64) -> Result<PhysHandle> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn release_physical(&mut self, _handle: PhysHandle) -> Result<()> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn map(&mut self, _addr: u64, _bytes: u64, _handle: PhysHandle) -> Result<()> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn unmap(&mut self, _addr: u64, _bytes: u64) -> Result<()> {
+        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    }
+
+    fn synchronize_stream(&mut self, _stream: Stream) -> Result<()> {
+        self.synchronize()
     }
 
     fn advance_time(&mut self, ns: u64) {
