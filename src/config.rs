@@ -59,8 +59,14 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         name: "expandable_segments",
         default: "False",
-        form: "False",
-        doc: "PyTorch's expandable segments; not supported by stepalloc yet",
+        form: "True or False",
+        doc: "PyTorch's expandable segments: one growing virtual range per stream and pool, pages mapped on demand",
+    },
+    KeyDoc {
+        name: "large_segment_size_mb",
+        default: "20",
+        form: "integer MiB, a multiple of 2, 2..1024",
+        doc: "with expandable segments: page size of the large pool (the small pool's is 2 MiB)",
     },
     KeyDoc {
         name: "release_lock_on_cudamalloc",
@@ -87,6 +93,18 @@ pub const KEYS: &[KeyDoc] = &[
         doc: "accepted for PyTorch compatibility (pinned host memory); no effect",
     },
     // stepalloc's keys.
+    KeyDoc {
+        name: "page_reuse",
+        default: "False",
+        form: "True or False",
+        doc: "with expandable segments: move idle free pages to where a request needs them before creating memory",
+    },
+    KeyDoc {
+        name: "page_release",
+        default: "False",
+        form: "True or False",
+        doc: "with expandable segments: unmap free pages idle for a whole step at step end, and under the cache limit",
+    },
     KeyDoc {
         name: "backend",
         default: "auto",
@@ -183,6 +201,11 @@ pub struct Config {
     /// Divisions per power-of-two interval (1 MiB, 2 MiB, ..., 32 GiB and above); 0 or 1 = off.
     pub roundup_power2_divisions: [u64; ROUNDUP_INTERVALS],
     pub garbage_collection_threshold: f64,
+    pub expandable_segments: bool,
+    /// Page size of the large pool's expandable segments.
+    pub large_page: u64,
+    pub page_reuse: bool,
+    pub page_release: bool,
     pub backend: BackendKind,
     pub per_process_memory_fraction: f64,
     pub cache_limit_bytes: u64,
@@ -228,6 +251,10 @@ impl Default for Config {
             max_non_split_rounding: 20 * MIB,
             roundup_power2_divisions: [0; ROUNDUP_INTERVALS],
             garbage_collection_threshold: 0.0,
+            expandable_segments: false,
+            large_page: 20 * MIB,
+            page_reuse: false,
+            page_release: false,
             backend: BackendKind::Auto,
             per_process_memory_fraction: 1.0,
             cache_limit_bytes: 0,
@@ -261,6 +288,11 @@ impl Config {
                 return Err(Error::config(entry, "expected `key:value`"));
             };
             self.set(key.trim(), value.trim())?;
+        }
+        for (key, on) in [("page_reuse", self.page_reuse), ("page_release", self.page_release)] {
+            if on && !self.expandable_segments {
+                return Err(Error::config(key, "works on expandable segments: add `expandable_segments:True`"));
+            }
         }
         Ok(())
     }
@@ -303,11 +335,16 @@ impl Config {
                 }
                 self.garbage_collection_threshold = t;
             }
-            "expandable_segments" => {
-                if parse_bool(value).ok_or_else(bad)? {
-                    return Err(Error::config(key, "`True` is not supported by stepalloc yet; use False"));
+            "expandable_segments" => self.expandable_segments = parse_bool(value).ok_or_else(bad)?,
+            "large_segment_size_mb" => {
+                let mb = parse_u64(value).ok_or_else(bad)?;
+                if !(2..=1024).contains(&mb) || mb % 2 != 0 {
+                    return Err(bad());
                 }
+                self.large_page = mb * MIB;
             }
+            "page_reuse" => self.page_reuse = parse_bool(value).ok_or_else(bad)?,
+            "page_release" => self.page_release = parse_bool(value).ok_or_else(bad)?,
             "release_lock_on_cudamalloc" | "pinned_use_cuda_host_register" | "pinned_use_background_threads" => {
                 parse_bool(value).ok_or_else(bad)?;
             }
@@ -535,13 +572,28 @@ mod tests {
             "sim_fail_prob:2",
             "sim_devices:0",
             "metrics_addr:nowhere",
-            "expandable_segments:True",
+            "expandable_segments:maybe",
+            "large_segment_size_mb:3",
+            "large_segment_size_mb:0",
+            "page_reuse:True",
+            "page_release:True,backend:sim",
             "phase_trim:maybe",
         ] {
             let e = Config::parse(bad).unwrap_err();
             let key = bad.split(':').next().unwrap();
             assert!(matches!(e, Error::Config { key: ref k, .. } if k == key), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn virtual_memory_keys() {
+        let c = Config::parse("expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True").unwrap();
+        assert!(c.expandable_segments && c.page_reuse && c.page_release);
+        assert_eq!(c.large_page, 2 * MIB);
+        let d = Config::parse("expandable_segments:True").unwrap();
+        assert_eq!((d.large_page, d.page_reuse, d.page_release), (20 * MIB, false, false));
+        let e = Config::parse("page_reuse:True").unwrap_err();
+        assert!(e.to_string().contains("expandable_segments:True"), "{e}");
     }
 
     #[test]

@@ -23,6 +23,36 @@ const COST_RESERVE_PER_GIB_NS: u64 = 5_000;
 const COST_RELEASE_NS: u64 = 40_000;
 const COST_EVENT_RECORD_NS: u64 = 2_000;
 const COST_EVENT_QUERY_NS: u64 = 1_000;
+/// Virtual-memory calls (open question until measured on a GPU; see the README): published
+/// measurements put cuMemCreate of a 2 MiB chunk at tens of microseconds, cuMemMap plus
+/// cuMemSetAccess of one chunk at about 10 µs, cuMemUnmap similar, and an idle
+/// cuStreamSynchronize at a few microseconds.
+const COST_ADDRESS_NS: u64 = 5_000;
+const COST_CREATE_NS: u64 = 20_000;
+const COST_CREATE_PER_GIB_NS: u64 = 5_000;
+const COST_RELEASE_PHYSICAL_NS: u64 = 10_000;
+const COST_MAP_NS: u64 = 10_000;
+const COST_UNMAP_NS: u64 = 10_000;
+const COST_SYNC_NS: u64 = 5_000;
+/// Virtual-memory granularity, as `cuMemGetAllocationGranularity` reports on current GPUs.
+pub const GRANULARITY: u64 = 2 * MIB;
+
+/// A physical chunk: counted against capacity until released and mapped nowhere.
+struct Physical {
+    bytes: u64,
+    mappings: u32,
+    released: bool,
+}
+
+/// One `map`: a whole chunk at an address.
+struct Mapping {
+    bytes: u64,
+    handle: u64,
+}
+
+fn invalid(call: &'static str) -> Error {
+    Error::Driver { call, code: "CUDA_ERROR_INVALID_VALUE".into() }
+}
 
 pub struct SimDevice {
     index: usize,
@@ -42,6 +72,12 @@ pub struct SimDevice {
     /// Completion time of the last event recorded on any stream (what `synchronize` waits for).
     last_completion_ns: u64,
     time: DriverTime,
+    /// Virtual ranges (offset -> size); also in `live`, which holds every used address range.
+    ranges: BTreeMap<u64, u64>,
+    /// Mappings by offset. Invariant: disjoint, each inside one range.
+    mappings: BTreeMap<u64, Mapping>,
+    physical: BTreeMap<u64, Physical>,
+    next_handle: u64,
 }
 
 impl SimDevice {
@@ -59,6 +95,10 @@ impl SimDevice {
             free_events: Vec::new(),
             last_completion_ns: 0,
             time: DriverTime::default(),
+            ranges: BTreeMap::new(),
+            mappings: BTreeMap::new(),
+            physical: BTreeMap::new(),
+            next_handle: 0,
         }
     }
 
@@ -104,6 +144,21 @@ impl SimDevice {
         None
     }
 
+    /// Whether the configured failure injection fails this reserve or create.
+    fn inject_failure(&mut self) -> bool {
+        (self.config.fail_nth != 0 && self.reserves == self.config.fail_nth)
+            || (self.config.fail_prob > 0.0 && self.next_random() < self.config.fail_prob)
+    }
+
+    /// Frees a physical chunk's bytes once it is released and mapped nowhere.
+    fn drop_physical_if_unused(&mut self, handle: u64) {
+        if self.physical.get(&handle).is_some_and(|p| p.released && p.mappings == 0) {
+            if let Some(p) = self.physical.remove(&handle) {
+                self.used -= p.bytes;
+            }
+        }
+    }
+
     fn event_slot(&self, event: Event) -> Result<u64> {
         match self.events.get(event.0 as usize) {
             Some(Some(done)) => Ok(*done),
@@ -125,9 +180,7 @@ impl Backend for SimDevice {
         self.reserves += 1;
         let cost = self.charge(COST_RESERVE_NS + COST_RESERVE_PER_GIB_NS * (bytes >> 30));
         self.time.reserve_ns += cost;
-        let injected = (self.config.fail_nth != 0 && self.reserves == self.config.fail_nth)
-            || (self.config.fail_prob > 0.0 && self.next_random() < self.config.fail_prob);
-        if injected || bytes > self.config.capacity - self.used {
+        if self.inject_failure() || bytes > self.config.capacity - self.used {
             return Err(Error::OutOfMemory(Box::<OomReport>::default()));
         }
         let Some(offset) = self.find_range(bytes) else {
@@ -144,7 +197,7 @@ impl Backend for SimDevice {
         self.time.release_ns += cost;
         let offset = ptr.wrapping_sub(self.base());
         match self.live.get(&offset) {
-            Some(&size) if size == bytes => {
+            Some(&size) if size == bytes && !self.ranges.contains_key(&offset) => {
                 self.live.remove(&offset);
                 self.used -= bytes;
                 Ok(())
@@ -206,34 +259,115 @@ impl Backend for SimDevice {
     }
 
     fn vm_granularity(&mut self) -> Result<u64> {
-        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+        Ok(GRANULARITY)
     }
 
-    fn reserve_address(&mut self, _bytes: u64) -> Result<u64> {
-        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    fn reserve_address(&mut self, bytes: u64) -> Result<u64> {
+        let cost = self.charge(COST_ADDRESS_NS);
+        self.time.map_ns += cost;
+        if bytes == 0 || bytes % GRANULARITY != 0 {
+            return Err(invalid("cuMemAddressReserve"));
+        }
+        let Some(offset) = self.find_range(bytes) else {
+            return Err(Error::OutOfMemory(Box::<OomReport>::default()));
+        };
+        self.live.insert(offset, bytes);
+        self.ranges.insert(offset, bytes);
+        self.cursor = offset + bytes;
+        Ok(self.base() + offset)
     }
 
-    fn free_address(&mut self, _addr: u64, _bytes: u64) -> Result<()> {
-        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    fn free_address(&mut self, addr: u64, bytes: u64) -> Result<()> {
+        let offset = addr.wrapping_sub(self.base());
+        if self.ranges.get(&offset) != Some(&bytes) || self.mappings.range(offset..offset + bytes).next().is_some() {
+            return Err(invalid("cuMemAddressFree"));
+        }
+        self.ranges.remove(&offset);
+        self.live.remove(&offset);
+        Ok(())
     }
 
-    fn create_physical(&mut self, _bytes: u64) -> Result<PhysHandle> {
-        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    fn create_physical(&mut self, bytes: u64) -> Result<PhysHandle> {
+        self.reserves += 1;
+        let cost = self.charge(COST_CREATE_NS + COST_CREATE_PER_GIB_NS * (bytes >> 30));
+        self.time.create_ns += cost;
+        if bytes == 0 || bytes % GRANULARITY != 0 {
+            return Err(invalid("cuMemCreate"));
+        }
+        if self.inject_failure() || bytes > self.config.capacity - self.used {
+            return Err(Error::OutOfMemory(Box::<OomReport>::default()));
+        }
+        self.used += bytes;
+        self.next_handle += 1;
+        self.physical.insert(self.next_handle, Physical { bytes, mappings: 0, released: false });
+        Ok(PhysHandle(self.next_handle))
     }
 
-    fn release_physical(&mut self, _handle: PhysHandle) -> Result<()> {
-        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    fn release_physical(&mut self, handle: PhysHandle) -> Result<()> {
+        let cost = self.charge(COST_RELEASE_PHYSICAL_NS);
+        self.time.create_ns += cost;
+        match self.physical.get_mut(&handle.0) {
+            Some(p) if !p.released => p.released = true,
+            _ => return Err(invalid("cuMemRelease")),
+        }
+        self.drop_physical_if_unused(handle.0);
+        Ok(())
     }
 
-    fn map(&mut self, _addr: u64, _bytes: u64, _handle: PhysHandle) -> Result<()> {
-        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    fn map(&mut self, addr: u64, bytes: u64, handle: PhysHandle) -> Result<()> {
+        let cost = self.charge(COST_MAP_NS);
+        self.time.map_ns += cost;
+        let offset = addr.wrapping_sub(self.base());
+        let in_range = self.ranges.range(..=offset).next_back().is_some_and(|(&start, &size)| {
+            offset.checked_add(bytes).is_some_and(|end| end <= start + size)
+        });
+        let overlaps = self.mappings.range(..offset.saturating_add(bytes)).next_back().is_some_and(|(&start, m)| {
+            start + m.bytes > offset
+        });
+        let whole_chunk = self.physical.get(&handle.0).is_some_and(|p| !p.released && p.bytes == bytes);
+        if offset % GRANULARITY != 0 || !in_range || overlaps || !whole_chunk {
+            return Err(invalid("cuMemMap"));
+        }
+        if let Some(p) = self.physical.get_mut(&handle.0) {
+            p.mappings += 1;
+        }
+        self.mappings.insert(offset, Mapping { bytes, handle: handle.0 });
+        Ok(())
     }
 
-    fn unmap(&mut self, _addr: u64, _bytes: u64) -> Result<()> {
-        Err(Error::Unavailable("virtual memory: not implemented on this backend yet".into()))
+    fn unmap(&mut self, addr: u64, bytes: u64) -> Result<()> {
+        let cost = self.charge(COST_UNMAP_NS);
+        self.time.map_ns += cost;
+        let offset = addr.wrapping_sub(self.base());
+        // The range must be exactly whole mappings, without gaps (cuMemUnmap's rule).
+        let mut cursor = offset;
+        let end = offset.checked_add(bytes).ok_or_else(|| invalid("cuMemUnmap"))?;
+        let mut covered = Vec::new();
+        for (&start, m) in self.mappings.range(offset..end) {
+            if start != cursor || start + m.bytes > end {
+                return Err(invalid("cuMemUnmap"));
+            }
+            cursor += m.bytes;
+            covered.push(start);
+        }
+        if cursor != end || bytes == 0 {
+            return Err(invalid("cuMemUnmap"));
+        }
+        for start in covered {
+            if let Some(m) = self.mappings.remove(&start) {
+                if let Some(p) = self.physical.get_mut(&m.handle) {
+                    p.mappings -= 1;
+                }
+                self.drop_physical_if_unused(m.handle);
+            }
+        }
+        Ok(())
     }
 
     fn synchronize_stream(&mut self, _stream: Stream) -> Result<()> {
+        // Events do not record their stream here: waiting for the whole device is the safe bound.
+        let cost = self.charge(COST_SYNC_NS);
+        self.time.sync_ns += cost;
         self.synchronize()
     }
 
@@ -305,6 +439,40 @@ mod tests {
         let mut d = device("");
         d.reserve(2 * MIB).unwrap();
         assert_eq!(d.driver_time().reserve_ns, 0);
+    }
+
+    #[test]
+    fn virtual_memory_follows_the_drivers_rules() {
+        let mut d = device("sim_capacity_mb:8");
+        let g = d.vm_granularity().unwrap();
+        assert_eq!(g, 2 * MIB);
+        let range = d.reserve_address(8 * g).unwrap();
+        assert_eq!(d.mem_info().unwrap().0, 8 * MIB, "an address range costs no memory");
+        let a = d.create_physical(g).unwrap();
+        let b = d.create_physical(2 * g).unwrap();
+        assert!(d.create_physical(2 * g).unwrap_err().is_out_of_memory(), "physical memory counts");
+        assert!(d.map(range + 512, g, a).is_err(), "unaligned");
+        assert!(d.map(range, 2 * g, a).is_err(), "a chunk maps whole");
+        assert!(d.map(range + 7 * g, 2 * g, b).is_err(), "outside the range");
+        d.map(range, g, a).unwrap();
+        assert!(d.map(range, 2 * g, b).is_err(), "over a mapped range");
+        d.map(range + g, 2 * g, b).unwrap();
+        assert!(d.unmap(range, 2 * g).is_err(), "part of a mapping");
+        assert!(d.free_address(range, 8 * g).is_err(), "mapped bytes inside");
+        assert!(d.release(range, 8 * g).is_err(), "cuMemFree of a virtual range");
+        // Released while mapped: the memory stays until it is unmapped.
+        d.release_physical(a).unwrap();
+        assert!(d.release_physical(a).is_err(), "double release");
+        assert_eq!(d.mem_info().unwrap().0, 2 * MIB);
+        d.unmap(range, 3 * g).unwrap();
+        assert_eq!(d.mem_info().unwrap().0, 4 * MIB);
+        assert!(d.unmap(range, g).is_err(), "nothing mapped there");
+        // An unmapped chunk maps again elsewhere.
+        d.map(range + 4 * g, 2 * g, b).unwrap();
+        d.unmap(range + 4 * g, 2 * g).unwrap();
+        d.release_physical(b).unwrap();
+        d.free_address(range, 8 * g).unwrap();
+        assert_eq!(d.mem_info().unwrap().0, 8 * MIB);
     }
 
     #[test]
