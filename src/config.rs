@@ -587,7 +587,8 @@ mod tests {
 
     #[test]
     fn virtual_memory_keys() {
-        let c = Config::parse("expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True").unwrap();
+        let c = Config::parse("expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True")
+            .unwrap();
         assert!(c.expandable_segments && c.page_reuse && c.page_release);
         assert_eq!(c.large_page, 2 * MIB);
         let d = Config::parse("expandable_segments:True").unwrap();

@@ -106,6 +106,27 @@ impl FreeList {
         (found < size.saturating_add(max_extra)).then_some(id)
     }
 
+    /// Appends `(size, id)` of every block of at least `min` bytes (a scan of the large bins,
+    /// for the slow path).
+    pub fn collect_at_least(&self, blocks: &[Block], min: u64, out: &mut Vec<(u64, BlockId)>) {
+        out.extend(self.oversize.iter().filter(|e| e.0 >= min).map(|&(size, _, id)| (size, id)));
+        let mut bin = bin_down(min);
+        while let Some(found) = self.bitmap.find_from(bin) {
+            let mut cursor = self.heads[found];
+            while cursor != NIL {
+                let b = &blocks[cursor as usize];
+                if b.size >= min {
+                    out.push((b.size, cursor));
+                }
+                cursor = b.link_next;
+            }
+            bin = found + 1;
+            if bin >= BIN_COUNT {
+                break;
+            }
+        }
+    }
+
     /// The largest free block's size.
     pub fn largest(&self, blocks: &[Block]) -> u64 {
         let mut largest = self.oversize.last().map_or(0, |&(size, _, _)| size);

@@ -20,7 +20,7 @@
 //! free blocks of compatible streams are merged; the free lists hold exactly the `Free` blocks;
 //! `live` maps exactly the `Allocated` blocks; every statistic equals the sum it stands for.
 
-use crate::backend::{Backend, Event, Stream};
+use crate::backend::{Backend, Event, PhysHandle, Stream};
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::freelist::{FreeList, ListKey};
@@ -34,6 +34,7 @@ use rustc_hash::FxHashMap;
 use std::collections::VecDeque;
 use std::time::Instant;
 
+mod expandable;
 mod release;
 
 /// Exclusive upper bounds of the free-block size ranges of `Heap::free_block_ranges`:
@@ -74,9 +75,13 @@ pub struct Heap {
     allowed: u64,
     fraction_set: bool,
     /// Counts mallocs; a free block's age is this minus its `freed_at`.
-    alloc_clock: u64,
+    pub(crate) alloc_clock: u64,
     /// `begin_pool` calls not yet matched by `end_pool`: CUDA-graph captures in progress.
     captures_underway: u32,
+    /// Physical pages unmapped for the request in progress (`page_reuse`); empty between calls.
+    idle_pages: Vec<PhysHandle>,
+    /// `alloc_clock` when the current step began (`page_release`).
+    pub(crate) step_clock: u64,
 }
 
 impl Heap {
@@ -99,6 +104,8 @@ impl Heap {
             fraction_set: false,
             alloc_clock: 0,
             captures_underway: 0,
+            idle_pages: Vec::new(),
+            step_clock: 0,
         };
         if config.per_process_memory_fraction < 1.0 {
             heap.set_memory_fraction(config.per_process_memory_fraction);
@@ -139,6 +146,10 @@ impl Heap {
                 self.stats.num_cache_hits += 1;
                 id
             }
+            None if self.config.expandable_segments && pool_index == 0 => {
+                // As PyTorch: CUDA-graph pools keep plain segments.
+                self.grow_expandable(small, stream, rounded, size)?
+            }
             None => self.grow(pool_index, small, stream, rounded, size)?,
         };
         Ok(self.hand_out(id, rounded, size, stream))
@@ -156,20 +167,39 @@ impl Heap {
             };
             if let Some(id) = found {
                 self.unlist(id);
-                return Some(id);
+                return Some(self.prefer_not_tail(li, id, rounded));
             }
         }
         None
     }
 
+    /// Expandable segments, as PyTorch: a free block followed by unmapped space (the free tail,
+    /// which can grow in place) is taken only when no other free block fits.
+    fn prefer_not_tail(&mut self, li: usize, id: BlockId, rounded: u64) -> BlockId {
+        let next = self.arena.block(id).next;
+        if next == NIL || self.arena.block(next).state != BlockState::Unmapped || rounded >= self.config.max_split_size
+        {
+            return id;
+        }
+        match self.lists[li].find(&self.arena.blocks, rounded) {
+            Some(other) => {
+                self.unlist(other);
+                self.enlist(id);
+                other
+            }
+            None => id,
+        }
+    }
+
     /// Marks a free block (already out of its list) allocated, splitting off the rest.
     fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64, stream: Stream) -> u64 {
-        let (seg_id, small, free_stream) = {
+        let (seg_id, small, expandable, free_stream) = {
             let b = self.arena.block(id);
-            (b.segment, self.arena.segment(b.segment).small, b.stream)
+            let seg = self.arena.segment(b.segment);
+            (b.segment, seg.small, seg.expandable(), b.stream)
         };
         self.split_stat_out(id);
-        if self.should_split(self.arena.block(id).size, rounded, small) {
+        if self.should_split(self.arena.block(id).size, rounded, small || expandable) {
             let (addr, size, next) = {
                 let b = self.arena.block(id);
                 (b.addr, b.size, b.next)
@@ -229,9 +259,11 @@ impl Heap {
         addr
     }
 
-    fn should_split(&self, block_size: u64, rounded: u64, small: bool) -> bool {
+    /// `fine`: the small pool, or an expandable segment (PyTorch splits those whenever a
+    /// granule would remain).
+    fn should_split(&self, block_size: u64, rounded: u64, fine: bool) -> bool {
         let remaining = block_size - rounded;
-        if small {
+        if fine {
             remaining >= GRANULE
         } else {
             rounded < self.config.max_split_size && remaining > SMALL_REQUEST
@@ -297,6 +329,9 @@ impl Heap {
             phase_mask: 0,
             oversize,
             live: true,
+            page: 0,
+            handles: Vec::new(),
+            mapped: size,
         });
         let id = self.arena.new_block(Block {
             addr,
@@ -460,6 +495,9 @@ impl Heap {
         }
         if whole_segment_free && self.over_cache_limit() {
             self.release_segment(seg_id, ReleaseReason::Limit)?;
+        } else if self.config.page_release && self.arena.segment(seg_id).expandable() && self.over_cache_limit() {
+            let limit = self.cache_limit();
+            self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
         }
         Ok(())
     }
@@ -482,9 +520,12 @@ impl Heap {
     }
 
     /// Block `id` takes over its free neighbour `other` (after it when `forward`).
+    /// An unmapped `other` merges with an unmapped `id` (no list, no split statistics).
     fn absorb(&mut self, id: BlockId, other: BlockId, forward: bool, stream: Stream) {
-        self.unlist(other);
-        self.split_stat_out(other);
+        if self.arena.block(other).state == BlockState::Free {
+            self.unlist(other);
+            self.split_stat_out(other);
+        }
         let o = self.arena.block(other);
         let (o_addr, o_size, o_prev, o_next, o_freed_at) = (o.addr, o.size, o.prev, o.next, o.freed_at);
         let b = self.arena.block_mut(id);
@@ -638,6 +679,7 @@ impl Heap {
             steps_by_phase: self.step.steps_by_phase(),
             last_step: self.step.last.clone(),
             driver_time: self.backend.driver_time(),
+            mapped_bytes: self.mapped_bytes(),
         }
     }
 
@@ -667,9 +709,34 @@ impl Heap {
             .collect()
     }
 
-    /// Reserved segments: (address, size, small pool).
+    /// Reserved memory: (address, size, small pool) of each plain segment and of each run of
+    /// mapped blocks of an expandable segment.
     pub fn segments(&self) -> Vec<(u64, u64, bool)> {
-        self.arena.live_segment_ids().map(|s| self.arena.segment(s)).map(|s| (s.addr, s.size, s.small)).collect()
+        let mut out = Vec::new();
+        for seg_id in self.arena.live_segment_ids() {
+            let seg = self.arena.segment(seg_id);
+            if !seg.expandable() {
+                out.push((seg.addr, seg.size, seg.small));
+                continue;
+            }
+            let mut run: Option<(u64, u64)> = None;
+            for id in self.arena.segment_blocks(seg_id) {
+                let b = self.arena.block(id);
+                match (b.state == BlockState::Unmapped, run) {
+                    (false, Some((start, size))) => run = Some((start, size + b.size)),
+                    (false, None) => run = Some((b.addr, b.size)),
+                    (true, Some((start, size))) => {
+                        out.push((start, size, seg.small));
+                        run = None;
+                    }
+                    (true, None) => {}
+                }
+            }
+            if let Some((start, size)) = run {
+                out.push((start, size, seg.small));
+            }
+        }
+        out
     }
 
     /// Lets simulated time pass (no effect on CUDA).
@@ -690,7 +757,8 @@ impl Heap {
         for seg_id in self.arena.live_segment_ids() {
             let seg = self.arena.segment(seg_id);
             let p = if seg.small { 0 } else { 1 };
-            reserved[p] += seg.size;
+            reserved[p] += seg.mapped;
+            let mut mapped = 0;
             let mut expect = seg.addr;
             let mut busy = 0;
             let mut prev = NIL;
@@ -705,6 +773,11 @@ impl Heap {
                 }
                 expect += b.size;
                 prev = id;
+                if b.state != BlockState::Unmapped {
+                    mapped += b.size;
+                } else if (b.addr - seg.addr) % seg.page != 0 || b.size % seg.page != 0 {
+                    return Err(format!("unmapped block {:#x} is not page-aligned", b.addr));
+                }
                 match b.state {
                     BlockState::Allocated => {
                         busy += 1;
@@ -731,12 +804,27 @@ impl Heap {
                             }
                         }
                     }
-                    BlockState::Vacant => return Err(format!("vacant block {id} linked in a segment")),
+                    BlockState::Unmapped if seg.expandable() => {}
+                    BlockState::Unmapped | BlockState::Vacant => {
+                        return Err(format!("{:?} block {id} linked in a segment", b.state))
+                    }
                 }
                 prev_free_stream = (b.state == BlockState::Free).then_some(b.stream);
             }
             if expect != seg.addr + seg.size {
                 return Err(format!("segment {:#x}: blocks do not reach its end", seg.addr));
+            }
+            if mapped != seg.mapped {
+                return Err(format!(
+                    "segment {:#x}: {mapped} bytes in mapped blocks, {} counted",
+                    seg.addr, seg.mapped
+                ));
+            }
+            if seg.expandable() {
+                let pages = seg.handles.iter().filter(|h| h.is_some()).count() as u64;
+                if pages * seg.page != seg.mapped {
+                    return Err(format!("segment {:#x}: {pages} pages mapped for {} bytes", seg.addr, seg.mapped));
+                }
             }
             if busy != seg.busy {
                 return Err(format!("segment {:#x}: busy {} but counted {busy}", seg.addr, seg.busy));

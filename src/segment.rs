@@ -10,11 +10,15 @@
 //!             first ->   next ->                 next ->            next -> NIL
 //! ```
 //!
+//! An *expandable* segment (`expandable_segments:True`) is a virtual range; its blocks tile the
+//! whole range, and the ones with no memory behind them are `Unmapped` (page-aligned, never
+//! merged with mapped blocks, never in a free list).
+//!
 //! Invariants: the blocks of a segment tile it without gap or overlap; two physically adjacent
 //! free blocks of compatible streams are always merged; `busy` counts the blocks of a segment
 //! that are allocated or pending.
 
-use crate::backend::Stream;
+use crate::backend::{PhysHandle, Stream};
 
 pub type BlockId = u32;
 pub type SegmentId = u32;
@@ -31,6 +35,8 @@ pub enum BlockState {
     Pending,
     /// In a free list.
     Free,
+    /// Virtual addresses of an expandable segment with no memory mapped behind them.
+    Unmapped,
     /// The slot is unused.
     Vacant,
 }
@@ -86,6 +92,18 @@ pub struct Segment {
     /// The reserve was at or above `max_split_size`.
     pub oversize: bool,
     pub live: bool,
+    /// Page size of an expandable segment (`size` is then its virtual range); 0 for a plain one.
+    pub page: u64,
+    /// Expandable: the physical chunk mapped at each page, `None` where unmapped.
+    pub handles: Vec<Option<PhysHandle>>,
+    /// Bytes mapped (the whole size for a plain segment).
+    pub mapped: u64,
+}
+
+impl Segment {
+    pub fn expandable(&self) -> bool {
+        self.page != 0
+    }
 }
 
 /// Slot storage for blocks and segments, with reuse of vacant slots.

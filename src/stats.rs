@@ -125,6 +125,15 @@ pub struct HeapStats {
     pub num_cache_hits: u64,
     /// Device-wide synchronizations (to merge free blocks of different streams before release).
     pub num_device_synchronize: u64,
+    /// Virtual memory (expandable segments): address space reserved now, physical chunks
+    /// created / released and pages mapped / unmapped, and bytes of idle pages moved to where a
+    /// request needed them (`page_reuse`) instead of creating memory.
+    pub virtual_reserved_bytes: u64,
+    pub num_create: u64,
+    pub num_release_physical: u64,
+    pub num_map: u64,
+    pub num_unmap: u64,
+    pub moved_bytes: u64,
     /// Bytes released to the device, by `ReleaseReason`.
     pub released_bytes: [u64; 5],
     /// Device reserve latencies: counts per bucket of `DEVICE_ALLOC_BUCKETS_S` (last = +Inf).
@@ -202,6 +211,11 @@ impl HeapStats {
         self.num_device_free = 0;
         self.num_sync_all_streams = 0;
         self.num_oom_rejections = 0;
+        self.num_create = 0;
+        self.num_release_physical = 0;
+        self.num_map = 0;
+        self.num_unmap = 0;
+        self.moved_bytes = 0;
     }
 }
 
@@ -232,6 +246,8 @@ pub struct DeviceStats {
     pub steps_by_phase: BTreeMap<String, u64>,
     pub last_step: StepFigures,
     pub driver_time: DriverTime,
+    /// Bytes mapped in expandable segments.
+    pub mapped_bytes: u64,
 }
 
 impl DeviceStats {
@@ -303,6 +319,16 @@ impl DeviceStats {
         m.insert(format!("{s}driver_seconds.release"), json!(self.driver_time.release_ns as f64 * 1e-9));
         m.insert(format!("{s}driver_seconds.event"), json!(self.driver_time.event_ns as f64 * 1e-9));
         m.insert(format!("{s}driver_seconds.sync"), json!(self.driver_time.sync_ns as f64 * 1e-9));
+        m.insert(format!("{s}driver_seconds.create"), json!(self.driver_time.create_ns as f64 * 1e-9));
+        m.insert(format!("{s}driver_seconds.map"), json!(self.driver_time.map_ns as f64 * 1e-9));
+        // Virtual memory: `reserved_bytes` counts mapped bytes, as PyTorch does.
+        m.insert(format!("{s}mapped_bytes"), json!(self.mapped_bytes));
+        m.insert(format!("{s}virtual_reserved_bytes"), json!(h.virtual_reserved_bytes));
+        m.insert(format!("{s}moved_bytes"), json!(h.moved_bytes));
+        m.insert(format!("{s}num_create"), json!(h.num_create));
+        m.insert(format!("{s}num_release_physical"), json!(h.num_release_physical));
+        m.insert(format!("{s}num_map"), json!(h.num_map));
+        m.insert(format!("{s}num_unmap"), json!(h.num_unmap));
         m
     }
 }

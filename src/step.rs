@@ -118,6 +118,7 @@ impl Heap {
             self.trim_for_phase(index)?;
         }
         let reserved = self.stats.reserved_bytes.all.current;
+        self.step_clock = self.alloc_clock;
         let s = &mut self.step;
         s.step += 1;
         s.in_step = true;
@@ -152,6 +153,9 @@ impl Heap {
                 .collect();
             self.release_in_order(order, ReleaseReason::Step, |_| false)?;
         }
+        if self.config.page_release {
+            self.release_idle_pages_at_step_end()?;
+        }
         self.enforce_cache_limit()?;
         let figures = StepFigures {
             steps: self.step.step,
@@ -180,7 +184,11 @@ impl Heap {
         }
         let mut order = self.releasable_segments();
         order.sort_by_key(|&s| self.arena.segment(s).last_used_step);
-        self.release_in_order(order, ReleaseReason::Limit, |h| h.cached_free() <= limit)
+        let mut released = self.release_in_order(order, ReleaseReason::Limit, |h| h.cached_free() <= limit)?;
+        if self.config.page_release {
+            released += self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
+        }
+        Ok(released)
     }
 
     /// Trims the cache to what phase `index` is predicted to need: its recorded peak of

@@ -15,6 +15,9 @@ pub enum TraceAction {
     FreeCompleted,
     SegmentAlloc,
     SegmentFree,
+    /// Pages mapped into an expandable segment (PyTorch's `segment_map`).
+    SegmentMap,
+    SegmentUnmap,
     Oom,
     StepBegin,
     StepEnd,
@@ -29,6 +32,8 @@ impl TraceAction {
             TraceAction::FreeCompleted => "free_completed",
             TraceAction::SegmentAlloc => "segment_alloc",
             TraceAction::SegmentFree => "segment_free",
+            TraceAction::SegmentMap => "segment_map",
+            TraceAction::SegmentUnmap => "segment_unmap",
             TraceAction::Oom => "oom",
             TraceAction::StepBegin => "step_begin",
             TraceAction::StepEnd => "step_end",

@@ -7,7 +7,9 @@
 //!   structure (`check_invariants`: tiling, merging, free lists, every byte statistic);
 //! - a block freed on one stream is reused only by that stream, unless it went through
 //!   `record_stream` (then only after its events completed, which the heap enforces);
-//! - freeing everything and calling `empty_cache` returns reserved memory to 0.
+//! - freeing everything and calling `empty_cache` returns reserved memory to 0 (with expandable
+//!   segments: nothing left mapped); with virtual memory, every live block lies in mapped
+//!   memory and the heap's pages match the device's mappings (`check_invariants`).
 //!
 //! proptest shrinks a failing program to a minimal one.
 
@@ -67,6 +69,10 @@ const CONFIGS: &[&str] = &[
     "backend:sim,sim_devices:2,sim_capacity_mb:256,roundup_power2_divisions:[1:2,>:4],sim_fail_nth:5",
     "backend:sim,sim_devices:2,sim_capacity_mb:200,per_process_memory_fraction:0.5,garbage_collection_threshold:0.6,cache_limit_mb:16",
     "backend:sim,sim_devices:2,sim_capacity_mb:160,release_idle_steps:1,phase_trim:True,phase_trim_margin:0",
+    // Virtual memory: PyTorch's expandable segments, then stepalloc's page policies on top.
+    "backend:sim,sim_devices:2,sim_capacity_mb:160,expandable_segments:True,sim_fail_prob:0.03,sim_event_delay_us:20",
+    "backend:sim,sim_devices:2,sim_capacity_mb:128,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True,cache_limit_mb:16,sim_fail_nth:7,sim_event_delay_us:20",
+    "backend:sim,sim_devices:2,sim_capacity_mb:200,expandable_segments:True,max_split_size_mb:24,page_reuse:True,per_process_memory_fraction:0.6,sim_fail_prob:0.02",
 ];
 
 #[derive(Clone, Copy)]
@@ -170,6 +176,14 @@ impl Shadow {
     }
 }
 
+/// Runs `f`, saying whether it unmapped pages of `device` (virtual memory).
+fn unmapping<T>(a: &Allocator, device: usize, f: impl FnOnce(&Allocator) -> T) -> (bool, T) {
+    let unmaps = |a: &Allocator| a.stats(device).map(|s| s.heap.num_unmap).unwrap_or(0);
+    let before = unmaps(a);
+    let result = f(a);
+    (unmaps(a) != before, result)
+}
+
 fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
     let a = Allocator::new(Config::parse(config).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
     let devices = a.device_count();
@@ -179,7 +193,15 @@ fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
     for (i, op) in ops.iter().enumerate() {
         let context = |e: String| format!("op {i} {op:?}: {e}");
         match *op {
-            Op::Malloc { device, size, stream } => match a.malloc(device, size, Stream(stream)) {
+            Op::Malloc { device, size, stream } => match {
+                let (unmapped, result) = unmapping(&a, device, |a| a.malloc(device, size, Stream(stream)));
+                if unmapped {
+                    // Pages were unmapped (after synchronizing the streams that used them) and
+                    // may be mapped again anywhere: what was freed before is anyone's.
+                    shadow.freed[device].values_mut().for_each(|(_, owner)| *owner = None);
+                }
+                result
+            } {
                 Ok(addr) => {
                     let block = a
                         .with_heap(device, |h| h.live_blocks().into_iter().find(|b| b.0 == addr))
@@ -294,4 +316,30 @@ fn random_programs_match_the_shadow() {
     }
     println!("checked {} operations", checked.get());
     assert!(checked.get() >= MIN_CHECKED_OPS, "only {} operations checked", checked.get());
+}
+
+/// Replays a program written one op a line (`M device.size.stream`, `F pick`, `R pick.stream`,
+/// `E`, `A us`, `S phase`) from the file in `ORACLE_PROGRAM`, under `ORACLE_CONFIG`: for
+/// investigating a failure proptest reported.
+#[test]
+#[ignore]
+fn replay_program_from_file() {
+    let (Ok(path), Ok(config)) = (std::env::var("ORACLE_PROGRAM"), std::env::var("ORACLE_CONFIG")) else { return };
+    let text = std::fs::read_to_string(path).unwrap();
+    let ops: Vec<Op> = text
+        .lines()
+        .filter(|l| !l.is_empty())
+        .map(|l| {
+            let n: Vec<u64> = l[1..].split('.').filter(|s| !s.is_empty()).map(|s| s.parse().unwrap()).collect();
+            match &l[..1] {
+                "M" => Op::Malloc { device: n[0] as usize, size: n[1], stream: n[2] },
+                "F" => Op::Free { pick: n[0] as usize },
+                "R" => Op::RecordStream { pick: n[0] as usize, stream: n[1] },
+                "E" => Op::EmptyCache,
+                "A" => Op::Advance { us: n[0] },
+                _ => Op::Step { phase: n[0] as u8 },
+            }
+        })
+        .collect();
+    run_program(&config, &ops).unwrap();
 }

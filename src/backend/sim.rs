@@ -318,12 +318,16 @@ impl Backend for SimDevice {
         let cost = self.charge(COST_MAP_NS);
         self.time.map_ns += cost;
         let offset = addr.wrapping_sub(self.base());
-        let in_range = self.ranges.range(..=offset).next_back().is_some_and(|(&start, &size)| {
-            offset.checked_add(bytes).is_some_and(|end| end <= start + size)
-        });
-        let overlaps = self.mappings.range(..offset.saturating_add(bytes)).next_back().is_some_and(|(&start, m)| {
-            start + m.bytes > offset
-        });
+        let in_range = self
+            .ranges
+            .range(..=offset)
+            .next_back()
+            .is_some_and(|(&start, &size)| offset.checked_add(bytes).is_some_and(|end| end <= start + size));
+        let overlaps = self
+            .mappings
+            .range(..offset.saturating_add(bytes))
+            .next_back()
+            .is_some_and(|(&start, m)| start + m.bytes > offset);
         let whole_chunk = self.physical.get(&handle.0).is_some_and(|p| !p.released && p.bytes == bytes);
         if offset % GRANULARITY != 0 || !in_range || overlaps || !whole_chunk {
             return Err(invalid("cuMemMap"));

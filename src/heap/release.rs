@@ -44,10 +44,10 @@ impl Heap {
         Ok(seg.size)
     }
 
-    /// Whether a segment is entirely one free block.
+    /// Whether a plain segment is entirely one free block (expandable ones give back pages).
     pub(crate) fn segment_is_free(&self, seg_id: SegmentId) -> bool {
         let seg = self.arena.segment(seg_id);
-        seg.busy == 0 && {
+        !seg.expandable() && seg.busy == 0 && {
             let b = self.arena.block(seg.first);
             b.next == NIL && b.state == BlockState::Free
         }
@@ -98,7 +98,7 @@ impl Heap {
         if self.has_stranded_free_blocks() {
             self.settle_free_streams()?;
         }
-        let mut released = 0;
+        let mut released = self.release_free_pages(reason, |_| true, |_| false)?;
         for seg in self.releasable_segments() {
             released += self.release_segment(seg, reason)?;
         }
@@ -182,7 +182,7 @@ impl Heap {
         self.stats.reserved_bytes.all.current - self.stats.active_bytes.all.current
     }
 
-    pub(super) fn over_cache_limit(&self) -> bool {
+    pub(crate) fn over_cache_limit(&self) -> bool {
         let limit = self.cache_limit();
         limit > 0 && self.cached_free() > limit
     }

@@ -1,0 +1,560 @@
+//! Expandable segments (`expandable_segments:True`, PyTorch's semantics) and stepalloc's page
+//! policies on top of them. Part of the heap: runs under the device lock, `&mut self` throughout.
+//!
+//! An expandable segment is one virtual range per (pool, stream), 1.125 × device memory, with
+//! physical pages (2 MiB in the small pool, `large_segment_size_mb` in the large one) mapped on
+//! demand. Its blocks tile the range; unmapped blocks are page-aligned and never merge with
+//! mapped ones. PyTorch's rules, as followed here:
+//! - free mapped blocks are tried first (`find_free`), a block that is not the free tail before
+//!   the unmapped end before the tail;
+//! - otherwise the lowest unmapped block of this stream's segments that, with a free block
+//!   before it and the blocks after it, has room is mapped, page by page, and merged with the
+//!   free block before it; if none has room, a new segment is reserved;
+//! - `empty_cache` and the last out-of-memory retry unmap the whole pages inside free blocks
+//!   (after synchronizing the stream that used them) and free a range that is wholly unmapped;
+//! - `reserved_bytes` counts mapped bytes, `num_device_alloc` counts map operations.
+//!
+//! stepalloc's additions, each behind its own key:
+//! - `page_reuse`: before creating physical memory for new pages, idle whole pages inside free
+//!   blocks elsewhere (any stream's segment with the same page size) are unmapped and mapped
+//!   where the request needs them, so mapped bytes track live bytes;
+//! - `page_release`: at step end, the whole pages of free blocks that no allocation touched
+//!   during the step are unmapped and released; over the cache limit, free pages go too.
+//!
+//! Unmapping needs the work that used the pages to be complete: the stream of the block is
+//! synchronized first (once per stream per operation); a block every stream may use
+//! (`ANY_STREAM`) had its events completed already.
+
+use super::Heap;
+use crate::backend::{PhysHandle, Stream};
+use crate::error::Result;
+use crate::segment::{Block, BlockId, BlockState, Segment, SegmentId, ANY_STREAM, NIL};
+use crate::sizeclass::SMALL_SEGMENT;
+use crate::stats::ReleaseReason;
+use crate::trace::TraceAction;
+
+/// At most this many free blocks give up pages for one request (bounds the driver calls).
+const MAX_REUSE_SOURCES: usize = 64;
+
+/// What to keep of pages being unmapped.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Unmapped {
+    /// Release the physical chunks to the device.
+    Release(ReleaseReason),
+    /// Keep them in `idle_pages` to map elsewhere (`page_reuse`).
+    Keep,
+}
+
+impl Heap {
+    /// The page size of the pool's expandable segments.
+    fn page_size(&self, small: bool) -> u64 {
+        if small {
+            SMALL_SEGMENT
+        } else {
+            self.config.large_page
+        }
+    }
+
+    /// Maps memory for a request no free block could serve, running the out-of-memory path of
+    /// PyTorch's allocator (release every free page, retry) when the device is full.
+    pub(super) fn grow_expandable(
+        &mut self,
+        small: bool,
+        stream: Stream,
+        rounded: u64,
+        requested: u64,
+    ) -> Result<BlockId> {
+        if let Some(id) = self.try_expand(small, stream, rounded)? {
+            return Ok(id);
+        }
+        if self.captures_underway == 0 {
+            self.stats.num_alloc_retries += 1;
+            self.release_all_cached(ReleaseReason::Oom)?;
+            if let Some(id) = self.try_expand(small, stream, rounded)? {
+                return Ok(id);
+            }
+        }
+        let page = self.page_size(small);
+        Err(self.out_of_memory(requested, rounded, rounded.div_ceil(page).saturating_mul(page)))
+    }
+
+    /// One attempt: the block (out of its list) holding `rounded` bytes, or `None` when the
+    /// device (or the memory fraction) has no room.
+    fn try_expand(&mut self, small: bool, stream: Stream, rounded: u64) -> Result<Option<BlockId>> {
+        let page = self.page_size(small);
+        let Some(mut head) = self.find_expandable(small, stream, rounded, page)? else { return Ok(None) };
+        if self.config.page_reuse && self.captures_underway == 0 {
+            let (needed, chain) = self.pages_to_map(head, rounded, page);
+            if needed > 0 {
+                self.take_idle_pages(needed, page, &chain)?;
+                // Taking pages reshapes blocks: look for the place again.
+                match self.find_expandable(small, stream, rounded, page)? {
+                    Some(h) => head = h,
+                    None => {
+                        self.release_idle_pages()?;
+                        return Ok(None);
+                    }
+                }
+            }
+        }
+        let found = self.map_chain(head, rounded);
+        self.release_idle_pages()?;
+        found
+    }
+
+    /// PyTorch's `find_expandable_block`: the first chain, in address order over this stream's
+    /// segments, of a free block or unmapped block followed by blocks that together hold
+    /// `rounded` bytes; a new segment when none has room. `None` when no range can be reserved.
+    fn find_expandable(&mut self, small: bool, stream: Stream, rounded: u64, page: u64) -> Result<Option<BlockId>> {
+        let mut segments: Vec<(u64, SegmentId)> = self
+            .arena
+            .live_segment_ids()
+            .filter(|&s| {
+                let seg = self.arena.segment(s);
+                seg.expandable() && seg.small == small && seg.pool == 0 && seg.stream == stream
+            })
+            .map(|s| (self.arena.segment(s).addr, s))
+            .collect();
+        segments.sort_unstable();
+        for (_, seg_id) in segments {
+            for id in self.arena.segment_blocks(seg_id).collect::<Vec<_>>() {
+                if self.arena.block(id).state != BlockState::Unmapped {
+                    continue;
+                }
+                let prev = self.arena.block(id).prev;
+                let start = if prev != NIL && self.reusable_by(prev, stream) { prev } else { id };
+                if self.room_from(start, rounded, stream) {
+                    return Ok(Some(start));
+                }
+            }
+        }
+        // A new segment: 1.125 × device memory of address space, as PyTorch reserves.
+        let total = self.device_total;
+        let bytes = total.saturating_add(total / 8).div_ceil(page).saturating_mul(page);
+        if bytes < rounded {
+            return Ok(None);
+        }
+        let addr = match self.backend.reserve_address(bytes) {
+            Ok(addr) => addr,
+            Err(e) if e.is_out_of_memory() => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let pages = (bytes / page) as usize;
+        let seg = self.arena.new_segment(Segment {
+            addr,
+            size: bytes,
+            small,
+            pool: 0,
+            stream,
+            first: NIL,
+            busy: 0,
+            last_used_step: self.step.step,
+            phase_mask: 0,
+            oversize: false,
+            live: true,
+            page,
+            handles: vec![None; pages],
+            mapped: 0,
+        });
+        let id = self.arena.new_block(Block {
+            addr,
+            size: bytes,
+            requested: 0,
+            segment: seg,
+            prev: NIL,
+            next: NIL,
+            link_prev: NIL,
+            link_next: NIL,
+            list: 0,
+            stream,
+            state: BlockState::Unmapped,
+            extra_streams: None,
+            pending_events: 0,
+            freed_at: self.alloc_clock,
+        });
+        self.arena.segment_mut(seg).first = id;
+        self.stats.segment.increase(small, 1);
+        self.stats.virtual_reserved_bytes += bytes;
+        Ok(Some(id))
+    }
+
+    /// Whether `stream` may use the free block `id` (PyTorch's "allocatable").
+    fn reusable_by(&self, id: BlockId, stream: Stream) -> bool {
+        let b = self.arena.block(id);
+        b.state == BlockState::Free && (b.stream == stream || b.stream == ANY_STREAM)
+    }
+
+    /// Whether the blocks from `start` on, free or unmapped, hold `rounded` bytes.
+    fn room_from(&self, start: BlockId, rounded: u64, stream: Stream) -> bool {
+        let mut bytes = 0u64;
+        let mut id = start;
+        while bytes < rounded && id != NIL {
+            let b = self.arena.block(id);
+            if !(b.state == BlockState::Unmapped || self.reusable_by(id, stream)) {
+                break;
+            }
+            bytes += b.size;
+            id = b.next;
+        }
+        bytes >= rounded
+    }
+
+    /// The pages `map_chain(head, rounded)` will map, and the blocks of that chain.
+    fn pages_to_map(&self, head: BlockId, rounded: u64, page: u64) -> (u64, Vec<BlockId>) {
+        let (mut need, mut pages, mut chain) = (rounded, 0u64, Vec::new());
+        let mut id = head;
+        while need > 0 && id != NIL {
+            let b = self.arena.block(id);
+            chain.push(id);
+            let used = if b.state == BlockState::Unmapped {
+                let mapped = need.div_ceil(page).saturating_mul(page).min(b.size);
+                pages += mapped / page;
+                mapped
+            } else {
+                b.size
+            };
+            need = need.saturating_sub(used);
+            id = b.next;
+        }
+        (pages, chain)
+    }
+
+    /// PyTorch's `try_allocate_expandable_block` after the search: maps the unmapped blocks of
+    /// the chain from `head` until it holds `rounded` bytes; returns the block, out of its list.
+    fn map_chain(&mut self, head: BlockId, rounded: u64) -> Result<Option<BlockId>> {
+        let mut candidate = head;
+        if self.arena.block(candidate).state == BlockState::Unmapped {
+            let bytes = self.arena.block(candidate).size.min(rounded);
+            match self.map_block(candidate, bytes)? {
+                Some(id) => candidate = id,
+                None => return Ok(None),
+            }
+        }
+        while self.arena.block(candidate).size < rounded {
+            let next = self.arena.block(candidate).next;
+            if next == NIL || self.arena.block(next).state != BlockState::Unmapped {
+                // `room_from` saw enough room: a different layout here is a heap bug.
+                return Err(crate::Error::InvalidArgument("expandable segment: the chain lost its room".into()));
+            }
+            let remaining = rounded - self.arena.block(candidate).size;
+            let bytes = remaining.min(self.arena.block(next).size);
+            match self.map_block(next, bytes)? {
+                Some(id) => candidate = id,
+                None => return Ok(None),
+            }
+        }
+        self.unlist(candidate);
+        Ok(Some(candidate))
+    }
+
+    /// Maps the first `bytes` (rounded up to pages) of the unmapped block `id`, with idle pages
+    /// first and new physical memory after; the mapped part becomes a free block merged with
+    /// its free neighbours and filed. Returns it, or `None` when the device is full.
+    fn map_block(&mut self, id: BlockId, bytes: u64) -> Result<Option<BlockId>> {
+        let (addr, size, seg_id) = {
+            let b = self.arena.block(id);
+            (b.addr, b.size, b.segment)
+        };
+        let (seg_addr, page, small, seg_stream) = {
+            let seg = self.arena.segment(seg_id);
+            (seg.addr, seg.page, seg.small, seg.stream)
+        };
+        let map_bytes = bytes.div_ceil(page).saturating_mul(page).min(size);
+        if self.stats.reserved_bytes.all.current.saturating_add(map_bytes) > self.allowed {
+            self.stats.num_oom_rejections += 1;
+            return Ok(None);
+        }
+        let first = ((addr - seg_addr) / page) as usize;
+        let pages = (map_bytes / page) as usize;
+        for i in 0..pages {
+            let page_addr = addr + i as u64 * page;
+            let (handle, moved) = match self.idle_pages.pop() {
+                Some(handle) => (handle, true),
+                None => match self.create_page(page) {
+                    Ok(handle) => (handle, false),
+                    Err(e) => {
+                        self.unmap_partial(seg_id, first, i)?;
+                        return if e.is_out_of_memory() { Ok(None) } else { Err(e) };
+                    }
+                },
+            };
+            if let Err(e) = self.backend.map(page_addr, page, handle) {
+                self.idle_pages.push(handle);
+                self.unmap_partial(seg_id, first, i)?;
+                return Err(e);
+            }
+            self.stats.num_map += 1;
+            if moved {
+                self.stats.moved_bytes += page;
+            }
+            self.arena.segment_mut(seg_id).handles[first + i] = Some(handle);
+        }
+        if map_bytes < size {
+            let rest = self.split_block(id, map_bytes);
+            debug_assert_eq!(self.arena.block(rest).state, BlockState::Unmapped);
+        }
+        let clock = self.alloc_clock;
+        let b = self.arena.block_mut(id);
+        b.state = BlockState::Free;
+        b.stream = seg_stream;
+        b.freed_at = clock;
+        self.arena.segment_mut(seg_id).mapped += map_bytes;
+        let s = &mut self.stats;
+        s.reserved_bytes.increase(small, map_bytes);
+        s.num_device_alloc += 1;
+        self.step.note_reserved(self.stats.reserved_bytes.all.current);
+        self.trace.record(TraceAction::SegmentMap, addr, map_bytes, 0, seg_stream.0, 0);
+        let merged = self.merge_neighbours(id);
+        self.enlist(merged);
+        self.split_stat_in(merged);
+        Ok(Some(merged))
+    }
+
+    /// Creates one page of physical memory, timing it like a device reserve.
+    fn create_page(&mut self, page: u64) -> Result<PhysHandle> {
+        let before = self.backend.driver_time().create_ns;
+        let start = std::time::Instant::now();
+        let handle = self.backend.create_physical(page)?;
+        let modelled = self.backend.driver_time().create_ns - before;
+        self.stats.record_device_alloc_latency(if modelled > 0 { modelled } else { start.elapsed().as_nanos() as u64 });
+        self.stats.num_create += 1;
+        Ok(handle)
+    }
+
+    /// Undoes the first `count` page maps of a failed `map_block` (pages from `first`); their
+    /// chunks go to `idle_pages`, released at the end of the request.
+    fn unmap_partial(&mut self, seg_id: SegmentId, first: usize, count: usize) -> Result<()> {
+        let (seg_addr, page) = (self.arena.segment(seg_id).addr, self.arena.segment(seg_id).page);
+        for i in first..first + count {
+            if let Some(handle) = self.arena.segment_mut(seg_id).handles[i].take() {
+                self.backend.unmap(seg_addr + i as u64 * page, page)?;
+                self.stats.num_unmap += 1;
+                self.idle_pages.push(handle);
+            }
+        }
+        Ok(())
+    }
+
+    /// Releases chunks taken for a request and not mapped in the end.
+    fn release_idle_pages(&mut self) -> Result<()> {
+        while let Some(handle) = self.idle_pages.pop() {
+            self.backend.release_physical(handle)?;
+            self.stats.num_release_physical += 1;
+        }
+        Ok(())
+    }
+
+    /// `page_reuse`: unmaps up to `needed` whole idle pages of size `page` from free blocks
+    /// outside `exclude`, largest blocks first, into `idle_pages`.
+    fn take_idle_pages(&mut self, needed: u64, page: u64, exclude: &[BlockId]) -> Result<()> {
+        let mut sources: Vec<(u64, BlockId)> = Vec::new();
+        for list in &self.lists {
+            if list.key.pool == 0 {
+                list.collect_at_least(&self.arena.blocks, page, &mut sources);
+            }
+        }
+        sources
+            .retain(|&(_, id)| !exclude.contains(&id) && self.arena.segment(self.arena.block(id).segment).page == page);
+        sources.sort_unstable_by(|a, b| b.cmp(a));
+        let mut synced: Vec<Stream> = Vec::new();
+        for &(_, id) in sources.iter().take(MAX_REUSE_SOURCES) {
+            let have = self.idle_pages.len() as u64;
+            if have >= needed {
+                break;
+            }
+            let Some((lo, hi)) = self.whole_pages(id) else { continue };
+            let take = ((hi - lo) / page).min(needed - have);
+            // The top pages of the block: its start stays mapped for requests that fit there.
+            self.unmap_range(id, hi - take * page, hi, Unmapped::Keep, &mut synced)?;
+        }
+        Ok(())
+    }
+
+    /// The whole pages inside the free block `id` of an expandable segment, as `[lo, hi)`.
+    fn whole_pages(&self, id: BlockId) -> Option<(u64, u64)> {
+        let b = self.arena.block(id);
+        if b.state != BlockState::Free {
+            return None;
+        }
+        let seg = self.arena.segment(b.segment);
+        if !seg.expandable() {
+            return None;
+        }
+        let lo = seg.addr + (b.addr - seg.addr).div_ceil(seg.page) * seg.page;
+        let hi = seg.addr + (b.addr + b.size - seg.addr) / seg.page * seg.page;
+        (hi > lo).then_some((lo, hi))
+    }
+
+    /// Unmaps `[start, end)`, whole pages inside the free block `id` (in its list), after the
+    /// work that used it completed. The block is cut into free pieces around an unmapped one.
+    fn unmap_range(
+        &mut self,
+        id: BlockId,
+        start: u64,
+        end: u64,
+        what: Unmapped,
+        synced: &mut Vec<Stream>,
+    ) -> Result<()> {
+        let (seg_id, stream) = (self.arena.block(id).segment, self.arena.block(id).stream);
+        let (seg_addr, page, small, seg_stream) = {
+            let seg = self.arena.segment(seg_id);
+            (seg.addr, seg.page, seg.small, seg.stream)
+        };
+        // PyTorch synchronizes before unmapping: unmap does not wait for queued work.
+        if stream != ANY_STREAM && !synced.contains(&stream) {
+            self.backend.synchronize_stream(stream)?;
+            synced.push(stream);
+        }
+        for p in (start..end).step_by(page as usize) {
+            let index = ((p - seg_addr) / page) as usize;
+            let Some(handle) = self.arena.segment_mut(seg_id).handles[index].take() else { continue };
+            self.backend.unmap(p, page)?;
+            self.stats.num_unmap += 1;
+            match what {
+                Unmapped::Keep => self.idle_pages.push(handle),
+                Unmapped::Release(_) => {
+                    self.backend.release_physical(handle)?;
+                    self.stats.num_release_physical += 1;
+                }
+            }
+        }
+        self.unlist(id);
+        self.split_stat_out(id);
+        let addr = self.arena.block(id).addr;
+        let size = self.arena.block(id).size;
+        let mut middle = id;
+        if start > addr {
+            middle = self.split_block(id, start - addr);
+            self.enlist(id);
+            self.split_stat_in(id);
+        }
+        if end < addr + size {
+            let after = self.split_block(middle, end - start);
+            self.enlist(after);
+            self.split_stat_in(after);
+        }
+        let bytes = end - start;
+        self.arena.block_mut(middle).state = BlockState::Unmapped;
+        self.arena.segment_mut(seg_id).mapped -= bytes;
+        let s = &mut self.stats;
+        s.reserved_bytes.decrease(small, bytes);
+        s.num_device_free += 1;
+        if let Unmapped::Release(reason) = what {
+            s.released_bytes[reason as usize] += bytes;
+        }
+        self.trace.record(TraceAction::SegmentUnmap, start, bytes, 0, seg_stream.0, 0);
+        self.merge_unmapped(middle);
+        Ok(())
+    }
+
+    /// Splits block `id` at `offset`: it keeps the first `offset` bytes; the rest becomes a new
+    /// block of the same state and stream after it (not filed in any list). Returns the new id.
+    pub(super) fn split_block(&mut self, id: BlockId, offset: u64) -> BlockId {
+        let b = self.arena.block(id);
+        debug_assert!(offset > 0 && offset < b.size);
+        let rest = Block {
+            addr: b.addr + offset,
+            size: b.size - offset,
+            requested: 0,
+            segment: b.segment,
+            prev: id,
+            next: b.next,
+            link_prev: NIL,
+            link_next: NIL,
+            list: 0,
+            stream: b.stream,
+            state: b.state,
+            extra_streams: None,
+            pending_events: 0,
+            freed_at: b.freed_at,
+        };
+        let next = b.next;
+        let rest = self.arena.new_block(rest);
+        if next != NIL {
+            self.split_stat_out(next);
+            self.arena.block_mut(next).prev = rest;
+            self.split_stat_in(next);
+        }
+        let b = self.arena.block_mut(id);
+        b.next = rest;
+        b.size = offset;
+        rest
+    }
+
+    /// Merges the unmapped block `id` with unmapped neighbours.
+    fn merge_unmapped(&mut self, id: BlockId) {
+        for forward in [false, true] {
+            let b = self.arena.block(id);
+            let other = if forward { b.next } else { b.prev };
+            if other != NIL && self.arena.block(other).state == BlockState::Unmapped {
+                let stream = self.arena.block(id).stream;
+                self.absorb(id, other, forward, stream);
+            }
+        }
+    }
+
+    /// Unmaps and releases the whole pages inside free blocks of expandable segments that
+    /// `pick` selects (all of them for `empty_cache`), until `enough` says so; then frees the
+    /// ranges left wholly unmapped. Returns the bytes unmapped.
+    pub(crate) fn release_free_pages(
+        &mut self,
+        reason: ReleaseReason,
+        pick: impl Fn(&Block) -> bool,
+        enough: impl Fn(&Heap) -> bool,
+    ) -> Result<u64> {
+        if self.captures_underway > 0 {
+            return Ok(0);
+        }
+        let candidates: Vec<BlockId> = (0..self.arena.blocks.len() as BlockId)
+            .filter(|&id| self.whole_pages(id).is_some() && pick(self.arena.block(id)))
+            .collect();
+        let mut synced = Vec::new();
+        let mut released = 0;
+        for id in candidates {
+            if enough(self) {
+                break;
+            }
+            // Earlier cuts never move a free block's start, but check the state again.
+            let Some((lo, hi)) = self.whole_pages(id) else { continue };
+            self.unmap_range(id, lo, hi, Unmapped::Release(reason), &mut synced)?;
+            released += hi - lo;
+        }
+        self.free_unmapped_segments()?;
+        Ok(released)
+    }
+
+    /// Frees the address range of every expandable segment with nothing mapped.
+    fn free_unmapped_segments(&mut self) -> Result<()> {
+        let empty: Vec<SegmentId> = self
+            .arena
+            .live_segment_ids()
+            .filter(|&s| {
+                let seg = self.arena.segment(s);
+                seg.expandable() && seg.mapped == 0 && self.arena.block(seg.first).next == NIL
+            })
+            .collect();
+        for seg_id in empty {
+            let (addr, size, small, first) = {
+                let seg = self.arena.segment(seg_id);
+                (seg.addr, seg.size, seg.small, seg.first)
+            };
+            self.backend.free_address(addr, size)?;
+            self.arena.drop_block(first);
+            self.arena.drop_segment(seg_id);
+            self.stats.segment.decrease(small, 1);
+            self.stats.virtual_reserved_bytes -= size;
+        }
+        Ok(())
+    }
+
+    /// `page_release` at step end: the free pages no allocation touched during the step.
+    pub(crate) fn release_idle_pages_at_step_end(&mut self) -> Result<u64> {
+        let since = self.step_clock;
+        self.release_free_pages(ReleaseReason::Step, |b| b.freed_at < since, |_| false)
+    }
+
+    /// Bytes mapped in expandable segments.
+    pub fn mapped_bytes(&self) -> u64 {
+        self.arena.live_segment_ids().map(|s| self.arena.segment(s)).filter(|s| s.expandable()).map(|s| s.mapped).sum()
+    }
+}
