@@ -172,7 +172,7 @@ impl Allocator {
                 "PYTORCH_CUDA_ALLOC_CONF": "",
                 "max_split_size": self.config.max_split_size,
                 "garbage_collection_threshold": self.config.garbage_collection_threshold,
-                "expandable_segments": false,
+                "expandable_segments": self.config.expandable_segments,
                 "pinned_num_register_threads": 1,
                 "release_lock_on_malloc": false,
                 "pinned_use_host_register": false,

@@ -12,6 +12,11 @@ use crate::units::MIB;
 /// as in PyTorch (`kRoundUpPowerOfTwoIntervals`).
 pub const ROUNDUP_INTERVALS: usize = 16;
 
+/// stepalloc's recommended configuration: the best measured on the agent presets and on
+/// real-model traces (README, "Figures"): PyTorch's expandable segments with 2 MiB pages in
+/// both pools, and idle pages moved to where they are needed instead of creating memory.
+pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True";
+
 /// Which device backend the allocator drives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {

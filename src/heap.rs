@@ -110,6 +110,9 @@ impl Heap {
         if config.per_process_memory_fraction < 1.0 {
             heap.set_memory_fraction(config.per_process_memory_fraction);
         }
+        if config.expandable_segments {
+            heap.check_virtual_memory();
+        }
         heap
     }
 
@@ -737,6 +740,11 @@ impl Heap {
             }
         }
         out
+    }
+
+    /// Free and total device memory as the device reports them (`cuMemGetInfo`).
+    pub fn device_mem_info(&mut self) -> Result<(u64, u64)> {
+        self.backend.mem_info()
     }
 
     /// Lets simulated time pass (no effect on CUDA).

@@ -8,57 +8,68 @@ use crate::trace::TraceAction;
 use serde_json::{json, Value};
 
 impl Heap {
-    /// This device's segments, each with its blocks, in torch's snapshot layout.
+    /// This device's segments, each with its blocks, in torch's snapshot layout. An expandable
+    /// segment appears as PyTorch shows it: one segment per run of mapped pages
+    /// (`is_expandable: true`), unmapped address space left out.
     pub fn snapshot_segments(&self) -> Vec<Value> {
-        let mut segments: Vec<Value> = self
-            .arena
-            .live_segment_ids()
-            .map(|seg_id| {
-                let seg = self.arena.segment(seg_id);
-                let (mut allocated, mut active, mut requested) = (0u64, 0u64, 0u64);
-                let blocks: Vec<Value> = self
-                    .arena
-                    .segment_blocks(seg_id)
-                    .map(|id| {
-                        let b = self.arena.block(id);
-                        let state = match b.state {
-                            BlockState::Allocated => {
-                                allocated += b.size;
-                                active += b.size;
-                                requested += b.requested;
-                                "active_allocated"
-                            }
-                            BlockState::Pending => {
-                                active += b.size;
-                                "active_pending_free"
-                            }
-                            _ => "inactive",
-                        };
-                        json!({
-                            "address": b.addr,
-                            "size": b.size,
-                            "requested_size": b.requested,
-                            "state": state,
-                            "frames": [],
-                        })
-                    })
-                    .collect();
-                json!({
+        let mut segments: Vec<Value> = Vec::new();
+        for seg_id in self.arena.live_segment_ids() {
+            let seg = self.arena.segment(seg_id);
+            let mut run: Vec<Value> = Vec::new();
+            let (mut start, mut total, mut allocated, mut active, mut requested) = (0u64, 0u64, 0u64, 0u64, 0u64);
+            let mut close = |run: &mut Vec<Value>, start: u64, total: u64, figures: (u64, u64, u64)| {
+                if run.is_empty() {
+                    return;
+                }
+                segments.push(json!({
                     "device": self.device,
-                    "address": seg.addr,
-                    "total_size": seg.size,
+                    "address": start,
+                    "total_size": total,
                     "stream": seg.stream.0,
                     "segment_type": if seg.small { "small" } else { "large" },
                     "segment_pool_id": [0, seg.pool],
-                    "allocated_size": allocated,
-                    "active_size": active,
-                    "requested_size": requested,
-                    "is_expandable": false,
+                    "allocated_size": figures.0,
+                    "active_size": figures.1,
+                    "requested_size": figures.2,
+                    "is_expandable": seg.expandable(),
                     "frames": [],
-                    "blocks": blocks,
-                })
-            })
-            .collect();
+                    "blocks": std::mem::take(run),
+                }));
+            };
+            for id in self.arena.segment_blocks(seg_id) {
+                let b = self.arena.block(id);
+                let state = match b.state {
+                    BlockState::Unmapped => {
+                        close(&mut run, start, total, (allocated, active, requested));
+                        (total, allocated, active, requested) = (0, 0, 0, 0);
+                        continue;
+                    }
+                    BlockState::Allocated => {
+                        allocated += b.size;
+                        active += b.size;
+                        requested += b.requested;
+                        "active_allocated"
+                    }
+                    BlockState::Pending => {
+                        active += b.size;
+                        "active_pending_free"
+                    }
+                    _ => "inactive",
+                };
+                if run.is_empty() {
+                    start = b.addr;
+                }
+                total += b.size;
+                run.push(json!({
+                    "address": b.addr,
+                    "size": b.size,
+                    "requested_size": b.requested,
+                    "state": state,
+                    "frames": [],
+                }));
+            }
+            close(&mut run, start, total, (allocated, active, requested));
+        }
         segments.sort_by_key(|s| s["address"].as_u64());
         segments
     }

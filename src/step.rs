@@ -118,6 +118,8 @@ impl Heap {
             self.trim_for_phase(index)?;
         }
         let reserved = self.stats.reserved_bytes.all.current;
+        // A tick of its own, so that "freed before this step" is `freed_at < step_clock`.
+        self.alloc_clock += 1;
         self.step_clock = self.alloc_clock;
         let s = &mut self.step;
         s.step += 1;

@@ -193,30 +193,30 @@ fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
     for (i, op) in ops.iter().enumerate() {
         let context = |e: String| format!("op {i} {op:?}: {e}");
         match *op {
-            Op::Malloc { device, size, stream } => match {
+            Op::Malloc { device, size, stream } => {
                 let (unmapped, result) = unmapping(&a, device, |a| a.malloc(device, size, Stream(stream)));
                 if unmapped {
                     // Pages were unmapped (after synchronizing the streams that used them) and
                     // may be mapped again anywhere: what was freed before is anyone's.
                     shadow.freed[device].values_mut().for_each(|(_, owner)| *owner = None);
                 }
-                result
-            } {
-                Ok(addr) => {
-                    let block = a
-                        .with_heap(device, |h| h.live_blocks().into_iter().find(|b| b.0 == addr))
-                        .map_err(|e| e.to_string())?
-                        .ok_or_else(|| context("returned address is not live".into()))?;
-                    shadow.check_reuse(device, addr, block.1, stream).map_err(context)?;
-                    shadow.live.push(Live { device, addr, requested: size, stream, multi_stream: false });
-                }
-                Err(Error::OutOfMemory(report)) => {
-                    if report.requested != size || report.device != device {
-                        return Err(context(format!("OOM report for the wrong request: {report:?}")));
+                match result {
+                    Ok(addr) => {
+                        let block = a
+                            .with_heap(device, |h| h.live_blocks().into_iter().find(|b| b.0 == addr))
+                            .map_err(|e| e.to_string())?
+                            .ok_or_else(|| context("returned address is not live".into()))?;
+                        shadow.check_reuse(device, addr, block.1, stream).map_err(context)?;
+                        shadow.live.push(Live { device, addr, requested: size, stream, multi_stream: false });
                     }
+                    Err(Error::OutOfMemory(report)) => {
+                        if report.requested != size || report.device != device {
+                            return Err(context(format!("OOM report for the wrong request: {report:?}")));
+                        }
+                    }
+                    Err(e) => return Err(context(format!("unexpected error {e}"))),
                 }
-                Err(e) => return Err(context(format!("unexpected error {e}"))),
-            },
+            }
             Op::Free { pick } => {
                 if shadow.live.is_empty() {
                     continue;

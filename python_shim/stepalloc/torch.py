@@ -14,6 +14,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from typing import Any, Callable
 
@@ -31,6 +32,10 @@ HOOKS: dict[str, str] = {
     "set_end_allocate_to_pool_fn": "stepalloc_end_allocate_to_pool",
     "set_release_pool": "stepalloc_release_pool",
 }
+# The best measured configuration (README, "Figures"); `install()` uses it when given none and
+# STEPALLOC_CONF is unset. The same string as the core's `config::RECOMMENDED`.
+RECOMMENDED = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True"
+
 ALLOC_FN = "stepalloc_torch_malloc"
 MEMPOOL_ALLOC_FN = "stepalloc_malloc"
 FREE_FN = "stepalloc_free"
@@ -112,7 +117,8 @@ def install(
 
     Args:
         conf: configuration in ``PYTORCH_CUDA_ALLOC_CONF`` syntax (``"phase_trim:True"``); None
-            keeps ``STEPALLOC_CONF`` or the defaults. A bad string raises ``ValueError``.
+            keeps ``STEPALLOC_CONF``, or when that is unset uses ``RECOMMENDED``. A bad string
+            raises ``ValueError``.
         metrics_port: serve Prometheus metrics on 127.0.0.1 at this port.
         patch_torch: route ``torch.cuda.memory_stats`` and friends to stepalloc (they raise
             under a pluggable allocator otherwise); see ``patch_torch()``.
@@ -132,6 +138,8 @@ def install(
         torch = _import_torch()
         if torch.cuda.is_initialized():
             raise RuntimeError(_CUDA_INITIALISED_MESSAGE)
+        if conf is None and "STEPALLOC_CONF" not in os.environ:
+            conf = RECOMMENDED
         if conf is not None:
             _lib.configure(conf)
         path = _lib.library_path()

@@ -46,6 +46,24 @@ enum Unmapped {
 }
 
 impl Heap {
+    /// Falls back to plain segments, saying why once on stderr, when the device cannot do
+    /// virtual memory management or its granularity does not divide the page sizes.
+    pub(super) fn check_virtual_memory(&mut self) {
+        let why = match self.backend.vm_granularity() {
+            Ok(g) if g > 0 && SMALL_SEGMENT % g == 0 && self.config.large_page % g == 0 => return,
+            Ok(g) => format!("its granularity ({g} bytes) does not divide the page sizes"),
+            Err(e) => e.to_string(),
+        };
+        eprintln!(
+            "stepalloc: device {}: expandable_segments:True needs virtual memory management, which this \
+             device cannot do ({why}); using plain segments",
+            self.device
+        );
+        self.config.expandable_segments = false;
+        self.config.page_reuse = false;
+        self.config.page_release = false;
+    }
+
     /// The page size of the pool's expandable segments.
     fn page_size(&self, small: bool) -> u64 {
         if small {

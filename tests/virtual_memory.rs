@@ -1,0 +1,227 @@
+//! Virtual memory on the simulated device: PyTorch's expandable segments with exact figures,
+//! then stepalloc's page policies (`page_reuse`, `page_release`) and what they buy. Each test
+//! states the rule it checks. The simulated device enforces the driver's mapping rules, so a
+//! wrong map or unmap fails here as it would on a GPU.
+
+use stepalloc::config::RECOMMENDED;
+use stepalloc::stats::DeviceStats;
+use stepalloc::units::MIB;
+use stepalloc::{Allocator, Config, Stream};
+
+fn sim(conf: &str) -> Allocator {
+    let text = format!("backend:sim,{conf}");
+    Allocator::new(Config::parse(&text).expect("valid config")).expect("sim backend")
+}
+
+fn stats(a: &Allocator) -> DeviceStats {
+    a.stats(0).expect("device 0")
+}
+
+const S0: Stream = Stream(0);
+const S1: Stream = Stream(0x1111);
+
+#[test]
+fn expandable_segments_map_pages_on_demand() {
+    let a = sim("sim_capacity_mb:1024,expandable_segments:True");
+    // 30 MiB: two 20 MiB pages of the large pool, mapped in one map operation.
+    let p = a.malloc(0, 30 * MIB, S0).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.heap.reserved_bytes.large_pool.current, 40 * MIB, "reserved counts mapped bytes");
+    assert_eq!(s.heap.num_device_alloc, 1, "num_device_alloc counts maps");
+    assert_eq!((s.heap.num_create, s.heap.num_map), (2, 2));
+    assert_eq!(s.heap.virtual_reserved_bytes, 1160 * MIB, "1.125 x device memory of address space, in whole pages");
+    // 5 MiB fits in the mapped rest: no map. Then 20 MiB needs one more page, merged with the
+    // free 5 MiB before it: contiguous with the 5 MiB block.
+    let q = a.malloc(0, 5 * MIB, S0).unwrap();
+    assert_eq!(q, p + 30 * MIB);
+    let r = a.malloc(0, 20 * MIB, S0).unwrap();
+    assert_eq!(r, q + 5 * MIB, "mapped at the lowest unmapped address, merged with the free tail");
+    let s = stats(&a);
+    assert_eq!(s.heap.reserved_bytes.large_pool.current, 60 * MIB);
+    assert_eq!(s.heap.num_device_alloc, 2);
+    // Small requests live in a segment of their own, with 2 MiB pages.
+    let t = a.malloc(0, 1000, S0).unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.small_pool.current, 2 * MIB);
+    for (ptr, size) in [(p, 30 * MIB), (q, 5 * MIB), (r, 20 * MIB), (t, 1000)] {
+        a.free(0, ptr, size).unwrap();
+    }
+    a.check_invariants().unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 62 * MIB, "freeing unmaps nothing");
+    a.empty_cache().unwrap();
+    let s = stats(&a);
+    assert_eq!(s.heap.reserved_bytes.all.current, 0, "empty_cache unmaps every free page");
+    assert_eq!(s.heap.virtual_reserved_bytes, 0, "and frees the ranges left empty");
+    assert_eq!(s.heap.segment.all.current, 0);
+    assert_eq!(s.heap.num_release_physical, s.heap.num_create);
+    assert_eq!(s.mapped_bytes, 0);
+}
+
+#[test]
+fn expandable_segments_take_the_free_tail_last() {
+    let a = sim("sim_capacity_mb:1024,expandable_segments:True");
+    let x = a.malloc(0, 4 * MIB, S0).unwrap();
+    let y = a.malloc(0, 4 * MIB, S0).unwrap();
+    a.free(0, x, 4 * MIB).unwrap();
+    // Free: x's 4 MiB hole, and the 12 MiB tail before the unmapped end. The hole is used.
+    let z = a.malloc(0, 3 * MIB, S0).unwrap();
+    assert_eq!(z, x, "a free block that is not the tail comes first");
+    // A block that fits only in the tail goes there.
+    let w = a.malloc(0, 10 * MIB, S0).unwrap();
+    assert_eq!(w, y + 4 * MIB);
+    assert_eq!(stats(&a).heap.num_device_alloc, 1);
+    // A small remainder is split off whenever a granule remains, as PyTorch does here.
+    let v = a.malloc(0, 2 * MIB - 512, S0).unwrap();
+    assert_eq!(v, w + 10 * MIB);
+}
+
+#[test]
+fn streams_get_their_own_segments() {
+    let a = sim("sim_capacity_mb:1024,expandable_segments:True");
+    let p = a.malloc(0, 8 * MIB, S0).unwrap();
+    let q = a.malloc(0, 8 * MIB, S1).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.heap.segment.large_pool.current, 2, "one segment per stream and pool");
+    assert!(q.abs_diff(p) >= 1024 * MIB, "separate ranges");
+    a.free(0, p, 8 * MIB).unwrap();
+    // Stream 1 does not reuse stream 0's free block: it maps its own page.
+    let r = a.malloc(0, 8 * MIB, S1).unwrap();
+    assert_eq!(r, q + 8 * MIB);
+}
+
+#[test]
+fn page_reuse_moves_idle_pages_instead_of_creating_memory() {
+    let conf = "sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2";
+    for reuse in [false, true] {
+        let a = sim(&format!("{conf},page_reuse:{}", if reuse { "True" } else { "False" }));
+        let x = a.malloc(0, 10 * MIB, S0).unwrap();
+        let y = a.malloc(0, 10 * MIB, S0).unwrap();
+        a.free(0, x, 10 * MIB).unwrap();
+        // 12 MiB does not fit x's hole; it maps 6 pages after y.
+        let z = a.malloc(0, 12 * MIB, S0).unwrap();
+        assert_eq!(z, y + 10 * MIB);
+        let s = stats(&a);
+        a.check_invariants().unwrap();
+        if reuse {
+            assert_eq!(s.heap.reserved_bytes.all.current, 22 * MIB, "x's pages moved: mapped = live");
+            assert_eq!(s.heap.moved_bytes, 10 * MIB);
+            assert_eq!(s.heap.num_create, 11, "10 pages for x and y, one more for z");
+        } else {
+            assert_eq!(s.heap.reserved_bytes.all.current, 32 * MIB);
+            assert_eq!((s.heap.moved_bytes, s.heap.num_create), (0, 16));
+        }
+        let device_free = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap().0;
+        assert_eq!(s.device_total - device_free, s.heap.reserved_bytes.all.current, "the device agrees");
+    }
+}
+
+/// Free memory in holes that PyTorch can neither release (its segments are split, its pages
+/// half used) nor reuse (no hole is large enough): both PyTorch configurations run out of
+/// memory; stepalloc's recommended one moves the holes' pages and serves the request.
+#[test]
+fn out_of_memory_that_page_reuse_avoids() {
+    let run = |conf: &str| {
+        let a = sim(&format!("sim_capacity_mb:64,{conf}"));
+        let blocks: Vec<u64> = (0..9).map(|_| a.malloc(0, 6 * MIB, S0).unwrap()).collect();
+        for &b in blocks.iter().step_by(2) {
+            a.free(0, b, 6 * MIB).unwrap();
+        }
+        let result = a.malloc(0, 24 * MIB, S0);
+        a.check_invariants().unwrap();
+        (result, stats(&a))
+    };
+    let (default, _) = run("");
+    assert!(default.unwrap_err().is_out_of_memory(), "PyTorch's default rules");
+    let (expandable, _) = run("expandable_segments:True");
+    assert!(expandable.unwrap_err().is_out_of_memory(), "PyTorch's expandable segments");
+    let (ours, s) = run(RECOMMENDED);
+    ours.expect("stepalloc serves it");
+    assert_eq!(s.heap.num_alloc_retries, 0, "without running the out-of-memory path");
+    assert_eq!(s.heap.reserved_bytes.all.current, 54 * MIB, "24 live + 6 in the tail + 24 new");
+    assert!(s.heap.moved_bytes >= 18 * MIB);
+}
+
+#[test]
+fn page_release_unmaps_pages_idle_for_a_step() {
+    let a = sim("sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_release:True");
+    a.step_begin("train").unwrap();
+    let p = a.malloc(0, 10 * MIB, S0).unwrap();
+    let q = a.malloc(0, 10 * MIB, S0).unwrap();
+    a.free(0, p, 10 * MIB).unwrap();
+    a.step_end().unwrap();
+    // p was freed during the step: it stays mapped for the next step.
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 20 * MIB);
+    a.step_begin("train").unwrap();
+    a.step_end().unwrap();
+    // Idle for a whole step: its pages go back.
+    let s = stats(&a);
+    assert_eq!(s.heap.reserved_bytes.all.current, 10 * MIB);
+    assert_eq!(s.heap.released_bytes[stepalloc::stats::ReleaseReason::Step as usize], 10 * MIB);
+    a.free(0, q, 10 * MIB).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn cache_limit_unmaps_free_pages_with_page_release() {
+    let a =
+        sim("sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_release:True,cache_limit_mb:4");
+    let p = a.malloc(0, 10 * MIB, S0).unwrap();
+    let q = a.malloc(0, 10 * MIB, S0).unwrap();
+    a.free(0, p, 10 * MIB).unwrap();
+    let s = stats(&a);
+    assert!(s.cached_free <= 4 * MIB, "cached free {} over the limit", s.cached_free);
+    a.free(0, q, 10 * MIB).unwrap();
+    assert!(stats(&a).cached_free <= 4 * MIB);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn memory_fraction_bounds_mapped_bytes() {
+    let a = sim("sim_capacity_mb:100,expandable_segments:True,per_process_memory_fraction:0.5");
+    let p = a.malloc(0, 40 * MIB, S0).unwrap();
+    let e = a.malloc(0, 20 * MIB, S0).unwrap_err();
+    assert!(e.is_out_of_memory(), "{e}");
+    assert!(stats(&a).heap.reserved_bytes.all.current <= 50 * MIB);
+    a.free(0, p, 40 * MIB).unwrap();
+}
+
+#[test]
+fn create_failures_leave_the_heap_consistent() {
+    // Every third create fails: requests still succeed through the retry or fail cleanly.
+    let a = sim("sim_capacity_mb:256,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,sim_fail_prob:0.3,sim_seed:5");
+    let mut live = Vec::new();
+    for i in 0..300u64 {
+        let size = (i * 7919) % (12 * MIB) + 1;
+        if let Ok(p) = a.malloc(0, size, S0) {
+            live.push((p, size));
+        }
+        if i % 3 == 0 && !live.is_empty() {
+            let (p, size) = live.swap_remove((i as usize * 31) % live.len());
+            a.free(0, p, size).unwrap();
+        }
+        a.check_invariants().unwrap();
+    }
+    for (p, size) in live {
+        a.free(0, p, size).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 0);
+}
+
+#[test]
+fn snapshots_show_mapped_runs_as_expandable_segments() {
+    let a = sim("sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,trace_entries:100");
+    let p = a.malloc(0, 10 * MIB, S0).unwrap();
+    let q = a.malloc(0, 10 * MIB, S0).unwrap();
+    a.free(0, p, 10 * MIB).unwrap();
+    a.with_heap(0, |h| h.release_all_cached(stepalloc::stats::ReleaseReason::EmptyCache)).unwrap().unwrap();
+    let snapshot = a.snapshot();
+    let segments = snapshot["segments"].as_array().unwrap();
+    assert_eq!(segments.len(), 1, "p's pages went back: one mapped run is left");
+    assert_eq!(segments[0]["is_expandable"], true);
+    assert_eq!(segments[0]["address"].as_u64(), Some(q));
+    assert_eq!(segments[0]["total_size"].as_u64(), Some(10 * MIB));
+    assert_eq!(snapshot["allocator_settings"]["expandable_segments"], true);
+    let actions: Vec<&str> =
+        snapshot["device_traces"][0].as_array().unwrap().iter().filter_map(|e| e["action"].as_str()).collect();
+    assert!(actions.contains(&"segment_map") && actions.contains(&"segment_unmap"), "{actions:?}");
+}
