@@ -26,6 +26,9 @@ pub struct OomReport {
     pub largest_free_block: u64,
     /// A configuration change that would likely have avoided this failure.
     pub hint: String,
+    /// Expandable segments: bytes the out-of-memory path unmapped for this request, or `None`
+    /// without virtual memory. What stayed free but mapped is `reserved_unallocated`.
+    pub unmapped: Option<u64>,
 }
 
 impl OomReport {
@@ -53,6 +56,15 @@ impl fmt::Display for OomReport {
         )?;
         if let Some(allowed) = self.allowed {
             write!(f, " The process may use at most {} (per_process_memory_fraction).", format_bytes(allowed))?;
+        }
+        if let Some(unmapped) = self.unmapped {
+            write!(
+                f,
+                " Expandable segments: the out-of-memory path unmapped {} of free pages; {} stays \
+                 mapped but free (pieces smaller than a page, or pages shared with live blocks).",
+                format_bytes(unmapped),
+                format_bytes(self.reserved_unallocated()),
+            )?;
         }
         if !self.hint.is_empty() {
             write!(f, " {}", self.hint)?;

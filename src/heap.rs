@@ -379,14 +379,13 @@ impl Heap {
         let allocated = self.stats.allocated_bytes.all.current;
         let largest = self.largest_free_block();
         let cached_free = reserved - self.stats.active_bytes.all.current;
-        let hint = if cached_free >= rounded && largest < rounded {
+        let hint = if cached_free >= rounded && largest < rounded && !self.config.page_reuse {
             format!(
                 "{} is cached but no free block is large enough: the cache is fragmented. \
-                 Set `max_split_size_mb` (e.g. max_split_size_mb:{}) to stop large blocks being \
-                 split, or mark step boundaries (stepalloc.step) with `phase_trim:True` so one \
-                 phase's blocks are released before the next.",
+                 stepalloc's recommended configuration (`{}`) moves free pages to where a \
+                 request needs them, so free memory in holes serves it.",
                 format_bytes(cached_free),
-                (rounded / MIB).clamp(21, 512)
+                crate::config::RECOMMENDED,
             )
         } else if self.fraction_set && rounded <= device_free {
             "The device has room, but per_process_memory_fraction forbids using it.".to_string()
@@ -405,6 +404,7 @@ impl Heap {
             allowed: self.fraction_set.then_some(self.allowed),
             largest_free_block: largest,
             hint,
+            unmapped: None,
         }))
     }
 

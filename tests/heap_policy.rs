@@ -152,8 +152,17 @@ fn oom_hint_names_fragmentation_when_the_cache_could_have_served() {
     let err = a.malloc(0, 40 * MIB, S0).unwrap_err();
     let Error::OutOfMemory(report) = err else { panic!("expected OOM") };
     assert_eq!(report.largest_free_block, 15 * MIB);
-    assert!(report.hint.contains("max_split_size_mb"), "{}", report.hint);
+    assert!(report.hint.contains(stepalloc::config::RECOMMENDED), "{}", report.hint);
     assert!(report.reserved_unallocated() >= 40 * MIB);
+    // And the hint is right: the recommended configuration serves the same program.
+    let a = sim(&format!("sim_capacity_mb:100,{}", stepalloc::config::RECOMMENDED));
+    let blocks: Vec<u64> = (0..20).map(|_| a.malloc(0, 5 * MIB, S0).unwrap()).collect();
+    for (i, &p) in blocks.iter().enumerate() {
+        if i % 4 != 0 {
+            a.free(0, p, 5 * MIB).unwrap();
+        }
+    }
+    a.malloc(0, 40 * MIB, S0).expect("free pages moved into place");
 }
 
 #[test]

@@ -213,6 +213,19 @@ fn check_device(samples: &Samples, s: &DeviceStats, free_ranges: &[(u64, u64); F
     let sum = get(samples, "stepalloc_device_alloc_duration_seconds_sum", &dev);
     assert_eq!(sum, h.device_alloc_latency_sum_ns as f64 * 1e-9);
 
+    assert_eq!(get(samples, "stepalloc_mapped_bytes", &dev), s.mapped_bytes as f64);
+    assert_eq!(get(samples, "stepalloc_virtual_reserved_bytes", &dev), h.virtual_reserved_bytes as f64);
+    assert_eq!(get(samples, "stepalloc_moved_bytes_total", &dev), h.moved_bytes as f64);
+    for (op, count) in
+        [("create", h.num_create), ("release", h.num_release_physical), ("map", h.num_map), ("unmap", h.num_unmap)]
+    {
+        assert_eq!(get(samples, "stepalloc_vm_operations_total", &[("device", d), ("op", op)]), count as f64, "{op}");
+    }
+    let t = &s.driver_time;
+    for (call, ns) in [("create", t.create_ns), ("map", t.map_ns)] {
+        assert_eq!(get(samples, "stepalloc_driver_seconds_total", &[("device", d), ("call", call)]), ns as f64 * 1e-9);
+    }
+
     let mut free_bytes = 0;
     for (label, &(count, bytes)) in FREE_BLOCK_RANGE_LABELS.iter().zip(free_ranges.iter()) {
         assert_eq!(get(samples, "stepalloc_free_blocks", &[("device", d), ("range", label)]), count as f64, "{label}");
@@ -281,6 +294,27 @@ fn collector_values_equal_the_allocator_stats() {
     }
     let s0 = a.stats(0).expect("stats");
     check_device(&after, &s0, &oracle_free_ranges(&a, 0));
+}
+
+#[test]
+fn virtual_memory_metrics_follow_the_allocator() {
+    let config = Config::parse(
+        "backend:sim,sim_devices:2,sim_capacity_mb:1024,sim_cost_model:True,expandable_segments:True,large_segment_size_mb:2,page_reuse:True",
+    )
+    .expect("config");
+    let a = Allocator::new(config).expect("allocator");
+    let p = a.malloc(0, 10 * MIB, stepalloc::Stream(0)).expect("malloc");
+    let q = a.malloc(0, 10 * MIB, stepalloc::Stream(0)).expect("malloc");
+    a.free(0, p, 0).expect("free");
+    let r = a.malloc(0, 12 * MIB, stepalloc::Stream(0)).expect("malloc: moves p's pages");
+    let samples = parse(&metrics::render(&a));
+    let s = a.stats(0).expect("stats");
+    assert!(s.heap.moved_bytes > 0 && s.mapped_bytes == 22 * MIB);
+    assert!(s.driver_time.create_ns > 0 && s.driver_time.map_ns > 0, "modelled virtual-memory time");
+    check_device(&samples, &s, &a.with_heap(0, |h| h.free_block_ranges()).expect("heap"));
+    for ptr in [q, r] {
+        a.free(0, ptr, 0).expect("free");
+    }
 }
 
 #[test]

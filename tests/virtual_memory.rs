@@ -132,7 +132,10 @@ fn out_of_memory_that_page_reuse_avoids() {
     let (default, _) = run("");
     assert!(default.unwrap_err().is_out_of_memory(), "PyTorch's default rules");
     let (expandable, _) = run("expandable_segments:True");
-    assert!(expandable.unwrap_err().is_out_of_memory(), "PyTorch's expandable segments");
+    let e = expandable.unwrap_err();
+    assert!(e.is_out_of_memory(), "PyTorch's expandable segments");
+    let text = e.to_string();
+    assert!(text.contains("unmapped 0 B of free pages; 30.00 MiB stays mapped but free"), "{text}");
     let (ours, s) = run(RECOMMENDED);
     ours.expect("stepalloc serves it");
     assert_eq!(s.heap.num_alloc_retries, 0, "without running the out-of-memory path");

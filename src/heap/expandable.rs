@@ -85,15 +85,20 @@ impl Heap {
         if let Some(id) = self.try_expand(small, stream, rounded)? {
             return Ok(id);
         }
+        let mut unmapped = 0;
         if self.captures_underway == 0 {
             self.stats.num_alloc_retries += 1;
-            self.release_all_cached(ReleaseReason::Oom)?;
+            unmapped = self.release_all_cached(ReleaseReason::Oom)?;
             if let Some(id) = self.try_expand(small, stream, rounded)? {
                 return Ok(id);
             }
         }
         let page = self.page_size(small);
-        Err(self.out_of_memory(requested, rounded, rounded.div_ceil(page).saturating_mul(page)))
+        let mut e = self.out_of_memory(requested, rounded, rounded.div_ceil(page).saturating_mul(page));
+        if let crate::Error::OutOfMemory(report) = &mut e {
+            report.unmapped = Some(unmapped);
+        }
+        Err(e)
     }
 
     /// One attempt: the block (out of its list) holding `rounded` bytes, or `None` when the
@@ -284,6 +289,9 @@ impl Heap {
         }
         let first = ((addr - seg_addr) / page) as usize;
         let pages = (map_bytes / page) as usize;
+        // A map operation is this heap's device malloc: timed like one (modelled on the sim).
+        let started = std::time::Instant::now();
+        let modelled_before = self.vm_driver_ns();
         for i in 0..pages {
             let page_addr = addr + i as u64 * page;
             let (handle, moved) = match self.idle_pages.pop() {
@@ -317,6 +325,12 @@ impl Heap {
         b.stream = seg_stream;
         b.freed_at = clock;
         self.arena.segment_mut(seg_id).mapped += map_bytes;
+        let modelled = self.vm_driver_ns() - modelled_before;
+        self.stats.record_device_alloc_latency(if modelled > 0 {
+            modelled
+        } else {
+            started.elapsed().as_nanos() as u64
+        });
         let s = &mut self.stats;
         s.reserved_bytes.increase(small, map_bytes);
         s.num_device_alloc += 1;
@@ -328,15 +342,17 @@ impl Heap {
         Ok(Some(merged))
     }
 
-    /// Creates one page of physical memory, timing it like a device reserve.
+    /// Creates one page of physical memory.
     fn create_page(&mut self, page: u64) -> Result<PhysHandle> {
-        let before = self.backend.driver_time().create_ns;
-        let start = std::time::Instant::now();
         let handle = self.backend.create_physical(page)?;
-        let modelled = self.backend.driver_time().create_ns - before;
-        self.stats.record_device_alloc_latency(if modelled > 0 { modelled } else { start.elapsed().as_nanos() as u64 });
         self.stats.num_create += 1;
         Ok(handle)
+    }
+
+    /// Modelled time of the virtual-memory calls so far (0 on CUDA, where time is measured).
+    fn vm_driver_ns(&self) -> u64 {
+        let t = self.backend.driver_time();
+        t.create_ns + t.map_ns
     }
 
     /// Undoes the first `count` page maps of a failed `map_block` (pages from `first`); their

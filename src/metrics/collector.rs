@@ -229,6 +229,30 @@ pub const METRICS: &[MetricSpec] = &[
         help: "Device-wide synchronizations made to merge free blocks of different streams before releasing them.",
     },
     MetricSpec {
+        name: "stepalloc_mapped_bytes",
+        kind: Kind::Gauge,
+        labels: D,
+        help: "Bytes mapped in expandable segments (virtual memory); counted in reserved bytes too.",
+    },
+    MetricSpec {
+        name: "stepalloc_virtual_reserved_bytes",
+        kind: Kind::Gauge,
+        labels: D,
+        help: "Address space reserved for expandable segments (no memory behind it until mapped).",
+    },
+    MetricSpec {
+        name: "stepalloc_moved_bytes_total",
+        kind: Kind::Counter,
+        labels: D,
+        help: "Bytes of idle pages unmapped and mapped where a request needed them, instead of creating memory (page_reuse).",
+    },
+    MetricSpec {
+        name: "stepalloc_vm_operations_total",
+        kind: Kind::Counter,
+        labels: &["device", "op"],
+        help: "Virtual-memory driver operations on pages, by op (create, release, map, unmap).",
+    },
+    MetricSpec {
         name: "stepalloc_steps_total",
         kind: Kind::Counter,
         labels: &["device", "phase"],
@@ -244,7 +268,7 @@ pub const METRICS: &[MetricSpec] = &[
         name: "stepalloc_driver_seconds_total",
         kind: Kind::Counter,
         labels: &["device", "call"],
-        help: "Time spent in driver calls, by call (reserve, release, event, sync); modelled on the simulated device.",
+        help: "Time spent in driver calls, by call (reserve, release, event, sync, create, map); modelled on the simulated device.",
     },
     MetricSpec {
         name: "stepalloc_device_alloc_duration_seconds",
@@ -424,9 +448,23 @@ fn add_device(out: &mut [MetricFamily], r: &DeviceReading) {
         );
     }
     let t = &s.driver_time;
-    for (call, ns) in [("reserve", t.reserve_ns), ("release", t.release_ns), ("event", t.event_ns), ("sync", t.sync_ns)]
-    {
+    for (call, ns) in [
+        ("reserve", t.reserve_ns),
+        ("release", t.release_ns),
+        ("event", t.event_ns),
+        ("sync", t.sync_ns),
+        ("create", t.create_ns),
+        ("map", t.map_ns),
+    ] {
         w.counter("stepalloc_driver_seconds_total", &[("call", call)], ns as f64 * 1e-9);
+    }
+    w.gauge("stepalloc_mapped_bytes", &[], s.mapped_bytes as f64);
+    w.gauge("stepalloc_virtual_reserved_bytes", &[], h.virtual_reserved_bytes as f64);
+    w.counter("stepalloc_moved_bytes_total", &[], h.moved_bytes as f64);
+    for (op, count) in
+        [("create", h.num_create), ("release", h.num_release_physical), ("map", h.num_map), ("unmap", h.num_unmap)]
+    {
+        w.counter("stepalloc_vm_operations_total", &[("op", op)], count as f64);
     }
 
     // Buckets hold counts per bucket (the last one above every bound); Prometheus wants
