@@ -38,8 +38,9 @@ enum BackendArg {
 
 #[derive(Args)]
 struct Global {
-    /// Configurations to compare: presets pytorch, split128, empty_cache_every_step, stepalloc,
-    /// or raw strings (`key:value,...`, optionally `name=key:value,...`).
+    /// Configurations to compare: presets pytorch, pytorch_expandable, split128,
+    /// empty_cache_every_step, stepalloc, vm_page_release, vm_page_reuse, or raw strings
+    /// (`key:value,...`, optionally `name=key:value,...`).
     #[arg(long, global = true, num_args = 1..)]
     compare: Vec<String>,
     #[arg(long, global = true, value_enum, default_value = "sim")]
@@ -131,10 +132,8 @@ fn run(cli: Cli) -> Result<i32, String> {
     if g.timing {
         eprintln!("timing: {} ops built in {:.3} s", program.ops.len(), parse_s);
     }
-    let names: Vec<String> =
-        if g.compare.is_empty() { defaults.iter().map(|s| s.to_string()).collect() } else { g.compare.clone() };
     let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: program.devices };
-    let mut configs = compare::resolve(&names, &base)?;
+    let mut configs = resolve(g, defaults, &base)?;
     for rc in &mut configs {
         rc.explain = g.explain;
     }
@@ -152,6 +151,19 @@ fn run(cli: Cli) -> Result<i32, String> {
     }
     emit(g, &report)?;
     Ok(0)
+}
+
+/// The configurations of `--compare`, or the default comparison less the presets this build
+/// of the core refuses (each named on stderr).
+fn resolve(g: &Global, defaults: &[&str], base: &Base) -> Result<Vec<RunConfig>, String> {
+    if !g.compare.is_empty() {
+        return compare::resolve(&g.compare, base);
+    }
+    let (configs, skipped) = compare::resolve_defaults(defaults, base);
+    for reason in skipped {
+        eprintln!("note: default comparison: skipped {reason}");
+    }
+    Ok(configs)
 }
 
 fn progress(program: &Program, rc: &RunConfig) -> Option<ProgressBar> {
@@ -186,13 +198,8 @@ fn emit(g: &Global, report: &Report) -> Result<(), String> {
 }
 
 fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, String> {
-    let names: Vec<String> = if g.compare.is_empty() {
-        compare::DEFAULT_OTHER.iter().map(|s| s.to_string()).collect()
-    } else {
-        g.compare.clone()
-    };
     let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: 1 };
-    let configs = compare::resolve(&names, &base)?;
+    let configs = resolve(g, compare::DEFAULT_OTHER, &base)?;
     let mut report = Report {
         workload: format!(
             "random ({} threads x {} ops, {:?} sizes, seed {})",

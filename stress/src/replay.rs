@@ -29,6 +29,9 @@ pub struct RunConfig {
     /// Describe the heap at its peak of reserved bytes (`PeakExplanation`); costs a statistics
     /// read per allocation.
     pub explain: bool,
+    /// Stop at the first allocation that runs out of memory (`headroom` only needs to know
+    /// whether one does).
+    pub stop_at_first_oom: bool,
 }
 
 /// Runs `program` under `rc`. `metrics_addr`: serve live metrics while it runs.
@@ -63,6 +66,9 @@ pub fn run(
     let stride = (program.ops.len() / TIMELINE_POINTS).max(1);
     for (i, &op) in program.ops.iter().enumerate() {
         runner.apply(op, i, rc.empty_cache_every_step)?;
+        if rc.stop_at_first_oom && runner.ooms > 0 {
+            break;
+        }
         if i % stride == 0 {
             runner.sample(i as u64);
         }

@@ -5,7 +5,7 @@
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::export::{self, ExportFormat};
 use stepalloc_stress::ops::{Op, Program};
-use stepalloc_stress::replay;
+use stepalloc_stress::replay::{self, RunConfig};
 use stepalloc_stress::report::{self, Report};
 use stepalloc_stress::trace;
 use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, Preset};
@@ -21,9 +21,20 @@ fn small_vlm(seed: u64) -> AgentSpec {
     AgentSpec { seed, iterations: 2, ..AgentSpec::preset(Preset::Vlm7b) }
 }
 
+/// The configurations of `names` this build of the core accepts. Presets that need keys still
+/// being added to the core (`stepalloc`, `pytorch_expandable`: expandable segments) are left
+/// out with a note until it has them; raw strings must parse.
+fn accepted(names: &[&str], base: &Base) -> Vec<RunConfig> {
+    let (configs, skipped) = compare::resolve_defaults(names, base);
+    for reason in skipped {
+        println!("note: skipped {reason}");
+    }
+    assert!(!configs.is_empty());
+    configs
+}
+
 fn run_all(program: &Program, names: &[&str], capacity_mb: u64) -> Report {
-    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-    let configs = compare::resolve(&names, &base(capacity_mb)).unwrap();
+    let configs = accepted(names, &base(capacity_mb));
     let runs = configs.iter().map(|rc| replay::run(program, rc, None, None).unwrap()).collect();
     Report { workload: "test".into(), source: program.notes.clone(), parse_s: 0.0, runs }
 }
@@ -69,8 +80,11 @@ fn agent_workload_follows_its_dimensions() {
     assert!(p.ops.iter().any(|op| matches!(op, Op::Alloc { stream: 7, .. })));
     // Everything a step allocates is freed except persistent state: after the run only
     // weights and optimizer state are live (the same in every configuration).
-    let r = run_all(&p, &["pytorch", "stepalloc"], 81920);
-    assert_eq!(r.runs[0].floor, r.runs[1].floor, "the floor does not depend on the allocator");
+    let r = run_all(&p, &["pytorch", "split128", "stepalloc"], 81920);
+    assert!(r.runs.len() >= 2);
+    for run in &r.runs {
+        assert_eq!(run.floor, r.runs[0].floor, "{}: the floor does not depend on the allocator", run.name);
+    }
     assert!(r.runs.iter().all(|run| run.ooms == 0 && run.errors == 0));
     let persistent = r.runs[0].timeline.last().unwrap().requested;
     assert!(persistent >= weights && persistent < weights + 3 * GIB, "persistent {persistent}");
@@ -151,7 +165,7 @@ fn random_workload_keeps_blocks_apart() {
         step_every: 500,
         seed: 5,
     };
-    for rc in compare::resolve(&["pytorch".into(), "stepalloc".into()], &base(16384)).unwrap() {
+    for rc in accepted(&["pytorch", "stepalloc"], &base(16384)) {
         let (run, integrity) = random::run(&args, &rc).unwrap();
         assert!(integrity.ok(), "{integrity:?}");
         assert_eq!(run.ops, 12000);
@@ -194,10 +208,13 @@ fn plot_draws_three_lines_per_configuration() {
     let r = run_all(&p, &["pytorch", "split128", "stepalloc"], 81920);
     let svg = report::svg(&r);
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-    assert_eq!(svg.matches("<polyline").count(), 9);
+    assert_eq!(svg.matches("<polyline").count(), 3 * r.runs.len());
     let table = report::table(&r);
-    for name in ["pytorch", "split128", "stepalloc", "reserved / floor", "device mallocs"] {
+    for name in ["reserved / floor", "device mallocs"] {
         assert!(table.contains(name), "{name}");
+    }
+    for run in &r.runs {
+        assert!(table.contains(&run.name), "{}", run.name);
     }
 }
 
@@ -226,4 +243,36 @@ fn command_line_prints_json_and_rejects_bad_traces() {
     let out = std::process::Command::new(exe).args(["agent", "--compare", "max_split_size_mb:3"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("max_split_size_mb"));
+}
+
+#[test]
+fn presets_are_named_once_and_defaults_use_them() {
+    let names: Vec<&str> = compare::PRESETS.iter().map(|(n, _)| *n).collect();
+    for (i, n) in names.iter().enumerate() {
+        assert!(!names[i + 1..].contains(n), "{n} twice");
+    }
+    for n in compare::DEFAULT_AGENT.iter().chain(compare::DEFAULT_OTHER) {
+        assert!(compare::preset(n).is_some(), "{n}");
+    }
+    assert_eq!(compare::preset("stepalloc"), Some(compare::STEPALLOC_BEST));
+    assert_eq!(compare::preset("pytorch_expandable"), Some("expandable_segments:True"));
+    // A preset the core refuses is refused by name, never silently run as something else.
+    for n in names {
+        match compare::resolve_one(n, &base(1024)) {
+            Ok(rc) => assert_eq!(rc.empty_cache_every_step, n == "empty_cache_every_step"),
+            Err(e) => assert!(e.contains(n) && e.contains("expandable_segments"), "{e}"),
+        }
+    }
+    let (configs, skipped) = compare::resolve_defaults(compare::DEFAULT_AGENT, &base(1024));
+    assert_eq!(configs.len() + skipped.len(), compare::DEFAULT_AGENT.len());
+    assert_eq!(configs[0].name, "pytorch");
+}
+
+/// After the virtual-memory merge every preset is accepted.
+#[test]
+#[ignore = "needs expandable_segments / page_reuse / page_release in the core (issue 9)"]
+fn every_preset_is_accepted() {
+    for (name, _) in compare::PRESETS {
+        compare::resolve_one(name, &base(1024)).unwrap();
+    }
 }
