@@ -210,7 +210,7 @@ fn plot_draws_three_lines_per_configuration() {
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
     assert_eq!(svg.matches("<polyline").count(), 3 * r.runs.len());
     let table = report::table(&r);
-    for name in ["reserved / floor", "device mallocs"] {
+    for name in ["reserved / floor", "device mallocs", "driver maps / unmaps / creates", "driver time per step"] {
         assert!(table.contains(name), "{name}");
     }
     for run in &r.runs {
@@ -275,4 +275,26 @@ fn every_preset_is_accepted() {
     for (name, _) in compare::PRESETS {
         compare::resolve_one(name, &base(1024)).unwrap();
     }
+}
+
+#[test]
+fn driver_time_per_step_is_the_runs_time_over_its_steps() {
+    let p = agent::generate(&small_vlm(6));
+    let r = run_all(&p, &["pytorch", "empty_cache_every_step"], 81920);
+    for run in &r.runs {
+        assert!(run.driver_time_s > 0.0, "{}: the cost model charges device mallocs", run.name);
+        assert!(run.driver_time_s >= run.device_malloc_time_s + run.device_free_time_s - 1e-12);
+        let per_step = run.driver_time_s / run.steps_count as f64;
+        assert!((run.driver_time_per_step_s - per_step).abs() < 1e-12, "{}", run.name);
+    }
+    assert!(r.runs[1].driver_time_s > r.runs[0].driver_time_s, "empty_cache makes the driver work");
+    for run in &r.runs {
+        // The steps' driver time adds up to the run's, less what came before the first step
+        // (the weights' segments).
+        let steps: f64 = run.steps.iter().map(|s| s.driver_time_s).sum();
+        assert!(steps > 0.0 && steps <= run.driver_time_s + 1e-12, "{}: {steps} vs {}", run.name, run.driver_time_s);
+    }
+    assert!(report::step_table(&r.runs[1]).contains("driver ms"));
+    let json = r.to_json(false, false);
+    assert!(json["runs"][0].get("driver_maps").is_some(), "present (null without virtual memory)");
 }
