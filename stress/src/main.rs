@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::export::{self, ExportFormat};
+use stepalloc_stress::headroom::{self, HeadroomArgs};
 use stepalloc_stress::ops::Program;
 use stepalloc_stress::replay::{self, RunConfig};
 use stepalloc_stress::report::{self, Report};
@@ -80,6 +81,14 @@ enum Command {
     Random(RandomArgs),
     /// Replay a trace: PyTorch snapshot (pickle or JSON), RMM log CSV or stepalloc JSON lines.
     Replay { file: PathBuf },
+    /// The largest scale of the agent workload each configuration runs without out-of-memory
+    /// on the simulated device of `--capacity-mb` (bisection).
+    Headroom {
+        #[command(flatten)]
+        agent: AgentArgs,
+        #[command(flatten)]
+        search: HeadroomArgs,
+    },
     /// Write the agent workload as a trace file (for replay benchmarks and tests).
     GenTrace {
         #[command(flatten)]
@@ -118,6 +127,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             (program, format!("replay {}", file.display()), compare::DEFAULT_OTHER)
         }
         Command::Random(args) => return run_random(g, &args, capacity_mb),
+        Command::Headroom { agent, search } => return run_headroom(g, &agent, &search, capacity_mb),
         Command::GenTrace { agent, format, out } => {
             let program = agent::generate(&agent.spec()?);
             let file = std::fs::File::create(&out).map_err(|e| format!("{}: {e}", out.display()))?;
@@ -164,6 +174,23 @@ fn resolve(g: &Global, defaults: &[&str], base: &Base) -> Result<Vec<RunConfig>,
         eprintln!("note: default comparison: skipped {reason}");
     }
     Ok(configs)
+}
+
+fn run_headroom(g: &Global, agent: &AgentArgs, search: &HeadroomArgs, capacity_mb: u64) -> Result<i32, String> {
+    let spec = agent.spec()?;
+    let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: 1 };
+    let configs = resolve(g, compare::DEFAULT_AGENT, &base)?;
+    let started = Instant::now();
+    let report = headroom::run(&spec, search, &base, &configs)?;
+    if g.timing {
+        eprintln!("timing: headroom search in {:.3} s", started.elapsed().as_secs_f64());
+    }
+    if g.json {
+        println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
+    } else {
+        print!("{}", headroom::table(&report));
+    }
+    Ok(0)
 }
 
 fn progress(program: &Program, rc: &RunConfig) -> Option<ProgressBar> {
