@@ -298,3 +298,27 @@ fn driver_time_per_step_is_the_runs_time_over_its_steps() {
     let json = r.to_json(false, false);
     assert!(json["runs"][0].get("driver_maps").is_some(), "present (null without virtual memory)");
 }
+
+/// Issue 9's targets on the agent presets: stepalloc's peak reserved (= mapped) at most 3% above
+/// the floor and strictly below PyTorch's expandable segments, without out-of-memory.
+#[test]
+#[ignore = "needs expandable_segments / page_reuse / page_release in the core (issue 9)"]
+fn stepalloc_beats_expandable_segments_on_agent_presets() {
+    for preset in [Preset::Vlm7b, Preset::Llm7bSft] {
+        let p = agent::generate(&AgentSpec::preset(preset));
+        let names: Vec<String> = ["pytorch_expandable", "stepalloc"].iter().map(|s| s.to_string()).collect();
+        let configs = compare::resolve(&names, &base(81920)).unwrap();
+        let runs: Vec<_> = configs.iter().map(|rc| replay::run(&p, rc, None, None).unwrap()).collect();
+        let (expandable, stepalloc) = (&runs[0], &runs[1]);
+        for run in &runs {
+            assert_eq!((run.ooms, run.errors), (0, 0), "{preset:?} {}", run.name);
+        }
+        assert!(stepalloc.reserved_over_floor <= 1.03, "{preset:?}: stepalloc {:.4}x", stepalloc.reserved_over_floor);
+        assert!(
+            stepalloc.peak_reserved < expandable.peak_reserved,
+            "{preset:?}: stepalloc {} >= expandable {}",
+            stepalloc.peak_reserved,
+            expandable.peak_reserved
+        );
+    }
+}
