@@ -1,21 +1,35 @@
 //! Named configurations for `--compare`, and the base keys every run gets.
 //!
-//! Presets: `pytorch` (PyTorch's default rules: the empty configuration), `split128`
+//! Presets (`PRESETS`): `pytorch` (PyTorch's default rules: the empty configuration),
+//! `pytorch_expandable` (PyTorch's `expandable_segments:True`), `split128`
 //! (`max_split_size_mb:128`), `empty_cache_every_step` (PyTorch's rules plus a user calling
-//! `torch.cuda.empty_cache()` after every step), `stepalloc` (stepalloc's best measured
-//! configuration, see `STEPALLOC_BEST`). Anything else is a raw configuration string, optionally
-//! named as `name=conf`.
+//! `torch.cuda.empty_cache()` after every step), `stepalloc` (stepalloc's recommended
+//! configuration, `STEPALLOC_BEST`), and one column per stepalloc improvement alone on top of
+//! expandable segments (`vm_page_release`, `vm_page_reuse`). Anything else is a raw
+//! configuration string, optionally named as `name=conf`.
 
 use crate::replay::RunConfig;
 
-/// stepalloc's best configuration on the agent presets (found by sweeping the step-release
-/// keys with `--compare`; see the report of issue 6).
-pub const STEPALLOC_BEST: &str = "phase_trim:True,release_idle_steps:1,cache_limit_mb:4096";
+/// stepalloc's recommended configuration: expandable segments with physical-page reuse and
+/// page release (issue 9).
+pub const STEPALLOC_BEST: &str = "expandable_segments:True,page_reuse:True,page_release:True";
 
-/// The comparison `agent` runs when `--compare` is not given.
-pub const DEFAULT_AGENT: &[&str] = &["pytorch", "split128", "empty_cache_every_step", "stepalloc"];
+/// Every preset: its name and its configuration (without the base keys).
+pub const PRESETS: &[(&str, &str)] = &[
+    ("pytorch", ""),
+    ("pytorch_expandable", "expandable_segments:True"),
+    ("split128", "max_split_size_mb:128"),
+    ("empty_cache_every_step", ""),
+    ("stepalloc", STEPALLOC_BEST),
+    ("vm_page_release", "expandable_segments:True,page_release:True"),
+    ("vm_page_reuse", "expandable_segments:True,page_reuse:True"),
+];
+
+/// The comparison `agent` (and `headroom`) runs when `--compare` is not given.
+pub const DEFAULT_AGENT: &[&str] =
+    &["pytorch", "pytorch_expandable", "split128", "empty_cache_every_step", "stepalloc"];
 /// The comparison `replay` and `random` run when `--compare` is not given.
-pub const DEFAULT_OTHER: &[&str] = &["pytorch", "stepalloc"];
+pub const DEFAULT_OTHER: &[&str] = &["pytorch", "pytorch_expandable", "stepalloc"];
 
 /// Which device the runs use.
 #[derive(Clone, Debug, PartialEq)]
@@ -35,24 +49,43 @@ impl Base {
     }
 }
 
+/// The configuration of a preset, if `name` is one.
+pub fn preset(name: &str) -> Option<&'static str> {
+    PRESETS.iter().find(|(n, _)| *n == name).map(|(_, conf)| *conf)
+}
+
+/// Resolves one preset name or raw string into a run configuration; an error names the
+/// `--compare` entry and what the core refused.
+pub fn resolve_one(name: &str, base: &Base) -> Result<RunConfig, String> {
+    let (label, conf) = match preset(name) {
+        Some(conf) => (name.to_string(), conf.to_string()),
+        None => match name.split_once('=') {
+            Some((label, conf)) => (label.to_string(), conf.to_string()),
+            None => (name.to_string(), name.to_string()),
+        },
+    };
+    let empty = name == "empty_cache_every_step";
+    let full = if conf.is_empty() { base.keys() } else { format!("{},{conf}", base.keys()) };
+    // Refuse a bad string before any run starts.
+    stepalloc::Config::parse(&full).map_err(|e| format!("--compare `{name}`: {e}"))?;
+    Ok(RunConfig { name: label, conf: full, empty_cache_every_step: empty, explain: false, stop_at_first_oom: false })
+}
+
 /// Resolves preset names and raw strings into run configurations.
 pub fn resolve(names: &[String], base: &Base) -> Result<Vec<RunConfig>, String> {
-    let mut out = Vec::new();
+    names.iter().map(|name| resolve_one(name, base)).collect()
+}
+
+/// Resolves a default comparison: presets the allocator does not accept (a key this build of
+/// the core does not know yet) are left out, each with the reason, instead of failing the run.
+pub fn resolve_defaults(names: &[&str], base: &Base) -> (Vec<RunConfig>, Vec<String>) {
+    let mut configs = Vec::new();
+    let mut skipped = Vec::new();
     for name in names {
-        let (label, conf) = match name.as_str() {
-            "pytorch" | "empty_cache_every_step" => (name.clone(), String::new()),
-            "split128" => (name.clone(), "max_split_size_mb:128".to_string()),
-            "stepalloc" => (name.clone(), STEPALLOC_BEST.to_string()),
-            raw => match raw.split_once('=') {
-                Some((label, conf)) => (label.to_string(), conf.to_string()),
-                None => (raw.to_string(), raw.to_string()),
-            },
-        };
-        let empty = name == "empty_cache_every_step";
-        let full = if conf.is_empty() { base.keys() } else { format!("{},{conf}", base.keys()) };
-        // Refuse a bad string before any run starts.
-        stepalloc::Config::parse(&full).map_err(|e| format!("--compare `{name}`: {e}"))?;
-        out.push(RunConfig { name: label, conf: full, empty_cache_every_step: empty, explain: false });
+        match resolve_one(name, base) {
+            Ok(rc) => configs.push(rc),
+            Err(e) => skipped.push(e),
+        }
     }
-    Ok(out)
+    (configs, skipped)
 }

@@ -3,12 +3,14 @@
 //!
 //! Layers: workloads (`workload::agent`, `workload::random`) and trace readers (`trace`) produce
 //! an event stream (`ops::Program`); `replay::run` plays it against one `stepalloc::Allocator`
-//! per configuration (`compare`); `report` prints, serialises and plots the results.
+//! per configuration (`compare`); `report` prints, serialises and plots the results; `headroom`
+//! searches the largest workload scale that fits a device, per configuration.
 
 #![deny(unsafe_code)]
 
 pub mod compare;
 pub mod export;
+pub mod headroom;
 pub mod ops;
 pub mod replay;
 pub mod report;

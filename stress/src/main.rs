@@ -10,6 +10,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::export::{self, ExportFormat};
+use stepalloc_stress::headroom::{self, HeadroomArgs};
 use stepalloc_stress::ops::Program;
 use stepalloc_stress::replay::{self, RunConfig};
 use stepalloc_stress::report::{self, Report};
@@ -38,8 +39,9 @@ enum BackendArg {
 
 #[derive(Args)]
 struct Global {
-    /// Configurations to compare: presets pytorch, split128, empty_cache_every_step, stepalloc,
-    /// or raw strings (`key:value,...`, optionally `name=key:value,...`).
+    /// Configurations to compare: presets pytorch, pytorch_expandable, split128,
+    /// empty_cache_every_step, stepalloc, vm_page_release, vm_page_reuse, or raw strings
+    /// (`key:value,...`, optionally `name=key:value,...`).
     #[arg(long, global = true, num_args = 1..)]
     compare: Vec<String>,
     #[arg(long, global = true, value_enum, default_value = "sim")]
@@ -79,6 +81,14 @@ enum Command {
     Random(RandomArgs),
     /// Replay a trace: PyTorch snapshot (pickle or JSON), RMM log CSV or stepalloc JSON lines.
     Replay { file: PathBuf },
+    /// The largest scale of the agent workload each configuration runs without out-of-memory
+    /// on the simulated device of `--capacity-mb` (bisection).
+    Headroom {
+        #[command(flatten)]
+        agent: AgentArgs,
+        #[command(flatten)]
+        search: HeadroomArgs,
+    },
     /// Write the agent workload as a trace file (for replay benchmarks and tests).
     GenTrace {
         #[command(flatten)]
@@ -117,6 +127,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             (program, format!("replay {}", file.display()), compare::DEFAULT_OTHER)
         }
         Command::Random(args) => return run_random(g, &args, capacity_mb),
+        Command::Headroom { agent, search } => return run_headroom(g, &agent, &search, capacity_mb),
         Command::GenTrace { agent, format, out } => {
             let program = agent::generate(&agent.spec()?);
             let file = std::fs::File::create(&out).map_err(|e| format!("{}: {e}", out.display()))?;
@@ -131,10 +142,8 @@ fn run(cli: Cli) -> Result<i32, String> {
     if g.timing {
         eprintln!("timing: {} ops built in {:.3} s", program.ops.len(), parse_s);
     }
-    let names: Vec<String> =
-        if g.compare.is_empty() { defaults.iter().map(|s| s.to_string()).collect() } else { g.compare.clone() };
     let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: program.devices };
-    let mut configs = compare::resolve(&names, &base)?;
+    let mut configs = resolve(g, defaults, &base)?;
     for rc in &mut configs {
         rc.explain = g.explain;
     }
@@ -151,6 +160,36 @@ fn run(cli: Cli) -> Result<i32, String> {
         report.runs.push(run);
     }
     emit(g, &report)?;
+    Ok(0)
+}
+
+/// The configurations of `--compare`, or the default comparison less the presets this build
+/// of the core refuses (each named on stderr).
+fn resolve(g: &Global, defaults: &[&str], base: &Base) -> Result<Vec<RunConfig>, String> {
+    if !g.compare.is_empty() {
+        return compare::resolve(&g.compare, base);
+    }
+    let (configs, skipped) = compare::resolve_defaults(defaults, base);
+    for reason in skipped {
+        eprintln!("note: default comparison: skipped {reason}");
+    }
+    Ok(configs)
+}
+
+fn run_headroom(g: &Global, agent: &AgentArgs, search: &HeadroomArgs, capacity_mb: u64) -> Result<i32, String> {
+    let spec = agent.spec()?;
+    let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: 1 };
+    let configs = resolve(g, compare::DEFAULT_AGENT, &base)?;
+    let started = Instant::now();
+    let report = headroom::run(&spec, search, &base, &configs)?;
+    if g.timing {
+        eprintln!("timing: headroom search in {:.3} s", started.elapsed().as_secs_f64());
+    }
+    if g.json {
+        println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
+    } else {
+        print!("{}", headroom::table(&report));
+    }
     Ok(0)
 }
 
@@ -186,13 +225,8 @@ fn emit(g: &Global, report: &Report) -> Result<(), String> {
 }
 
 fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, String> {
-    let names: Vec<String> = if g.compare.is_empty() {
-        compare::DEFAULT_OTHER.iter().map(|s| s.to_string()).collect()
-    } else {
-        g.compare.clone()
-    };
     let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: 1 };
-    let configs = compare::resolve(&names, &base)?;
+    let configs = resolve(g, compare::DEFAULT_OTHER, &base)?;
     let mut report = Report {
         workload: format!(
             "random ({} threads x {} ops, {:?} sizes, seed {})",

@@ -10,6 +10,7 @@ use crate::ops::{Op, Program};
 use crate::report::{PeakExplanation, RunReport, Sample, StepReport};
 use indicatif::ProgressBar;
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Instant;
 use stepalloc::{Allocator, Config, Error, Stream};
@@ -29,6 +30,9 @@ pub struct RunConfig {
     /// Describe the heap at its peak of reserved bytes (`PeakExplanation`); costs a statistics
     /// read per allocation.
     pub explain: bool,
+    /// Stop at the first allocation that runs out of memory (`headroom` only needs to know
+    /// whether one does).
+    pub stop_at_first_oom: bool,
 }
 
 /// Runs `program` under `rc`. `metrics_addr`: serve live metrics while it runs.
@@ -63,6 +67,9 @@ pub fn run(
     let stride = (program.ops.len() / TIMELINE_POINTS).max(1);
     for (i, &op) in program.ops.iter().enumerate() {
         runner.apply(op, i, rc.empty_cache_every_step)?;
+        if rc.stop_at_first_oom && runner.ooms > 0 {
+            break;
+        }
         if i % stride == 0 {
             runner.sample(i as u64);
         }
@@ -78,6 +85,15 @@ pub fn run(
         return Err(format!("allocator invariants broken after `{}`: {e}", rc.name));
     }
     Ok(runner.finish(rc, program, wall))
+}
+
+/// Running totals of the driver's work (see `Runner::driver_totals`).
+#[derive(Default)]
+struct DriverTotals {
+    time_s: f64,
+    maps: Option<u64>,
+    unmaps: Option<u64>,
+    creates: Option<u64>,
 }
 
 struct Live {
@@ -103,6 +119,7 @@ struct Runner<'a> {
     step_ooms: u64,
     step_reserved_begin: u64,
     step_index_op: usize,
+    step_driver_begin: DriverTotals,
     ext_frag_at_step_end: Vec<f64>,
     int_frag_samples: Vec<f64>,
     timeline: Vec<Sample>,
@@ -131,6 +148,7 @@ impl<'a> Runner<'a> {
             step_ooms: 0,
             step_reserved_begin: 0,
             step_index_op: 0,
+            step_driver_begin: DriverTotals::default(),
             ext_frag_at_step_end: Vec::new(),
             int_frag_samples: Vec::new(),
             timeline: Vec::with_capacity(TIMELINE_POINTS + 8),
@@ -194,6 +212,7 @@ impl<'a> Runner<'a> {
                     reserved += self.allocator.with_heap(d, |h| h.reserved_at_step_begin()).unwrap_or(0);
                 }
                 self.step_reserved_begin = reserved;
+                self.step_driver_begin = self.driver_totals();
             }
             Op::StepEnd => {
                 // External fragmentation as the step leaves the cache, before the step-end policies.
@@ -225,6 +244,11 @@ impl<'a> Runner<'a> {
                     step.device_mallocs += f.device_mallocs;
                 }
                 step.reserved_at_end = self.current_reserved();
+                let (begin, end) = (&self.step_driver_begin, self.driver_totals());
+                step.driver_time_s = end.time_s - begin.time_s;
+                step.driver_maps = end.maps.map(|e| e.saturating_sub(begin.maps.unwrap_or(0)));
+                step.driver_unmaps = end.unmaps.map(|e| e.saturating_sub(begin.unmaps.unwrap_or(0)));
+                step.driver_creates = end.creates.map(|e| e.saturating_sub(begin.creates.unwrap_or(0)));
                 step.fragmentation = if step.peak_reserved == 0 {
                     0.0
                 } else {
@@ -253,6 +277,20 @@ impl<'a> Runner<'a> {
             return;
         };
         self.explanation = Some(PeakExplanation::of(device, &stats, self.requested, segments, &live));
+    }
+
+    /// Driver time and virtual-memory calls so far, summed over devices.
+    fn driver_totals(&self) -> DriverTotals {
+        let mut t = DriverTotals::default();
+        for d in 0..self.devices {
+            let Ok(s) = self.allocator.stats(d) else { continue };
+            let map = s.to_map();
+            t.time_s += driver_seconds(&map);
+            add_opt(&mut t.maps, stat_u64(&map, NUM_MAP_KEYS));
+            add_opt(&mut t.unmaps, stat_u64(&map, NUM_UNMAP_KEYS));
+            add_opt(&mut t.creates, stat_u64(&map, NUM_CREATE_KEYS));
+        }
+        t
     }
 
     fn current_reserved(&self) -> u64 {
@@ -288,6 +326,13 @@ impl<'a> Runner<'a> {
             r.device_free_time_s += s.driver_time.release_ns as f64 * 1e-9;
             r.alloc_retries += h.num_alloc_retries;
             r.final_reserved += h.reserved_bytes.all.current;
+            let map = s.to_map();
+            add_opt(&mut r.driver_maps, stat_u64(&map, NUM_MAP_KEYS));
+            add_opt(&mut r.driver_unmaps, stat_u64(&map, NUM_UNMAP_KEYS));
+            add_opt(&mut r.driver_creates, stat_u64(&map, NUM_CREATE_KEYS));
+            add_opt(&mut r.moved_bytes, stat_u64(&map, MOVED_BYTES_KEYS));
+            add_opt(&mut r.peak_mapped, stat_u64(&map, PEAK_MAPPED_KEYS));
+            r.driver_time_s += driver_seconds(&map);
         }
         r.ops = program.ops.len() as u64;
         r.floor = self.floor;
@@ -298,6 +343,7 @@ impl<'a> Runner<'a> {
         r.errors = self.errors;
         r.first_error = self.first_error;
         r.steps_count = self.steps.len() as u64;
+        r.driver_time_per_step_s = r.driver_time_s / r.steps_count.max(1) as f64;
         r.reserved_at_step_begin_mean = mean(self.steps.iter().map(|s| s.reserved_at_begin as f64));
         r.reserved_at_step_end_mean = mean(self.steps.iter().map(|s| s.reserved_at_end as f64));
         r.step_fragmentation_mean = mean(self.steps.iter().map(|s| s.fragmentation));
@@ -309,6 +355,34 @@ impl<'a> Runner<'a> {
         r.timeline = self.timeline;
         r.peak_explanation = self.explanation;
         r
+    }
+}
+
+/// Keys of the core's virtual-memory statistics (under `stepalloc.`), each with the spellings
+/// accepted, first match wins; a build without virtual memory has none of them.
+const NUM_MAP_KEYS: &[&str] = &["stepalloc.num_map", "stepalloc.num_maps", "stepalloc.num_map_calls"];
+const NUM_UNMAP_KEYS: &[&str] = &["stepalloc.num_unmap", "stepalloc.num_unmaps", "stepalloc.num_unmap_calls"];
+const NUM_CREATE_KEYS: &[&str] = &["stepalloc.num_create", "stepalloc.num_creates", "stepalloc.num_create_calls"];
+const MOVED_BYTES_KEYS: &[&str] = &["stepalloc.moved_bytes", "stepalloc.moved_bytes.allocated"];
+const PEAK_MAPPED_KEYS: &[&str] = &["stepalloc.mapped_bytes.peak", "stepalloc.peak_mapped_bytes"];
+
+/// The first of `keys` present in the statistics map as an unsigned number.
+pub fn stat_u64(map: &BTreeMap<String, serde_json::Value>, keys: &[&str]) -> Option<u64> {
+    keys.iter().find_map(|k| map.get(*k).and_then(serde_json::Value::as_u64))
+}
+
+/// Modelled (or measured) seconds in every driver call the statistics time:
+/// the sum of `stepalloc.driver_seconds.*`.
+pub fn driver_seconds(map: &BTreeMap<String, serde_json::Value>) -> f64 {
+    map.range("stepalloc.driver_seconds.".to_string()..)
+        .take_while(|(k, _)| k.starts_with("stepalloc.driver_seconds."))
+        .filter_map(|(_, v)| v.as_f64())
+        .sum()
+}
+
+fn add_opt(total: &mut Option<u64>, value: Option<u64>) {
+    if let Some(v) = value {
+        *total = Some(total.unwrap_or(0) + v);
     }
 }
 

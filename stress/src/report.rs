@@ -34,6 +34,12 @@ pub struct StepReport {
     /// 1 - peak allocated / peak reserved within the step.
     pub fragmentation: f64,
     pub ooms: u64,
+    /// Driver time (modelled or measured) from the step's begin to the end of its step-end
+    /// policies, and the map / unmap / create calls in it (`None` where not counted).
+    pub driver_time_s: f64,
+    pub driver_maps: Option<u64>,
+    pub driver_unmaps: Option<u64>,
+    pub driver_creates: Option<u64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -64,6 +70,19 @@ pub struct RunReport {
     /// Modelled (sim cost model) or measured time in device malloc / free.
     pub device_malloc_time_s: f64,
     pub device_free_time_s: f64,
+    /// Driver virtual-memory calls (map / unmap / physical create), where the statistics have
+    /// them (`None`: this build of the core does not count them).
+    pub driver_maps: Option<u64>,
+    pub driver_unmaps: Option<u64>,
+    pub driver_creates: Option<u64>,
+    /// Bytes of physical pages moved (remapped) instead of created, where counted.
+    pub moved_bytes: Option<u64>,
+    /// Peak mapped bytes, where counted apart from reserved bytes.
+    pub peak_mapped: Option<u64>,
+    /// Modelled (sim cost model) or measured time in every timed driver call, and per step
+    /// (the whole run when it has no steps).
+    pub driver_time_s: f64,
+    pub driver_time_per_step_s: f64,
     pub alloc_retries: u64,
     pub ooms: u64,
     /// Frees skipped because their allocation had failed (OOM) or was never made.
@@ -209,6 +228,11 @@ pub fn gib(bytes: u64) -> String {
     format!("{:.2}", bytes as f64 / (1u64 << 30) as f64)
 }
 
+/// A count the statistics may not have: `-` when absent.
+fn opt(v: Option<u64>) -> String {
+    v.map_or("-".into(), |v| v.to_string())
+}
+
 fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
@@ -235,6 +259,11 @@ pub fn table(report: &Report) -> String {
         ("device malloc / free time, ms", |r| {
             format!("{:.1} / {:.1}", r.device_malloc_time_s * 1e3, r.device_free_time_s * 1e3)
         }),
+        ("driver maps / unmaps / creates", |r| {
+            format!("{} / {} / {}", opt(r.driver_maps), opt(r.driver_unmaps), opt(r.driver_creates))
+        }),
+        ("moved bytes, GiB", |r| r.moved_bytes.map_or("-".into(), gib)),
+        ("driver time per step, ms", |r| format!("{:.2}", r.driver_time_per_step_s * 1e3)),
         ("alloc retries (OOM path ran)", |r| r.alloc_retries.to_string()),
         ("OOMs", |r| r.ooms.to_string()),
         ("steps", |r| r.steps_count.to_string()),
@@ -303,6 +332,8 @@ pub fn step_table(run: &RunReport) -> String {
         "dev mallocs",
         "frag",
         "OOMs",
+        "maps/unmaps/creates",
+        "driver ms",
     ]);
     for s in &run.steps {
         t.add_row(vec![
@@ -316,6 +347,8 @@ pub fn step_table(run: &RunReport) -> String {
             s.device_mallocs.to_string(),
             pct(s.fragmentation),
             s.ooms.to_string(),
+            format!("{}/{}/{}", opt(s.driver_maps), opt(s.driver_unmaps), opt(s.driver_creates)),
+            format!("{:.2}", s.driver_time_s * 1e3),
         ]);
     }
     format!("per step: {}\n{t}\n", run.name)

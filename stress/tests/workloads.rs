@@ -5,7 +5,7 @@
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::export::{self, ExportFormat};
 use stepalloc_stress::ops::{Op, Program};
-use stepalloc_stress::replay;
+use stepalloc_stress::replay::{self, RunConfig};
 use stepalloc_stress::report::{self, Report};
 use stepalloc_stress::trace;
 use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, Preset};
@@ -21,9 +21,20 @@ fn small_vlm(seed: u64) -> AgentSpec {
     AgentSpec { seed, iterations: 2, ..AgentSpec::preset(Preset::Vlm7b) }
 }
 
+/// The configurations of `names` this build of the core accepts. Presets that need keys still
+/// being added to the core (`stepalloc`, `pytorch_expandable`: expandable segments) are left
+/// out with a note until it has them; raw strings must parse.
+fn accepted(names: &[&str], base: &Base) -> Vec<RunConfig> {
+    let (configs, skipped) = compare::resolve_defaults(names, base);
+    for reason in skipped {
+        println!("note: skipped {reason}");
+    }
+    assert!(!configs.is_empty());
+    configs
+}
+
 fn run_all(program: &Program, names: &[&str], capacity_mb: u64) -> Report {
-    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
-    let configs = compare::resolve(&names, &base(capacity_mb)).unwrap();
+    let configs = accepted(names, &base(capacity_mb));
     let runs = configs.iter().map(|rc| replay::run(program, rc, None, None).unwrap()).collect();
     Report { workload: "test".into(), source: program.notes.clone(), parse_s: 0.0, runs }
 }
@@ -69,8 +80,11 @@ fn agent_workload_follows_its_dimensions() {
     assert!(p.ops.iter().any(|op| matches!(op, Op::Alloc { stream: 7, .. })));
     // Everything a step allocates is freed except persistent state: after the run only
     // weights and optimizer state are live (the same in every configuration).
-    let r = run_all(&p, &["pytorch", "stepalloc"], 81920);
-    assert_eq!(r.runs[0].floor, r.runs[1].floor, "the floor does not depend on the allocator");
+    let r = run_all(&p, &["pytorch", "split128", "stepalloc"], 81920);
+    assert!(r.runs.len() >= 2);
+    for run in &r.runs {
+        assert_eq!(run.floor, r.runs[0].floor, "{}: the floor does not depend on the allocator", run.name);
+    }
     assert!(r.runs.iter().all(|run| run.ooms == 0 && run.errors == 0));
     let persistent = r.runs[0].timeline.last().unwrap().requested;
     assert!(persistent >= weights && persistent < weights + 3 * GIB, "persistent {persistent}");
@@ -151,7 +165,7 @@ fn random_workload_keeps_blocks_apart() {
         step_every: 500,
         seed: 5,
     };
-    for rc in compare::resolve(&["pytorch".into(), "stepalloc".into()], &base(16384)).unwrap() {
+    for rc in accepted(&["pytorch", "stepalloc"], &base(16384)) {
         let (run, integrity) = random::run(&args, &rc).unwrap();
         assert!(integrity.ok(), "{integrity:?}");
         assert_eq!(run.ops, 12000);
@@ -194,10 +208,13 @@ fn plot_draws_three_lines_per_configuration() {
     let r = run_all(&p, &["pytorch", "split128", "stepalloc"], 81920);
     let svg = report::svg(&r);
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
-    assert_eq!(svg.matches("<polyline").count(), 9);
+    assert_eq!(svg.matches("<polyline").count(), 3 * r.runs.len());
     let table = report::table(&r);
-    for name in ["pytorch", "split128", "stepalloc", "reserved / floor", "device mallocs"] {
+    for name in ["reserved / floor", "device mallocs", "driver maps / unmaps / creates", "driver time per step"] {
         assert!(table.contains(name), "{name}");
+    }
+    for run in &r.runs {
+        assert!(table.contains(&run.name), "{}", run.name);
     }
 }
 
@@ -226,4 +243,82 @@ fn command_line_prints_json_and_rejects_bad_traces() {
     let out = std::process::Command::new(exe).args(["agent", "--compare", "max_split_size_mb:3"]).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("max_split_size_mb"));
+}
+
+#[test]
+fn presets_are_named_once_and_defaults_use_them() {
+    let names: Vec<&str> = compare::PRESETS.iter().map(|(n, _)| *n).collect();
+    for (i, n) in names.iter().enumerate() {
+        assert!(!names[i + 1..].contains(n), "{n} twice");
+    }
+    for n in compare::DEFAULT_AGENT.iter().chain(compare::DEFAULT_OTHER) {
+        assert!(compare::preset(n).is_some(), "{n}");
+    }
+    assert_eq!(compare::preset("stepalloc"), Some(compare::STEPALLOC_BEST));
+    assert_eq!(compare::preset("pytorch_expandable"), Some("expandable_segments:True"));
+    // A preset the core refuses is refused by name, never silently run as something else.
+    for n in names {
+        match compare::resolve_one(n, &base(1024)) {
+            Ok(rc) => assert_eq!(rc.empty_cache_every_step, n == "empty_cache_every_step"),
+            Err(e) => assert!(e.contains(n) && e.contains("expandable_segments"), "{e}"),
+        }
+    }
+    let (configs, skipped) = compare::resolve_defaults(compare::DEFAULT_AGENT, &base(1024));
+    assert_eq!(configs.len() + skipped.len(), compare::DEFAULT_AGENT.len());
+    assert_eq!(configs[0].name, "pytorch");
+}
+
+/// After the virtual-memory merge every preset is accepted.
+#[test]
+#[ignore = "needs expandable_segments / page_reuse / page_release in the core (issue 9)"]
+fn every_preset_is_accepted() {
+    for (name, _) in compare::PRESETS {
+        compare::resolve_one(name, &base(1024)).unwrap();
+    }
+}
+
+#[test]
+fn driver_time_per_step_is_the_runs_time_over_its_steps() {
+    let p = agent::generate(&small_vlm(6));
+    let r = run_all(&p, &["pytorch", "empty_cache_every_step"], 81920);
+    for run in &r.runs {
+        assert!(run.driver_time_s > 0.0, "{}: the cost model charges device mallocs", run.name);
+        assert!(run.driver_time_s >= run.device_malloc_time_s + run.device_free_time_s - 1e-12);
+        let per_step = run.driver_time_s / run.steps_count as f64;
+        assert!((run.driver_time_per_step_s - per_step).abs() < 1e-12, "{}", run.name);
+    }
+    assert!(r.runs[1].driver_time_s > r.runs[0].driver_time_s, "empty_cache makes the driver work");
+    for run in &r.runs {
+        // The steps' driver time adds up to the run's, less what came before the first step
+        // (the weights' segments).
+        let steps: f64 = run.steps.iter().map(|s| s.driver_time_s).sum();
+        assert!(steps > 0.0 && steps <= run.driver_time_s + 1e-12, "{}: {steps} vs {}", run.name, run.driver_time_s);
+    }
+    assert!(report::step_table(&r.runs[1]).contains("driver ms"));
+    let json = r.to_json(false, false);
+    assert!(json["runs"][0].get("driver_maps").is_some(), "present (null without virtual memory)");
+}
+
+/// Issue 9's targets on the agent presets: stepalloc's peak reserved (= mapped) at most 3% above
+/// the floor and strictly below PyTorch's expandable segments, without out-of-memory.
+#[test]
+#[ignore = "needs expandable_segments / page_reuse / page_release in the core (issue 9)"]
+fn stepalloc_beats_expandable_segments_on_agent_presets() {
+    for preset in [Preset::Vlm7b, Preset::Llm7bSft] {
+        let p = agent::generate(&AgentSpec::preset(preset));
+        let names: Vec<String> = ["pytorch_expandable", "stepalloc"].iter().map(|s| s.to_string()).collect();
+        let configs = compare::resolve(&names, &base(81920)).unwrap();
+        let runs: Vec<_> = configs.iter().map(|rc| replay::run(&p, rc, None, None).unwrap()).collect();
+        let (expandable, stepalloc) = (&runs[0], &runs[1]);
+        for run in &runs {
+            assert_eq!((run.ooms, run.errors), (0, 0), "{preset:?} {}", run.name);
+        }
+        assert!(stepalloc.reserved_over_floor <= 1.03, "{preset:?}: stepalloc {:.4}x", stepalloc.reserved_over_floor);
+        assert!(
+            stepalloc.peak_reserved < expandable.peak_reserved,
+            "{preset:?}: stepalloc {} >= expandable {}",
+            stepalloc.peak_reserved,
+            expandable.peak_reserved
+        );
+    }
 }
