@@ -5,14 +5,13 @@
 //! (`max_split_size_mb:128`), `empty_cache_every_step` (PyTorch's rules plus a user calling
 //! `torch.cuda.empty_cache()` after every step), `stepalloc` (stepalloc's recommended
 //! configuration, `STEPALLOC_BEST`), and one column per stepalloc improvement alone on top of
-//! expandable segments (`vm_page_release`, `vm_page_reuse`). Anything else is a raw
+//! expandable segments (`vm_small_pages`, `vm_page_reuse`, `vm_page_release`). Anything else is a raw
 //! configuration string, optionally named as `name=conf`.
 
 use crate::replay::RunConfig;
 
-/// stepalloc's recommended configuration: expandable segments with physical-page reuse and
-/// page release (issue 9).
-pub const STEPALLOC_BEST: &str = "expandable_segments:True,page_reuse:True,page_release:True";
+/// stepalloc's recommended configuration (the core's `config::RECOMMENDED`).
+pub const STEPALLOC_BEST: &str = stepalloc::config::RECOMMENDED;
 
 /// Every preset: its name and its configuration (without the base keys).
 pub const PRESETS: &[(&str, &str)] = &[
@@ -21,8 +20,9 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("split128", "max_split_size_mb:128"),
     ("empty_cache_every_step", ""),
     ("stepalloc", STEPALLOC_BEST),
-    ("vm_page_release", "expandable_segments:True,page_release:True"),
+    ("vm_small_pages", "expandable_segments:True,large_segment_size_mb:2"),
     ("vm_page_reuse", "expandable_segments:True,page_reuse:True"),
+    ("vm_page_release", "expandable_segments:True,page_release:True"),
 ];
 
 /// The comparison `agent` (and `headroom`) runs when `--compare` is not given.

@@ -331,7 +331,6 @@ impl<'a> Runner<'a> {
             add_opt(&mut r.driver_unmaps, stat_u64(&map, NUM_UNMAP_KEYS));
             add_opt(&mut r.driver_creates, stat_u64(&map, NUM_CREATE_KEYS));
             add_opt(&mut r.moved_bytes, stat_u64(&map, MOVED_BYTES_KEYS));
-            add_opt(&mut r.peak_mapped, stat_u64(&map, PEAK_MAPPED_KEYS));
             r.driver_time_s += driver_seconds(&map);
         }
         r.ops = program.ops.len() as u64;
@@ -360,11 +359,10 @@ impl<'a> Runner<'a> {
 
 /// Keys of the core's virtual-memory statistics (under `stepalloc.`), each with the spellings
 /// accepted, first match wins; a build without virtual memory has none of them.
-const NUM_MAP_KEYS: &[&str] = &["stepalloc.num_map", "stepalloc.num_maps", "stepalloc.num_map_calls"];
-const NUM_UNMAP_KEYS: &[&str] = &["stepalloc.num_unmap", "stepalloc.num_unmaps", "stepalloc.num_unmap_calls"];
-const NUM_CREATE_KEYS: &[&str] = &["stepalloc.num_create", "stepalloc.num_creates", "stepalloc.num_create_calls"];
-const MOVED_BYTES_KEYS: &[&str] = &["stepalloc.moved_bytes", "stepalloc.moved_bytes.allocated"];
-const PEAK_MAPPED_KEYS: &[&str] = &["stepalloc.mapped_bytes.peak", "stepalloc.peak_mapped_bytes"];
+const NUM_MAP_KEYS: &[&str] = &["stepalloc.num_map"];
+const NUM_UNMAP_KEYS: &[&str] = &["stepalloc.num_unmap"];
+const NUM_CREATE_KEYS: &[&str] = &["stepalloc.num_create"];
+const MOVED_BYTES_KEYS: &[&str] = &["stepalloc.moved_bytes"];
 
 /// The first of `keys` present in the statistics map as an unsigned number.
 pub fn stat_u64(map: &BTreeMap<String, serde_json::Value>, keys: &[&str]) -> Option<u64> {

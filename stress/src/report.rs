@@ -77,8 +77,6 @@ pub struct RunReport {
     pub driver_creates: Option<u64>,
     /// Bytes of physical pages moved (remapped) instead of created, where counted.
     pub moved_bytes: Option<u64>,
-    /// Peak mapped bytes, where counted apart from reserved bytes.
-    pub peak_mapped: Option<u64>,
     /// Modelled (sim cost model) or measured time in every timed driver call, and per step
     /// (the whole run when it has no steps).
     pub driver_time_s: f64,

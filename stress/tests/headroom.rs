@@ -119,7 +119,6 @@ fn command_line_prints_headroom_as_json() {
 /// After the virtual-memory merge: stepalloc's recommended configuration fits at least the
 /// scale PyTorch's default and expandable segments fit, on every agent preset.
 #[test]
-#[ignore = "needs expandable_segments / page_reuse / page_release in the core (issue 9)"]
 fn stepalloc_has_at_least_pytorchs_headroom() {
     for (preset, capacity_mb) in [(Preset::Vlm7b, 40 * 1024), (Preset::Llm7bSft, 40 * 1024)] {
         let spec = AgentSpec { iterations: 3, ..AgentSpec::preset(preset) };

@@ -82,7 +82,6 @@ fn model_traces_replay_under_pytorchs_rules_above_their_floor() {
 /// Issue 9's targets on real-model traces: stepalloc's peak reserved (= mapped) at most 1% above
 /// the floor and strictly below PyTorch's expandable segments.
 #[test]
-#[ignore = "needs expandable_segments / page_reuse / page_release in the core (issue 9)"]
 fn stepalloc_beats_expandable_segments_on_model_traces() {
     for (name, _) in TRACES {
         let p = load(name);
@@ -117,7 +116,6 @@ fn stepalloc_beats_expandable_segments_on_model_traces() {
 /// Expandable segments land close to the floor, as PyTorch's real allocator does on such traces
 /// (1.5-4% above it, issue 9).
 #[test]
-#[ignore = "needs expandable_segments in the core (issue 9)"]
 fn expandable_segments_stay_close_to_the_floor_on_model_traces() {
     for (name, _) in TRACES {
         let p = load(name);

@@ -270,7 +270,6 @@ fn presets_are_named_once_and_defaults_use_them() {
 
 /// After the virtual-memory merge every preset is accepted.
 #[test]
-#[ignore = "needs expandable_segments / page_reuse / page_release in the core (issue 9)"]
 fn every_preset_is_accepted() {
     for (name, _) in compare::PRESETS {
         compare::resolve_one(name, &base(1024)).unwrap();
@@ -302,7 +301,6 @@ fn driver_time_per_step_is_the_runs_time_over_its_steps() {
 /// Issue 9's targets on the agent presets: stepalloc's peak reserved (= mapped) at most 3% above
 /// the floor and strictly below PyTorch's expandable segments, without out-of-memory.
 #[test]
-#[ignore = "needs expandable_segments / page_reuse / page_release in the core (issue 9)"]
 fn stepalloc_beats_expandable_segments_on_agent_presets() {
     for preset in [Preset::Vlm7b, Preset::Llm7bSft] {
         let p = agent::generate(&AgentSpec::preset(preset));
