@@ -167,3 +167,43 @@ pub extern "C" fn stepalloc_internal_pool_release(device: c_int, id0: u64, id1: 
         Ok(())
     })
 }
+
+/// A capture into pool `(id0, id1)` on `device` will never end (it failed): count it as ended.
+/// Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_internal_pool_abandon(device: c_int, id0: u64, id1: u64) -> c_int {
+    crate::guard::guard_status(|| {
+        let index = device_index(device)?;
+        allocator()?.abandon_capture(index, (id0, id1))?;
+        Ok(())
+    })
+}
+
+/// Whether `stream` on `device` is being captured: 1 yes, 0 no, -1 unknown (an error, left in
+/// the last error).
+#[no_mangle]
+// The stream is an opaque handle passed on to the backend; nothing dereferences it.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub extern "C" fn stepalloc_internal_stream_is_capturing(device: c_int, stream: cudaStream_t) -> c_int {
+    let mut answer = -1;
+    crate::guard::guard_status(|| {
+        let index = device_index(device)?;
+        answer = c_int::from(allocator()?.stream_is_capturing(index, stream_of(stream))?);
+        Ok(())
+    });
+    answer
+}
+
+/// Captures into pool `(id0, id1)` on `device` that the core counts as underway; -1 on an
+/// error (left in the last error).
+#[no_mangle]
+pub extern "C" fn stepalloc_internal_pool_captures(device: c_int, id0: u64, id1: u64) -> c_int {
+    let mut answer = -1;
+    crate::guard::guard_status(|| {
+        let index = device_index(device)?;
+        let count = allocator()?.pool_captures(index, (id0, id1))?;
+        answer = c_int::try_from(count).unwrap_or(c_int::MAX);
+        Ok(())
+    });
+    answer
+}
