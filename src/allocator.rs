@@ -86,8 +86,9 @@ impl Allocator {
     }
 
     pub fn set_memory_fraction(&self, device: usize, fraction: f64) -> Result<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not in (0, 1]")));
+        // 0 is accepted, as PyTorch does: nothing may be reserved.
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not in [0, 1]")));
         }
         self.heap(device)?.set_memory_fraction(fraction);
         Ok(())

@@ -341,3 +341,32 @@ fn releasing_a_shared_pool_during_a_capture_into_it_keeps_that_capture() {
     assert_eq!(reserved(&a), 0, "the pool's memory goes back once its last reference is released");
     a.check_invariants().unwrap();
 }
+
+#[test]
+fn a_memory_fraction_of_zero_is_accepted_and_reserves_nothing() {
+    let (a, _watch) = watched("");
+    let p = a.malloc(0, 4096, S0).unwrap();
+    a.free(0, p, 4096).unwrap();
+    a.set_memory_fraction(0, 0.0).expect("PyTorch accepts 0");
+    a.empty_cache().unwrap();
+    assert!(a.malloc(0, 4096, S0).unwrap_err().is_out_of_memory());
+    assert_eq!(reserved(&a), 0);
+    assert!(a.set_memory_fraction(0, -0.1).is_err());
+    assert!(a.set_memory_fraction(0, f64::NAN).is_err());
+}
+
+#[test]
+fn a_segment_goes_back_only_after_its_stream_work_completed() {
+    // `Backend::release` needs every use of the segment finished: the heap waits for the
+    // stream its free block belongs to (cuMemFree's implicit sync is not to be relied on).
+    let (a, watch) = watched("");
+    let p = a.malloc(0, 30 * MIB, S1).unwrap();
+    a.free(0, p, 30 * MIB).unwrap();
+    a.empty_cache().unwrap();
+    let log = watch.lock().log.clone();
+    let release = log.iter().position(|c| c.starts_with("release")).expect("released");
+    assert!(
+        log[..release].iter().any(|c| c == "synchronize_stream 0x1111" || c == "synchronize"),
+        "released without waiting for stream 0x1111: {log:?}"
+    );
+}

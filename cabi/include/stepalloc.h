@@ -161,7 +161,8 @@ void stepalloc_init(int device_count);
 // `torch.cuda.empty_cache()`: returns every unused cached segment on every device.
 void stepalloc_empty_cache(void);
 
-// `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in (0, 1].
+// `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in [0, 1]
+// (0, as PyTorch accepts it: nothing may be reserved).
 void stepalloc_set_memory_fraction(double fraction, int device);
 
 // The segment holding `ptr` (anywhere inside it): returns its base address and writes its size

@@ -93,7 +93,8 @@ pub extern "C" fn stepalloc_empty_cache() {
     })
 }
 
-/// `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in (0, 1].
+/// `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in [0, 1]
+/// (0, as PyTorch accepts it: nothing may be reserved).
 #[no_mangle]
 pub extern "C" fn stepalloc_set_memory_fraction(fraction: f64, device: c_int) {
     guard(|| {

@@ -19,6 +19,7 @@ impl Heap {
         debug_assert!(
             seg.busy == 0 && self.arena.block(id).next == NIL && self.arena.block(id).state == BlockState::Free
         );
+        self.wait_for_last_use(id)?;
         self.backend.release(seg.addr, seg.size)?;
         self.unlist(id);
         self.arena.drop_block(id);
@@ -42,6 +43,17 @@ impl Heap {
         s.released_bytes[reason as usize] += seg.size;
         self.trace.record(TraceAction::SegmentFree, seg.addr, seg.size, 0, seg.stream.0, 0);
         Ok(seg.size)
+    }
+
+    /// `Backend::release`'s precondition: no queued work uses the segment. Its free block `id`
+    /// belongs to one stream, whose kernels may still use it, unless it is any stream's (every
+    /// other use was ordered by events that completed, or by a device synchronization).
+    fn wait_for_last_use(&mut self, id: BlockId) -> Result<()> {
+        let stream = self.arena.block(id).stream;
+        if stream != ANY_STREAM {
+            self.backend.synchronize_stream(stream)?;
+        }
+        Ok(())
     }
 
     /// Whether a segment is entirely one free block.
