@@ -140,6 +140,14 @@ impl Allocator {
         self.heap(device)?.stream_is_capturing(stream)
     }
 
+    /// MemPool mode on every device (see `Heap::set_mempool_mode`): frees that leave a segment
+    /// entirely free give it back to the device, since the caller caches in front of us.
+    pub fn set_mempool_mode(&self, on: bool) {
+        for heap in &self.devices {
+            heap.lock().set_mempool_mode(on);
+        }
+    }
+
     /// Begins a step of `phase` on every device.
     pub fn step_begin(&self, phase: &str) -> Result<()> {
         for heap in &self.devices {

@@ -86,6 +86,9 @@ pub struct Heap {
     deferred_work: bool,
     /// `empty_cache` was asked for during a capture.
     deferred_empty_cache: bool,
+    /// MemPool mode: the caller (PyTorch's caching allocator) caches; a free that leaves a
+    /// general-pool segment entirely free gives it back to the device.
+    mempool_mode: bool,
 }
 
 impl Heap {
@@ -111,6 +114,7 @@ impl Heap {
             deferred_frees: Vec::new(),
             deferred_work: false,
             deferred_empty_cache: false,
+            mempool_mode: false,
         };
         if config.per_process_memory_fraction < 1.0 {
             heap.set_memory_fraction(config.per_process_memory_fraction);
@@ -488,6 +492,8 @@ impl Heap {
         }
         if whole_segment_free && self.over_cache_limit() {
             self.release_segment(seg_id, ReleaseReason::Limit)?;
+        } else if whole_segment_free && self.mempool_mode && self.arena.segment(seg_id).pool == 0 {
+            self.release_segment(seg_id, ReleaseReason::EmptyCache)?;
         }
         Ok(())
     }
@@ -632,7 +638,7 @@ impl Heap {
 
     /// Runs what captures held back, once none is underway: records the events of deferred
     /// frees, then gives back what `finish_free` kept (segments of released graph pools, the
-    /// cache limit) and a deferred `empty_cache`. A no-op during a capture.
+    /// cache limit, MemPool mode) and a deferred `empty_cache`. A no-op during a capture.
     pub fn run_deferred_work(&mut self) -> Result<()> {
         if self.captures_underway > 0 || !self.deferred_work {
             return Ok(());
@@ -648,8 +654,12 @@ impl Heap {
             self.release_all_cached(ReleaseReason::EmptyCache)?;
             return Ok(());
         }
-        let order: Vec<_> =
-            self.releasable_segments().into_iter().filter(|&s| self.arena.segment(s).pool > 0).collect();
+        let mempool_mode = self.mempool_mode;
+        let order: Vec<_> = self
+            .releasable_segments()
+            .into_iter()
+            .filter(|&s| self.arena.segment(s).pool > 0 || mempool_mode)
+            .collect();
         for seg in order {
             self.release_segment(seg, ReleaseReason::EmptyCache)?;
         }
@@ -669,6 +679,12 @@ impl Heap {
     /// whose end never arrived).
     pub fn stream_is_capturing(&mut self, stream: Stream) -> Result<bool> {
         self.backend.stream_is_capturing(stream)
+    }
+
+    /// MemPool mode (`torch.cuda.MemPool`): PyTorch caches in front of the heap, so a free that
+    /// leaves a general-pool segment entirely free gives it back to the device.
+    pub fn set_mempool_mode(&mut self, on: bool) {
+        self.mempool_mode = on;
     }
 
     // ----- free lists ----------------------------------------------------------------------

@@ -343,6 +343,27 @@ fn releasing_a_shared_pool_during_a_capture_into_it_keeps_that_capture() {
 }
 
 #[test]
+fn mempool_mode_gives_freed_segments_back() {
+    let (a, _watch) = watched("");
+    a.set_mempool_mode(true);
+    // PyTorch's MemPool asks for whole segments: 2 MiB, 20 MiB, or larger multiples of 2 MiB.
+    let small = a.malloc(0, 2 * MIB, S0).unwrap();
+    let large = a.malloc(0, 20 * MIB, S0).unwrap();
+    let huge = a.malloc(0, 64 * MIB, S0).unwrap();
+    a.free(0, large, 20 * MIB).unwrap();
+    a.free(0, huge, 64 * MIB).unwrap();
+    assert_eq!(reserved(&a), 20 * MIB, "only the segment still in use stays");
+    a.free(0, small, 2 * MIB).unwrap();
+    assert_eq!(reserved(&a), 0, "PyTorch's empty_cache frees segments: they reach the device");
+    a.check_invariants().unwrap();
+    // Off again: frees are cached.
+    a.set_mempool_mode(false);
+    let p = a.malloc(0, 20 * MIB, S0).unwrap();
+    a.free(0, p, 20 * MIB).unwrap();
+    assert_eq!(reserved(&a), 20 * MIB);
+}
+
+#[test]
 fn a_memory_fraction_of_zero_is_accepted_and_reserves_nothing() {
     let (a, _watch) = watched("");
     let p = a.malloc(0, 4096, S0).unwrap();

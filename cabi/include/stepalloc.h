@@ -172,6 +172,13 @@ void stepalloc_set_memory_fraction(double fraction, int device);
 // `size` must be NULL or point to a writable `size_t`.
 void *stepalloc_base_alloc(void *ptr, size_t *size);
 
+// MemPool mode (`torch.cuda.MemPool`, `stepalloc.mempool()`): PyTorch's caching allocator
+// caches in front of stepalloc and frees a segment only to give it back, so with `on` non-zero
+// a free that leaves one of stepalloc's segments entirely free returns it to the device
+// (`torch.cuda.empty_cache()` then gives memory back). Applies to every device. Returns a
+// status.
+int stepalloc_set_mempool_mode(int on);
+
 // `Tensor.record_stream(stream)`: the block at `ptr` is reused only after the work queued on
 // `stream` before its free has completed.
 void stepalloc_record_stream(void *ptr, cudaStream_t stream);

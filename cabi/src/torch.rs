@@ -123,6 +123,19 @@ pub unsafe extern "C" fn stepalloc_base_alloc(ptr: *mut c_void, size: *mut usize
     })
 }
 
+/// MemPool mode (`torch.cuda.MemPool`, `stepalloc.mempool()`): PyTorch's caching allocator
+/// caches in front of stepalloc and frees a segment only to give it back, so with `on` non-zero
+/// a free that leaves one of stepalloc's segments entirely free returns it to the device
+/// (`torch.cuda.empty_cache()` then gives memory back). Applies to every device. Returns a
+/// status.
+#[no_mangle]
+pub extern "C" fn stepalloc_set_mempool_mode(on: c_int) -> c_int {
+    crate::guard::guard_status(|| {
+        allocator()?.set_mempool_mode(on != 0);
+        Ok(())
+    })
+}
+
 /// `Tensor.record_stream(stream)`: the block at `ptr` is reused only after the work queued on
 /// `stream` before its free has completed.
 #[no_mangle]
