@@ -86,25 +86,66 @@ impl Allocator {
     }
 
     pub fn set_memory_fraction(&self, device: usize, fraction: f64) -> Result<()> {
-        if !(fraction > 0.0 && fraction <= 1.0) {
-            return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not in (0, 1]")));
+        // 0 is accepted, as PyTorch does: nothing may be reserved.
+        if !(0.0..=1.0).contains(&fraction) {
+            return Err(Error::InvalidArgument(format!("memory fraction {fraction} is not in [0, 1]")));
         }
         self.heap(device)?.set_memory_fraction(fraction);
         Ok(())
     }
 
+    /// A capture into `pool` begins (before the stream's capture does, as PyTorch calls it). A
+    /// capture into the same pool that never ended counts as ended; work that captures held
+    /// back runs first when no other capture is underway.
     pub fn begin_allocate_to_pool(&self, device: usize, pool: PoolId) -> Result<()> {
-        self.heap(device)?.begin_pool(pool);
+        let mut heap = self.heap(device)?;
+        heap.abandon_capture(pool);
+        // A failure here must not fail the capture; the work is retried at the next malloc/free.
+        let _ = heap.run_deferred_work();
+        heap.begin_pool(pool);
         Ok(())
     }
 
+    /// The capture into `pool` ends; when it was the last one, what captures held back runs.
     pub fn end_allocate_to_pool(&self, device: usize, pool: PoolId) -> Result<()> {
-        self.heap(device)?.end_pool(pool);
-        Ok(())
+        let mut heap = self.heap(device)?;
+        heap.end_pool(pool);
+        heap.run_deferred_work()
     }
 
+    /// Releases a graph's pool; a capture into it that never ended counts as ended.
     pub fn release_pool(&self, device: usize, pool: PoolId) -> Result<()> {
-        self.heap(device)?.release_pool(pool)
+        let mut heap = self.heap(device)?;
+        heap.release_pool(pool)?;
+        heap.run_deferred_work()
+    }
+
+    /// Counts a capture into `pool` that will never end (it failed) as ended, so that the
+    /// out-of-memory path and deferred work are no longer held back by it. Returns whether
+    /// one was underway.
+    pub fn abandon_capture(&self, device: usize, pool: PoolId) -> Result<bool> {
+        let mut heap = self.heap(device)?;
+        let abandoned = heap.abandon_capture(pool);
+        heap.run_deferred_work()?;
+        Ok(abandoned)
+    }
+
+    /// Captures into `pool` that the heap counts as underway.
+    pub fn pool_captures(&self, device: usize, pool: PoolId) -> Result<u32> {
+        Ok(self.heap(device)?.pool_captures(pool))
+    }
+
+    /// Whether the device reports `stream` as being captured (`Backend::stream_is_capturing`).
+    pub fn stream_is_capturing(&self, device: usize, stream: Stream) -> Result<bool> {
+        self.heap(device)?.stream_is_capturing(stream)
+    }
+
+    /// MemPool mode on every device (see `Heap::set_mempool_mode`): frees that leave a segment
+    /// entirely free give it back to the device, since the caller caches in front of us.
+    pub fn set_mempool_mode(&self, on: bool) {
+        for heap in &self.devices {
+            heap.lock().set_mempool_mode(on);
+        }
     }
 
     /// Begins a step of `phase` on every device.

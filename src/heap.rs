@@ -53,6 +53,8 @@ struct PrivatePool {
     use_count: u32,
     /// Segments it still holds.
     segments: u32,
+    /// Captures into it begun and neither ended nor abandoned (counted in `captures_underway`).
+    capturing: u32,
 }
 
 pub struct Heap {
@@ -78,6 +80,16 @@ pub struct Heap {
     pub(crate) alloc_clock: u64,
     /// `begin_pool` calls not yet matched by `end_pool`: CUDA-graph captures in progress.
     captures_underway: u32,
+    /// Frees made during a capture of blocks used by several streams: their events are recorded
+    /// once no capture is underway (PyTorch's `needs_events_deferred_until_no_capture`).
+    deferred_frees: Vec<BlockId>,
+    /// Work a capture held back is waiting (`run_deferred_work`): deferred frees, releases.
+    deferred_work: bool,
+    /// `empty_cache` was asked for during a capture.
+    deferred_empty_cache: bool,
+    /// MemPool mode: the caller (PyTorch's caching allocator) caches; a free that leaves a
+    /// general-pool segment entirely free gives it back to the device.
+    mempool_mode: bool,
     /// Physical pages unmapped for the request in progress (`page_reuse`); empty between calls.
     idle_pages: Vec<PhysHandle>,
     /// `alloc_clock` when the current step began (`page_release`).
@@ -106,6 +118,10 @@ impl Heap {
             captures_underway: 0,
             idle_pages: Vec::new(),
             step_clock: 0,
+            deferred_frees: Vec::new(),
+            deferred_work: false,
+            deferred_empty_cache: false,
+            mempool_mode: false,
         };
         if config.per_process_memory_fraction < 1.0 {
             heap.set_memory_fraction(config.per_process_memory_fraction);
@@ -134,7 +150,11 @@ impl Heap {
         if size > MAX_REQUEST || size > self.device_total {
             return Err(self.out_of_memory(size, size, size));
         }
-        if !self.pending.is_empty() {
+        if self.deferred_work && self.captures_underway == 0 {
+            self.run_deferred_work()?;
+        }
+        // No event is queried while a capture is underway (it would invalidate the capture).
+        if !self.pending.is_empty() && self.captures_underway == 0 {
             self.process_events()?;
         }
         self.alloc_clock += 1;
@@ -275,7 +295,7 @@ impl Heap {
 
     /// Reserves a new segment for the request, running the out-of-memory path on failure.
     fn grow(&mut self, pool: u32, small: bool, stream: Stream, rounded: u64, requested: u64) -> Result<BlockId> {
-        if self.fraction_set && self.config.garbage_collection_threshold > 0.0 {
+        if self.fraction_set && self.config.garbage_collection_threshold > 0.0 && self.captures_underway == 0 {
             self.garbage_collect()?;
         }
         let seg_size = sizeclass::segment_size(rounded);
@@ -413,6 +433,9 @@ impl Heap {
     /// Frees the block at `ptr`. `size`, when not 0, must be the size asked for at malloc;
     /// a mismatch is refused and the block stays allocated.
     pub fn free(&mut self, ptr: u64, size: u64) -> Result<()> {
+        if self.deferred_work && self.captures_underway == 0 {
+            self.run_deferred_work()?;
+        }
         // One hash lookup on the common path; a refused free puts the entry back.
         let Some(id) = self.live.remove(&ptr) else {
             return Err(Error::UnknownPointer { device: self.device, ptr });
@@ -438,6 +461,10 @@ impl Heap {
             s.oversize_allocations.decrease(1);
         }
         self.trace.record(TraceAction::FreeRequested, ptr, block_size, requested, stream.0, 0);
+        if self.captures_underway > 0 && self.arena.block(id).extra_streams.is_some() {
+            self.defer_free_events(id);
+            return Ok(());
+        }
         match self.arena.block_mut(id).extra_streams.take() {
             None => self.finish_free(id),
             Some(streams) => {
@@ -487,6 +514,11 @@ impl Heap {
         self.split_stat_in(id);
         // Free neighbours of different streams do not merge, so check the merged result.
         let whole_segment_free = self.segment_is_free(seg_id);
+        if whole_segment_free && self.captures_underway > 0 {
+            // No device free during a capture: `run_deferred_work` releases it afterwards.
+            self.deferred_work = true;
+            return Ok(());
+        }
         let seg = self.arena.segment(seg_id);
         if whole_segment_free && seg.pool > 0 {
             // A released graph pool gives its memory back as soon as it is free.
@@ -498,6 +530,8 @@ impl Heap {
         }
         if whole_segment_free && self.over_cache_limit() {
             self.release_segment(seg_id, ReleaseReason::Limit)?;
+        } else if whole_segment_free && self.mempool_mode && self.arena.segment(seg_id).pool == 0 {
+            self.release_segment(seg_id, ReleaseReason::EmptyCache)?;
         } else if self.config.page_release && self.arena.segment(seg_id).expandable() && self.over_cache_limit() {
             let limit = self.cache_limit();
             self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
@@ -602,6 +636,99 @@ impl Heap {
             self.event_completed(event, id)?;
         }
         Ok(())
+    }
+
+    // ----- CUDA-graph captures -------------------------------------------------------------
+    // While a capture is underway no event is recorded or queried, no memory is freed and no
+    // stream or device is synchronized: any of these invalidates a global-mode capture, and an
+    // event recorded inside a capture cannot be queried at all. What they would have done is
+    // deferred to `run_deferred_work`, which runs once no capture is underway (when the last
+    // one ends or is abandoned, and at the next malloc or free).
+
+    /// A free during a capture of a block used by several streams: it stays pending, and its
+    /// events are recorded when no capture is underway.
+    fn defer_free_events(&mut self, id: BlockId) {
+        self.arena.block_mut(id).state = BlockState::Pending;
+        self.deferred_frees.push(id);
+        self.deferred_work = true;
+    }
+
+    /// Records the events of a free deferred by a capture, as `free` does outside one.
+    fn record_deferred_events(&mut self, id: BlockId) -> Result<()> {
+        let stream = self.arena.block(id).stream;
+        let Some(streams) = self.arena.block_mut(id).extra_streams.take() else {
+            return self.finish_free(id);
+        };
+        for s in streams.iter().copied().chain(std::iter::once(stream)) {
+            match self.backend.record_event(s) {
+                Ok(event) => {
+                    self.arena.block_mut(id).pending_events += 1;
+                    self.pending.push_back((event, id));
+                }
+                Err(e) => {
+                    // Cannot order the reuse: wait for the device instead.
+                    self.backend.synchronize()?;
+                    if self.arena.block(id).pending_events == 0 {
+                        self.arena.block_mut(id).stream = ANY_STREAM;
+                        self.finish_free(id)?;
+                    }
+                    return Err(e);
+                }
+            }
+        }
+        self.arena.block_mut(id).stream = ANY_STREAM;
+        Ok(())
+    }
+
+    /// Runs what captures held back, once none is underway: records the events of deferred
+    /// frees, then gives back what `finish_free` kept (segments of released graph pools, the
+    /// cache limit, MemPool mode) and a deferred `empty_cache`. A no-op during a capture.
+    pub fn run_deferred_work(&mut self) -> Result<()> {
+        if self.captures_underway > 0 || !self.deferred_work {
+            return Ok(());
+        }
+        self.deferred_work = false;
+        while let Some(id) = self.deferred_frees.pop() {
+            if let Err(e) = self.record_deferred_events(id) {
+                self.deferred_work = true;
+                return Err(e);
+            }
+        }
+        if std::mem::take(&mut self.deferred_empty_cache) {
+            self.release_all_cached(ReleaseReason::EmptyCache)?;
+            return Ok(());
+        }
+        let mempool_mode = self.mempool_mode;
+        let order: Vec<_> = self
+            .releasable_segments()
+            .into_iter()
+            .filter(|&s| self.arena.segment(s).pool > 0 || mempool_mode)
+            .collect();
+        for seg in order {
+            self.release_segment(seg, ReleaseReason::EmptyCache)?;
+        }
+        if self.over_cache_limit() {
+            let order = self.releasable_segments();
+            self.release_in_order(order, ReleaseReason::Limit, |h| !h.over_cache_limit())?;
+        }
+        Ok(())
+    }
+
+    /// Whether a CUDA-graph capture is underway on this device (as far as the heap was told).
+    pub fn captures_underway(&self) -> u32 {
+        self.captures_underway
+    }
+
+    /// Asks the device whether `stream` is being captured (for callers reconciling captures
+    /// whose end never arrived).
+    pub fn stream_is_capturing(&mut self, stream: Stream) -> Result<bool> {
+        self.backend.stream_is_capturing(stream)
+    }
+
+    /// MemPool mode (`torch.cuda.MemPool`): PyTorch caches in front of the heap, so a free that
+    /// leaves a general-pool segment entirely free gives it back to the device.
+    pub fn set_mempool_mode(&mut self, on: bool) {
+        self.mempool_mode = on;
     }
 
     // ----- free lists ----------------------------------------------------------------------

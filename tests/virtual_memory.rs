@@ -135,7 +135,7 @@ fn out_of_memory_that_page_reuse_avoids() {
     let e = expandable.unwrap_err();
     assert!(e.is_out_of_memory(), "PyTorch's expandable segments");
     let text = e.to_string();
-    assert!(text.contains("unmapped 0 B of free pages; 30.00 MiB stays mapped but free"), "{text}");
+    assert!(text.contains("unmapped 0 bytes of free pages; 36.00 MiB stays mapped but free"), "{text}");
     let (ours, s) = run(RECOMMENDED);
     ours.expect("stepalloc serves it");
     assert_eq!(s.heap.num_alloc_retries, 0, "without running the out-of-memory path");

@@ -161,7 +161,8 @@ void stepalloc_init(int device_count);
 // `torch.cuda.empty_cache()`: returns every unused cached segment on every device.
 void stepalloc_empty_cache(void);
 
-// `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in (0, 1].
+// `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in [0, 1]
+// (0, as PyTorch accepts it: nothing may be reserved).
 void stepalloc_set_memory_fraction(double fraction, int device);
 
 // The segment holding `ptr` (anywhere inside it): returns its base address and writes its size
@@ -170,6 +171,13 @@ void stepalloc_set_memory_fraction(double fraction, int device);
 // # Safety
 // `size` must be NULL or point to a writable `size_t`.
 void *stepalloc_base_alloc(void *ptr, size_t *size);
+
+// MemPool mode (`torch.cuda.MemPool`, `stepalloc.mempool()`): PyTorch's caching allocator
+// caches in front of stepalloc and frees a segment only to give it back, so with `on` non-zero
+// a free that leaves one of stepalloc's segments entirely free returns it to the device
+// (`torch.cuda.empty_cache()` then gives memory back). Applies to every device. Returns a
+// status.
+int stepalloc_set_mempool_mode(int on);
 
 // `Tensor.record_stream(stream)`: the block at `ptr` is reused only after the work queued on
 // `stream` before its free has completed.

@@ -93,7 +93,8 @@ pub extern "C" fn stepalloc_empty_cache() {
     })
 }
 
-/// `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in (0, 1].
+/// `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in [0, 1]
+/// (0, as PyTorch accepts it: nothing may be reserved).
 #[no_mangle]
 pub extern "C" fn stepalloc_set_memory_fraction(fraction: f64, device: c_int) {
     guard(|| {
@@ -119,6 +120,19 @@ pub unsafe extern "C" fn stepalloc_base_alloc(ptr: *mut c_void, size: *mut usize
         // Safety: checked non-NULL above; the caller guarantees it points to a size_t.
         unsafe { *size = bytes as usize };
         Ok(base as usize as *mut c_void)
+    })
+}
+
+/// MemPool mode (`torch.cuda.MemPool`, `stepalloc.mempool()`): PyTorch's caching allocator
+/// caches in front of stepalloc and frees a segment only to give it back, so with `on` non-zero
+/// a free that leaves one of stepalloc's segments entirely free returns it to the device
+/// (`torch.cuda.empty_cache()` then gives memory back). Applies to every device. Returns a
+/// status.
+#[no_mangle]
+pub extern "C" fn stepalloc_set_mempool_mode(on: c_int) -> c_int {
+    crate::guard::guard_status(|| {
+        allocator()?.set_mempool_mode(on != 0);
+        Ok(())
     })
 }
 
@@ -166,4 +180,44 @@ pub extern "C" fn stepalloc_internal_pool_release(device: c_int, id0: u64, id1: 
         allocator()?.release_pool(index, (id0, id1))?;
         Ok(())
     })
+}
+
+/// A capture into pool `(id0, id1)` on `device` will never end (it failed): count it as ended.
+/// Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_internal_pool_abandon(device: c_int, id0: u64, id1: u64) -> c_int {
+    crate::guard::guard_status(|| {
+        let index = device_index(device)?;
+        allocator()?.abandon_capture(index, (id0, id1))?;
+        Ok(())
+    })
+}
+
+/// Whether `stream` on `device` is being captured: 1 yes, 0 no, -1 unknown (an error, left in
+/// the last error).
+#[no_mangle]
+// The stream is an opaque handle passed on to the backend; nothing dereferences it.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub extern "C" fn stepalloc_internal_stream_is_capturing(device: c_int, stream: cudaStream_t) -> c_int {
+    let mut answer = -1;
+    crate::guard::guard_status(|| {
+        let index = device_index(device)?;
+        answer = c_int::from(allocator()?.stream_is_capturing(index, stream_of(stream))?);
+        Ok(())
+    });
+    answer
+}
+
+/// Captures into pool `(id0, id1)` on `device` that the core counts as underway; -1 on an
+/// error (left in the last error).
+#[no_mangle]
+pub extern "C" fn stepalloc_internal_pool_captures(device: c_int, id0: u64, id1: u64) -> c_int {
+    let mut answer = -1;
+    crate::guard::guard_status(|| {
+        let index = device_index(device)?;
+        let count = allocator()?.pool_captures(index, (id0, id1))?;
+        answer = c_int::try_from(count).unwrap_or(c_int::MAX);
+        Ok(())
+    });
+    answer
 }

@@ -15,6 +15,14 @@
 //   entries, read first on every malloc so that no capture costs one atomic load.
 // - A filter runs under the table's mutex; PyTorch's filters only query the stream's capture
 //   state and never call back into the allocator.
+// - A failed capture never calls end (PyTorch calls `cudaStreamEndCapture` first and stops when
+//   it fails), so its entry would stay forever and keep the core's out-of-memory path off.
+//   Entries are reconciled at begin and release: a begin of the same pool drops the pool's old
+//   entry (the core counts that capture as ended); a release drops the pool's entries when the
+//   core no longer counts a capture into it (its last reference went, so a capture that never
+//   ended failed); a begin drops entries of other pools whose claimed stream the device says
+//   is no longer capturing. The core is asked without the table's mutex held (it takes the
+//   device lock).
 
 #include "stepalloc.h"
 
@@ -33,6 +41,9 @@ int stepalloc_internal_pool_begin(int device, unsigned long long id0, unsigned l
 int stepalloc_internal_pool_end(int device, unsigned long long id0, unsigned long long id1);
 int stepalloc_internal_pool_release(int device, unsigned long long id0, unsigned long long id1);
 int stepalloc_internal_capture_pool(int device, cudaStream_t stream, unsigned long long *pool) noexcept;
+int stepalloc_internal_pool_abandon(int device, unsigned long long id0, unsigned long long id1);
+int stepalloc_internal_stream_is_capturing(int device, cudaStream_t stream);
+int stepalloc_internal_pool_captures(int device, unsigned long long id0, unsigned long long id1);
 }
 
 namespace {
@@ -41,6 +52,9 @@ struct Capture {
     int device;
     MempoolId pool;
     StreamFilter filter;
+    // The first stream the filter claimed (the capturing stream), once it claimed one.
+    cudaStream_t stream;
+    bool claimed;
 };
 
 std::atomic<int> g_active{0};
@@ -53,6 +67,53 @@ std::mutex &table_mutex() {
 std::vector<Capture> &table() {
     static std::vector<Capture> *t = new std::vector<Capture>();  // never destroyed, as above
     return *t;
+}
+
+// Removes the entries of `device` that `drop` selects. Caller holds the table's mutex.
+template <typename Pred>
+void erase_entries(int device, Pred drop) {
+    std::vector<Capture> &t = table();
+    for (auto it = t.begin(); it != t.end();) {
+        if (it->device == device && drop(*it)) {
+            it = t.erase(it);
+            g_active.fetch_sub(1, std::memory_order_relaxed);
+        } else {
+            ++it;
+        }
+    }
+}
+
+// Drops the entries of captures that ended without `end`: an entry of the same pool (PyTorch
+// never captures into one pool twice at once), and entries whose claimed stream the device no
+// longer reports as capturing; the core counts each as ended.
+void reconcile_at_begin(int device, MempoolId pool) {
+    std::vector<std::pair<MempoolId, cudaStream_t>> claimed;
+    {
+        std::lock_guard<std::mutex> lock(table_mutex());
+        erase_entries(device, [&](const Capture &c) { return c.pool == pool; });
+        for (const Capture &c : table()) {
+            if (c.device == device && c.claimed) {
+                claimed.emplace_back(c.pool, c.stream);
+            }
+        }
+    }
+    for (const auto &entry : claimed) {
+        if (stepalloc_internal_stream_is_capturing(device, entry.second) != 0) {
+            continue;  // still capturing, or unknown: keep it
+        }
+        bool dropped = false;
+        {
+            std::lock_guard<std::mutex> lock(table_mutex());
+            erase_entries(device, [&](const Capture &c) {
+                bool match = !dropped && c.pool == entry.first && c.claimed && c.stream == entry.second;
+                dropped = dropped || match;
+                return match;
+            });
+        }
+        if (dropped) {
+            stepalloc_internal_pool_abandon(device, entry.first.first, entry.first.second);
+        }
+    }
 }
 
 std::string last_error_text() {
@@ -79,11 +140,12 @@ extern "C" void *stepalloc_torch_malloc(size_t size, int device, cudaStream_t st
 }
 
 extern "C" void stepalloc_begin_allocate_to_pool(int device, MempoolId mempool_id, StreamFilter filter) {
+    reconcile_at_begin(device, mempool_id);
     if (stepalloc_internal_pool_begin(device, mempool_id.first, mempool_id.second) != STEPALLOC_OK) {
         throw std::runtime_error("stepalloc: beginAllocateToPool failed: " + last_error_text());
     }
     std::lock_guard<std::mutex> lock(table_mutex());
-    table().push_back(Capture{device, mempool_id, std::move(filter)});
+    table().push_back(Capture{device, mempool_id, std::move(filter), nullptr, false});
     g_active.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -108,7 +170,14 @@ extern "C" void stepalloc_end_allocate_to_pool(int device, MempoolId mempool_id)
 }
 
 extern "C" void stepalloc_release_pool(int device, MempoolId mempool_id) {
-    stepalloc_internal_pool_release(device, mempool_id.first, mempool_id.second);
+    if (stepalloc_internal_pool_release(device, mempool_id.first, mempool_id.second) != STEPALLOC_OK) {
+        return;  // the failure stays in the last error
+    }
+    if (stepalloc_internal_pool_captures(device, mempool_id.first, mempool_id.second) == 0) {
+        // No capture into this pool is underway any more: one that never ended is over.
+        std::lock_guard<std::mutex> lock(table_mutex());
+        erase_entries(device, [&](const Capture &c) { return c.pool == mempool_id; });
+    }
 }
 
 extern "C" int stepalloc_internal_capture_pool(int device, cudaStream_t stream, unsigned long long *pool) noexcept {
@@ -117,8 +186,12 @@ extern "C" int stepalloc_internal_capture_pool(int device, cudaStream_t stream, 
     }
     try {
         std::lock_guard<std::mutex> lock(table_mutex());
-        for (const Capture &c : table()) {
+        for (Capture &c : table()) {
             if (c.device == device && c.filter && c.filter(stream)) {
+                if (!c.claimed) {
+                    c.stream = stream;
+                    c.claimed = true;
+                }
                 pool[0] = c.pool.first;
                 pool[1] = c.pool.second;
                 return 1;

@@ -143,6 +143,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_free": ([c_void_p, c_size_t, c_int, c_void_p], None),
         "stepalloc_empty_cache": ([], None),
         "stepalloc_set_memory_fraction": ([c_double, c_int], None),
+        "stepalloc_set_mempool_mode": ([c_int], c_int),
     }
     for name, (argtypes, restype) in table.items():
         fn = getattr(cdll, name)  # AttributeError names a missing symbol: an outdated library.

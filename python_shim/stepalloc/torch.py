@@ -219,7 +219,9 @@ def mempool(use_on_oom: bool = False) -> Any:
 
     Needs torch >= 2.5. Unlike ``install()`` it can be used after CUDA is initialised, and only
     the code inside ``use_mem_pool`` is affected; but PyTorch's own cache sits in front of
-    stepalloc, so step release and stepalloc's statistics see segments, not tensors.
+    stepalloc, so step release and stepalloc's statistics see segments, not tensors. Since
+    PyTorch caches, stepalloc runs in MemPool mode from here on: a segment PyTorch frees goes
+    back to the device, so ``torch.cuda.empty_cache()`` returns memory.
     """
     global _mempool_allocator
     torch = _import_torch()
@@ -232,6 +234,9 @@ def mempool(use_on_oom: bool = False) -> Any:
                 _lib.library_path(), MEMPOOL_ALLOC_FN, FREE_FN
             )
             _keep_alive.append(_mempool_allocator)
+        status = int(_lib.lib().stepalloc_set_mempool_mode(1))
+        if status != _lib.OK:
+            raise _lib.error_for(status)
     return torch.cuda.MemPool(_mempool_allocator.allocator(), use_on_oom=use_on_oom)
 
 

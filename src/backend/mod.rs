@@ -121,4 +121,11 @@ pub trait Backend: Send {
     /// Lets simulated time pass (the stress tool's model of kernel time). A no-op on real
     /// devices, where time passes by itself.
     fn advance_time(&mut self, _ns: u64) {}
+
+    /// Whether `stream` is being captured into a CUDA graph now (`cuStreamIsCapturing`), for
+    /// finding captures that ended without `endAllocateToPool` (a failed capture). Safe to call
+    /// during a capture. The default (the simulated device, which has no captures) says no.
+    fn stream_is_capturing(&mut self, _stream: Stream) -> Result<bool> {
+        Ok(false)
+    }
 }

@@ -19,6 +19,7 @@ impl Heap {
         debug_assert!(
             seg.busy == 0 && self.arena.block(id).next == NIL && self.arena.block(id).state == BlockState::Free
         );
+        self.wait_for_last_use(id)?;
         self.backend.release(seg.addr, seg.size)?;
         self.unlist(id);
         self.arena.drop_block(id);
@@ -42,6 +43,17 @@ impl Heap {
         s.released_bytes[reason as usize] += seg.size;
         self.trace.record(TraceAction::SegmentFree, seg.addr, seg.size, 0, seg.stream.0, 0);
         Ok(seg.size)
+    }
+
+    /// `Backend::release`'s precondition: no queued work uses the segment. Its free block `id`
+    /// belongs to one stream, whose kernels may still use it, unless it is any stream's (every
+    /// other use was ordered by events that completed, or by a device synchronization).
+    fn wait_for_last_use(&mut self, id: BlockId) -> Result<()> {
+        let stream = self.arena.block(id).stream;
+        if stream != ANY_STREAM {
+            self.backend.synchronize_stream(stream)?;
+        }
+        Ok(())
     }
 
     /// Whether a plain segment is entirely one free block (expandable ones give back pages).
@@ -94,6 +106,12 @@ impl Heap {
 
     /// Waits for pending events, then releases every free unsplit segment. Returns bytes released.
     pub fn release_all_cached(&mut self, reason: ReleaseReason) -> Result<u64> {
+        if self.captures_underway > 0 {
+            // No sync or device free during a capture; `run_deferred_work` does it afterwards.
+            self.deferred_empty_cache = true;
+            self.deferred_work = true;
+            return Ok(0);
+        }
         self.synchronize_pending()?;
         if self.has_stranded_free_blocks() {
             self.settle_free_streams()?;
@@ -158,6 +176,10 @@ impl Heap {
         reason: ReleaseReason,
         mut done: impl FnMut(&Heap) -> bool,
     ) -> Result<u64> {
+        if self.captures_underway > 0 {
+            // No device free during a capture: step releases wait for the next boundary.
+            return Ok(0);
+        }
         let mut released = 0;
         for seg in order {
             if done(self) {
@@ -225,14 +247,42 @@ impl Heap {
     // ----- private pools (CUDA graphs) -----------------------------------------------------
 
     /// `beginAllocateToPool`: a capture starts; creates the pool or takes another reference.
+    /// A capture of this pool that never ended is counted as ended first (PyTorch never
+    /// captures into one pool twice at once; a failed capture never calls `end_pool`).
     pub fn begin_pool(&mut self, id: PoolId) {
+        self.abandon_capture(id);
         self.captures_underway += 1;
         self.add_pool_reference(id);
+        if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) {
+            p.capturing += 1;
+        }
     }
 
     /// `endAllocateToPool`: the capture ends; the pool keeps its memory until `release_pool`.
-    pub fn end_pool(&mut self, _id: PoolId) {
-        self.captures_underway = self.captures_underway.saturating_sub(1);
+    /// An end of a pool with no capture underway (ended or abandoned already) changes nothing.
+    /// Deferred work runs at the next malloc or free, or through `run_deferred_work`.
+    pub fn end_pool(&mut self, id: PoolId) {
+        if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id && p.capturing > 0) {
+            p.capturing -= 1;
+            self.captures_underway = self.captures_underway.saturating_sub(1);
+        }
+    }
+
+    /// Counts every capture of pool `id` still underway as ended: for a capture that failed,
+    /// whose `end_pool` never comes. Returns whether there was one. The pool keeps its
+    /// references (a failed capture's pool is released by `release_pool` like any other).
+    pub fn abandon_capture(&mut self, id: PoolId) -> bool {
+        let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id && p.capturing > 0) else {
+            return false;
+        };
+        self.captures_underway = self.captures_underway.saturating_sub(p.capturing);
+        p.capturing = 0;
+        true
+    }
+
+    /// Captures into pool `id` underway (begun, neither ended nor abandoned).
+    pub fn pool_captures(&self, id: PoolId) -> u32 {
+        self.private_pools.iter().flatten().find(|p| p.id == id).map_or(0, |p| p.capturing)
     }
 
     pub(super) fn add_pool_reference(&mut self, id: PoolId) {
@@ -240,7 +290,7 @@ impl Heap {
             p.use_count += 1;
             return;
         }
-        let pool = PrivatePool { id, use_count: 1, segments: 0 };
+        let pool = PrivatePool { id, use_count: 1, segments: 0, capturing: 0 };
         match self.private_pools.iter().position(Option::is_none) {
             Some(i) => self.private_pools[i] = Some(pool),
             None => self.private_pools.push(Some(pool)),
@@ -258,8 +308,17 @@ impl Heap {
         if pool.use_count > 0 {
             return Ok(());
         }
-        if pool.segments == 0 {
+        let segments = pool.segments;
+        // No reference is left, so no capture can still use the pool: one that never ended
+        // failed, and counts as ended.
+        self.abandon_capture(id);
+        if segments == 0 {
             self.private_pools[index] = None;
+            return Ok(());
+        }
+        if self.captures_underway > 0 {
+            // No device free during another capture; `run_deferred_work` releases them after.
+            self.deferred_work = true;
             return Ok(());
         }
         let number = index as u32 + 1;

@@ -229,7 +229,7 @@ static void scenario_bad_config(void) {
     CHECK(strstr(last_error(), "no_such_key") != NULL && strstr(last_error(), "accepted keys") != NULL, "%s",
           last_error());
     CHECK(p_stepalloc_configure("backend") == STEPALLOC_CONFIG, "no value");
-    CHECK(p_stepalloc_configure("backend:sim,expandable_segments:True") == STEPALLOC_CONFIG, "unsupported");
+    CHECK(p_stepalloc_configure("backend:sim,page_reuse:True") == STEPALLOC_CONFIG, "page_reuse needs expandable segments");
     CHECK(p_stepalloc_configure(NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL");
     CHECK(p_stepalloc_configure("backend:sim,\xff:1") == STEPALLOC_INVALID_ARGUMENT, "not UTF-8");
     /* Nothing was applied: a good configuration still can be. */
@@ -288,6 +288,32 @@ static void scenario_oom(void) {
     check_roundtrip(0);
 }
 
+/* ----- MemPool mode and a memory fraction of 0 ------------------------------------------ */
+
+static void scenario_mempool(void) {
+    CHECK(p_stepalloc_configure("backend:sim,sim_capacity_mb:256") == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_set_mempool_mode(1) == STEPALLOC_OK, "%s", last_error());
+    /* torch.cuda.MemPool asks for whole segments and frees one only to give it back. */
+    void *a = p_stepalloc_malloc(2 * MIB, 0, NULL);
+    void *b = p_stepalloc_malloc(20 * MIB, 0, NULL);
+    void *c = p_stepalloc_malloc(64 * MIB, 0, NULL);
+    CHECK(a != NULL && b != NULL && c != NULL, "segments: %s", last_error());
+    p_stepalloc_free(c, 64 * MIB, 0, NULL);
+    p_stepalloc_free(b, 20 * MIB, 0, NULL);
+    p_stepalloc_free(a, 2 * MIB, 0, NULL);
+    CHECK(status() == STEPALLOC_OK, "%s", last_error());
+    CHECK(stat(0, "reserved_bytes.all.current") == 0, "MemPool mode keeps %.0f bytes after the frees",
+          stat(0, "reserved_bytes.all.current"));
+    /* set_per_process_memory_fraction(0.0), as PyTorch accepts it: nothing may be reserved. */
+    p_stepalloc_set_memory_fraction(0.0, 0);
+    CHECK(status() == STEPALLOC_OK, "fraction 0: %s", last_error());
+    CHECK(p_stepalloc_malloc(4096, 0, NULL) == NULL && status() == STEPALLOC_OUT_OF_MEMORY, "fraction 0 allows %d",
+          status());
+    p_stepalloc_set_memory_fraction(1.0, 0);
+    check_stats(0, 0, 0);
+    check_roundtrip(0);
+}
+
 int main(int argc, char **argv) {
     CHECK(argc == 3, "usage: %s LIBRARY SCENARIO", argv[0]);
     load_library(argv[1]);
@@ -298,6 +324,7 @@ int main(int argc, char **argv) {
     else if (strcmp(scenario, "bad_env") == 0) scenario_bad_env();
     else if (strcmp(scenario, "no_backend") == 0) scenario_no_backend();
     else if (strcmp(scenario, "oom") == 0) scenario_oom();
+    else if (strcmp(scenario, "mempool") == 0) scenario_mempool();
     else CHECK(0, "unknown scenario %s", scenario);
     printf("ok %s\n", scenario);
     return 0;

@@ -29,7 +29,8 @@
     X(stepalloc_trace_jsonl) X(stepalloc_metrics_text) X(stepalloc_metrics_serve)          \
     X(stepalloc_last_error) X(stepalloc_last_status) X(stepalloc_version)                  \
     X(stepalloc_malloc) X(stepalloc_free) X(stepalloc_init) X(stepalloc_empty_cache)       \
-    X(stepalloc_set_memory_fraction) X(stepalloc_base_alloc) X(stepalloc_record_stream)
+    X(stepalloc_set_memory_fraction) X(stepalloc_base_alloc) X(stepalloc_record_stream)    \
+    X(stepalloc_set_mempool_mode)
 
 #define DECLARE_POINTER(name) static __typeof__(name) *p_##name;
 STEPALLOC_C_FUNCTIONS(DECLARE_POINTER)

@@ -110,6 +110,40 @@ int main(int argc, char **argv) {
     release(later, MIB, 0, capturing);
     check_stats(0, 0, 0);
     check_roundtrip(0);
+
+    // A failed capture: PyTorch's cudaStreamEndCapture fails, so end_pool never comes and the
+    // pool is not released. The next capture's begin finds that the failed capture's stream is
+    // no longer capturing (the simulated device captures nothing) and drops it, so the
+    // out-of-memory path, which a capture underway turns off, works again afterwards.
+    const MempoolId_t failed{3, 1};
+    begin_pool(0, failed, [capturing](cudaStream_t s) { return s == capturing; });
+    void *captured = alloc(MIB, 0, capturing);
+    CHECK(captured != nullptr, "allocation in the failed capture");
+    const MempoolId_t next{4, 1};
+    begin_pool(0, next, [](cudaStream_t) { return false; });
+    end_pool(0, next);
+    release_pool(0, next);
+    // 40 MiB cached, 20 MiB or so left on the device: a 50 MiB request needs the OOM path.
+    void *cached = alloc(40 * MIB, 0, other);
+    release(cached, 40 * MIB, 0, other);
+    void *big = alloc(50 * MIB, 0, other);
+    CHECK(big != nullptr, "the OOM path after a failed capture");
+    release(big, 50 * MIB, 0, other);
+    release(captured, MIB, 0, capturing);
+    release_pool(0, failed);
+    CHECK(p_stepalloc_last_status() == STEPALLOC_OK, "release of the failed capture's pool: %s", last_error());
+
+    // A failed capture whose pool is released: the release ends it (no further begin needed).
+    begin_pool(0, failed, [capturing](cudaStream_t s) { return s == capturing; });
+    captured = alloc(MIB, 0, capturing);
+    release(captured, MIB, 0, capturing);
+    release_pool(0, failed);
+    cached = alloc(40 * MIB, 0, other);
+    release(cached, 40 * MIB, 0, other);
+    big = alloc(50 * MIB, 0, other);
+    CHECK(big != nullptr, "the OOM path after releasing a failed capture's pool");
+    release(big, 50 * MIB, 0, other);
+    check_stats(0, 0, 0);
     printf("ok torch\n");
     return 0;
 }
