@@ -1080,6 +1080,25 @@ mod tests {
     }
 
     #[test]
+    fn host_events_complete_when_the_streams_work_does() {
+        let Some(host) = HostCuda::get("host_events_complete_when_the_streams_work_does") else { return };
+        let delay = std::env::var("HOSTCUDA_DELAY_US").unwrap_or("0".into());
+        with_setting(&host, "delay_us", "30000", &delay, || {
+            let mut devices = open_devices().expect("devices");
+            let dev = &mut devices[0];
+            let event = dev.record_event(Stream::DEFAULT).expect("record");
+            assert!(!dev.event_done(event).expect("query"), "30 ms of queued work completed at once");
+            dev.wait_event(event).expect("wait");
+            assert!(dev.event_done(event).expect("query"));
+            dev.free_event(event);
+            let event = dev.record_event(Stream::DEFAULT).expect("record");
+            dev.synchronize_stream(Stream::DEFAULT).expect("stream sync");
+            assert!(dev.event_done(event).expect("query"), "a stream sync waits for the stream's work");
+            dev.free_event(event);
+        });
+    }
+
+    #[test]
     fn host_unknown_error_codes_are_reported_by_number() {
         let Some(host) = HostCuda::get("host_unknown_error_codes_are_reported_by_number") else { return };
         let mut devices = open_devices().expect("devices");
@@ -1094,6 +1113,7 @@ mod tests {
                 assert!(e.to_string().contains("cuEventQuery"), "{e}");
             });
         }
+        dev.wait_event(event).expect("wait after the failures");
         assert!(dev.event_done(event).expect("query after the failures"));
         dev.free_event(event);
         // The same through the allocator: a failed cuMemAlloc with an unknown code.
