@@ -259,6 +259,7 @@ fn open_devices() -> Result<Vec<CudaDevice>> {
     // Safety: plain value arguments and one out-pointer to a local.
     check("cuInit", unsafe { (api.init)(0) })?;
     let mut count: c_int = 0;
+    // Safety: one out-pointer to a local.
     check("cuDeviceGetCount", unsafe { (api.device_get_count)(&mut count) })?;
     if count <= 0 {
         return Err(Error::Unavailable("the CUDA driver reports no device".into()));
@@ -312,10 +313,12 @@ impl CudaDevice {
         // Safety: one out-pointer to a local.
         check("cuDeviceGet", unsafe { (api.device_get)(&mut device, ordinal) })?;
         let mut name = [0 as c_char; 256];
-        // Safety: the driver writes at most `len` bytes, NUL-terminated, into the buffer.
-        check("cuDeviceGetName", unsafe { (api.device_get_name)(name.as_mut_ptr(), name.len() as c_int, device) })?;
-        // Safety: the buffer is NUL-terminated (the driver writes the terminator; the last
-        // byte stays 0 in any case since the buffer started zeroed and len counts it).
+        // Safety: the driver writes at most `len` bytes into the buffer; `len` leaves out the
+        // last byte, so it stays 0.
+        check("cuDeviceGetName", unsafe {
+            (api.device_get_name)(name.as_mut_ptr(), (name.len() - 1) as c_int, device)
+        })?;
+        // Safety: the buffer is NUL-terminated (its last byte, at the latest).
         let name = unsafe { std::ffi::CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned();
         let mut total: usize = 0;
         // Safety: one out-pointer to a local.
