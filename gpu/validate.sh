@@ -12,7 +12,8 @@
 #   4. cuda_smoke.py: stepalloc on the CUDA backend without torch
 #   5. torch_check.py: process-wide mode under PyTorch; whether an exception thrown from the
 #      alloc function leaves the pluggable allocator usable (open question 2); CUDA graphs
-#   6. the C / C++ ABI test programs against this library (simulated device), if cc/c++ exist
+#   6. the C / C++ ABI test programs against this library (simulated device, and the threads
+#      scenario on backend:cuda when a driver loads), if cc/c++ exist
 #   7. the Rust CUDA backend tests (STEPALLOC_GPU_TESTS=1), if cargo and the crates are there
 # Ends with a summary; exit status 0 when nothing failed.
 #
@@ -126,7 +127,7 @@ if [ -n "$PYTHON" ]; then
     fi
 fi
 
-section "6. C / C++ ABI programs (simulated device) against this library"
+section "6. C / C++ ABI programs against this library (simulated device; threads also on CUDA)"
 if [ $HAVE_LIB -eq 0 ]; then
     record "SKIP c_abi no library"
 elif command -v cc > /dev/null && command -v c++ > /dev/null; then
@@ -142,6 +143,18 @@ elif command -v cc > /dev/null && command -v c++ > /dev/null; then
                 record "FAIL c_abi_$scenario (status $?)"
             fi
         done
+        # The threads scenario on backend:cuda with real streams, when a driver loads (a GPU's,
+        # or testdrv's through LD_LIBRARY_PATH).
+        if [ -n "$PYTHON" ] && "$PYTHON" -c 'import ctypes; ctypes.CDLL("libcuda.so.1")' > /dev/null 2>&1; then
+            if timeout 120 "$WORK/abi_test" "$LIB" threads_cuda > "$WORK/c_threads_cuda.log" 2>&1; then
+                record "PASS c_abi_threads_cuda"
+            else
+                cat "$WORK/c_threads_cuda.log"
+                record "FAIL c_abi_threads_cuda (status $?)"
+            fi
+        else
+            record "SKIP c_abi_threads_cuda no CUDA driver library (libcuda.so.1) loads here"
+        fi
         if timeout 60 env STEPALLOC_CONF="backend:sim,max_split_size_mb:abc" "$WORK/abi_test" "$LIB" bad_env > "$WORK/c_bad_env.log" 2>&1; then
             record "PASS c_abi_bad_env"
         else
