@@ -1186,6 +1186,168 @@ mod tests {
         );
     }
 
+    /// A tag for the block at `ptr` (its first and last 8 bytes hold it while it is live).
+    fn tag(ptr: u64, size: u64) -> u64 {
+        (ptr ^ size.rotate_left(32)).wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1
+    }
+
+    fn write_tags(api: &Api, ptr: u64, size: u64) {
+        let t = tag(ptr, size).to_ne_bytes();
+        for at in [ptr, ptr + size - 8] {
+            // Safety: `at..at+8` lies inside a live block of `size` >= 16 bytes; the bytes live.
+            check("cuMemcpyHtoD", unsafe { (api.memcpy_htod)(at, t.as_ptr().cast(), 8) }).expect("write tag");
+        }
+    }
+
+    fn tags_intact(api: &Api, ptr: u64, size: u64) -> bool {
+        [ptr, ptr + size - 8].iter().all(|&at| {
+            let mut b = [0u8; 8];
+            // Safety: as in `write_tags`; the buffer has room for 8 bytes.
+            check("cuMemcpyDtoH", unsafe { (api.memcpy_dtoh)(b.as_mut_ptr().cast(), at, 8) }).expect("read tag");
+            u64::from_ne_bytes(b) == tag(ptr, size)
+        })
+    }
+
+    /// Random operation programs on backend:cuda: threads x streams of both devices (record_stream
+    /// across devices) x injected driver failures, including codes unknown to CUDA 11.4. No
+    /// crash, no overlap, no corrupted tag, every driver error named with its number, and the
+    /// heap's invariants and statistics consistent at the end.
+    #[test]
+    fn host_random_programs_with_injected_failures() {
+        let Some(host) = HostCuda::get("host_random_programs_with_injected_failures") else { return };
+        let mut devices = open_devices().expect("devices");
+        let api = devices[0].api;
+        let mut streams = vec![0u64];
+        for d in 0..devices.len().min(2) {
+            for _ in 0..2 {
+                streams.push(new_stream(&mut devices[d]) as usize as u64);
+            }
+        }
+        let context = devices[0].context().expect("context") as usize;
+        let a = Allocator::new(Config::parse("backend:cuda").expect("valid")).expect("allocator");
+        let live = parking_lot::Mutex::new(std::collections::BTreeMap::<u64, u64>::new());
+        let rules = "cuMemAlloc_v2:2:prob=0.03,cuMemAlloc_v2:226:prob=0.01,cuEventQuery:226:prob=0.02,\
+                     cuEventRecord:7777:prob=0.05";
+        let errors = std::sync::atomic::AtomicU64::new(0);
+        with_setting(&host, "fail", rules, "", || {
+            std::thread::scope(|scope| {
+                for t in 0..4u64 {
+                    let (a, live, streams, errors) = (&a, &live, &streams, &errors);
+                    scope.spawn(move || {
+                        // Safety: device 0's primary context, retained above and never released.
+                        check("cuCtxSetCurrent", unsafe { (api.ctx_set_current)(context as CuContext) }).expect("ctx");
+                        let mut rng = 0x2545_F491_4F6C_DD1Du64 ^ (t + 1).wrapping_mul(0x1000_0000_01B3);
+                        let mut next = move || {
+                            rng ^= rng << 13;
+                            rng ^= rng >> 7;
+                            rng ^= rng << 17;
+                            rng
+                        };
+                        let mut mine: Vec<(u64, u64)> = Vec::new();
+                        let is_reported = |e: &Error| match e {
+                            Error::OutOfMemory(_) => true,
+                            Error::Driver { code, .. } => code.chars().any(|c| c.is_ascii_digit()),
+                            _ => false,
+                        };
+                        for _ in 0..1500 {
+                            if !mine.is_empty() && next() % 2 == 0 {
+                                let (ptr, size) = mine.swap_remove((next() % mine.len() as u64) as usize);
+                                if size >= 16 {
+                                    assert!(tags_intact(api, ptr, size), "block {ptr:#x}+{size} was overwritten");
+                                }
+                                live.lock().remove(&ptr);
+                                if next() % 4 == 0 {
+                                    let s = streams[(next() % streams.len() as u64) as usize];
+                                    if let Err(e) = a.record_stream(0, ptr, Stream(s)) {
+                                        assert!(is_reported(&e), "{e}");
+                                    }
+                                }
+                                if let Err(e) = a.free(0, ptr, size) {
+                                    assert!(is_reported(&e), "{e}");
+                                    errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                }
+                            } else {
+                                let size = match next() % 10 {
+                                    0 => next() % (8 * MIB),
+                                    _ => next() % MIB,
+                                };
+                                let s = streams[(next() % streams.len() as u64) as usize];
+                                match a.malloc(0, size, Stream(s)) {
+                                    Ok(ptr) => {
+                                        let mut map = live.lock();
+                                        let before = map.range(..=ptr).next_back().map(|(&p, &n)| (p, n));
+                                        if let Some((p, n)) = before {
+                                            assert!(p + n.max(1) <= ptr, "{ptr:#x} overlaps {p:#x}+{n}");
+                                        }
+                                        if let Some((&p, _)) = map.range(ptr + 1..).next() {
+                                            assert!(ptr + size.max(1) <= p, "{ptr:#x}+{size} overlaps {p:#x}");
+                                        }
+                                        map.insert(ptr, size);
+                                        drop(map);
+                                        if size >= 16 {
+                                            write_tags(api, ptr, size);
+                                        }
+                                        mine.push((ptr, size));
+                                    }
+                                    Err(e) => {
+                                        assert!(is_reported(&e), "{e}");
+                                        errors.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                                    }
+                                }
+                            }
+                        }
+                        for (ptr, size) in mine {
+                            if size >= 16 {
+                                assert!(tags_intact(api, ptr, size), "block {ptr:#x}+{size} was overwritten");
+                            }
+                            live.lock().remove(&ptr);
+                            if let Err(e) = a.free(0, ptr, size) {
+                                assert!(is_reported(&e), "{e}");
+                            }
+                        }
+                    });
+                }
+            });
+        });
+        assert!(errors.into_inner() > 0, "no injected failure reached the allocator");
+        a.check_invariants().expect("invariants");
+        let stats = a.stats(0).expect("stats").to_map();
+        assert_eq!(stats.get("allocated_bytes.all.current").and_then(|v| v.as_u64()), Some(0));
+        // Pending events (records that succeeded) complete; then the cache empties fully.
+        devices[0].synchronize().expect("sync");
+        a.empty_cache().expect("empty_cache");
+        assert_eq!(
+            a.stats(0).expect("stats").to_map().get("reserved_bytes.all.current").and_then(|v| v.as_u64()),
+            Some(0)
+        );
+        for s in streams.into_iter().skip(1) {
+            // Safety: the streams made above, destroyed once, after every thread finished.
+            let _ = unsafe { (api.stream_destroy)(s as usize as CuStream) };
+        }
+    }
+
+    /// Found by the random programs: when waiting for a pending free's event fails, the heap has
+    /// already taken the event off its queue (`synchronize_pending` in heap.rs), so the block
+    /// stays pending for good and its segment can never be released. Run with `--ignored`
+    /// once heap.rs keeps the event until the wait succeeds.
+    #[test]
+    #[ignore = "heap.rs: synchronize_pending drops an event whose wait failed; the block leaks"]
+    fn host_a_failed_wait_does_not_leak_the_block() {
+        let Some(host) = HostCuda::get("host_a_failed_wait_does_not_leak_the_block") else { return };
+        let mut devices = open_devices().expect("devices");
+        let side = new_stream(&mut devices[0]) as usize as u64;
+        let a = Allocator::new(Config::parse("backend:cuda").expect("valid")).expect("allocator");
+        let p = a.malloc(0, 4 * MIB, Stream::DEFAULT).expect("malloc");
+        a.record_stream(0, p, Stream(side)).expect("record_stream");
+        a.free(0, p, 4 * MIB).expect("free: pending on two events");
+        with_setting(&host, "fail", "cuEventSynchronize:46:count=1", "", || {
+            let _ = a.empty_cache();
+        });
+        a.empty_cache().expect("empty_cache once the driver works again");
+        let reserved = a.stats(0).expect("stats").to_map().get("reserved_bytes.all.current").and_then(|v| v.as_u64());
+        assert_eq!(reserved, Some(0), "the block whose wait failed was never freed");
+    }
+
     #[test]
     fn gpu_mem_info_on_an_unused_device_creates_no_context() {
         let Some(mut devices) = devices("gpu_mem_info_on_an_unused_device_creates_no_context") else { return };
