@@ -59,17 +59,22 @@ def test_memory_is_usable(sa, drv, devices):
 
 def test_context_left_as_found(sa, drv, devices):
     ctx0 = drv.primary_context(0)
-    for current in (ctx0, None):
-        drv.check(drv.cuCtxSetCurrent(current), "cuCtxSetCurrent")
-        for device in range(devices):
-            p = sa.malloc(300 * MIB, device, None)  # a new segment: driver calls
-            check(p, sa.error())
-            sa.free(p, 300 * MIB, device, None)
-        sa.empty_cache()  # cuMemFree on every device
-        check(drv.current_context() == current, f"current context changed from {current} to {drv.current_context()}")
+    try:
+        for current in (ctx0, None):
+            drv.check(drv.cuCtxSetCurrent(current), "cuCtxSetCurrent")
+            for device in range(devices):
+                p = sa.malloc(300 * MIB, device, None)  # a new segment: driver calls
+                check(p, sa.error())
+                sa.free(p, 300 * MIB, device, None)
+            sa.empty_cache()  # cuMemFree on every device
+            check(drv.current_context() == current, f"current context changed from {current} to {drv.current_context()}")
+    finally:
+        # The next tests call the driver directly and need a current context.
+        drv.check(drv.cuCtxSetCurrent(ctx0), "cuCtxSetCurrent")
 
 
 def test_out_of_memory(sa, drv):
+    drv.check(drv.cuCtxSetCurrent(drv.primary_context(0)), "cuCtxSetCurrent")
     free0, total = drv.mem_info()
     check(sa.malloc(2 * total, 0, None) is None, "twice the device allocated")
     check(sa.status() == "OUT_OF_MEMORY", sa.status())
@@ -189,6 +194,14 @@ def main():
     if active:
         result("FAIL", "no_context_before_use", f"primary contexts active after init on devices {active}")
     else:
+        # An impossible request on an unused device fails without creating its context (the
+        # out-of-memory report must not create one just to read the free memory).
+        huge = sa.malloc(1 << 50, devices - 1, None)
+        if huge is not None or sa.status() != "OUT_OF_MEMORY" or drv.primary_context_active(devices - 1):
+            result("FAIL", "oom_report_creates_no_context",
+                   f"malloc {huge}, status {sa.status()}, context active {drv.primary_context_active(devices - 1)}")
+        else:
+            result("PASS", "oom_report_creates_no_context")
         p = sa.malloc(MIB, devices - 1, None)
         others = [d for d in range(devices - 1) if drv.primary_context_active(d)]
         ok = p is not None and drv.primary_context_active(devices - 1) and not others

@@ -176,7 +176,9 @@ def check_graphs(library):
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # only the graph's pool (and live tensors) stay reserved
         reserved_with_graph = sa.stats(0)["reserved_bytes.all.current"]
-        del g, tmp, big, out
+        # torch.cuda.graph keeps a reference to the graph: drop the context object too, or
+        # `del g` frees nothing and the pool is never released.
+        del ctx, g, tmp, big, out
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         released = reserved_with_graph - sa.stats(0)["reserved_bytes.all.current"]

@@ -2,6 +2,7 @@
 # Every test of the project: formatting and lints, the Rust tests of all crates (core, C ABI,
 # stress tool), and the Python package's tests against the built library.
 # Needs: Rust, cc/c++, python3 with pytest and prometheus_client, Debian's prometheus package.
+# No GPU: the CUDA backend runs on the host-memory driver built from testdrv/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -10,4 +11,19 @@ cargo clippy --workspace --all-targets -- -D warnings
 # The C ABI and Python tests load the release library.
 cargo build --release -p stepalloc-cabi
 cargo test --workspace
+# The CUDA backend on the host-memory CUDA driver (testdrv/, no GPU needed): the Rust CUDA
+# backend tests (one thread: they change the driver's settings), then gpu/validate.sh (capture
+# probe, cuda_smoke.py on backend:cuda, C ABI programs) with its logs in target/hostcuda-validate.
+testdrv/build.sh
+(
+    export LD_LIBRARY_PATH="$PWD/target/hostcuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export STEPALLOC_HOSTCUDA=1 HOSTCUDA_DEVICES=2 HOSTCUDA_CAPACITY_MB=4096 HOSTCUDA_DELAY_US=2000
+    # First, alone: it needs a device no other test has used.
+    cargo test --workspace --lib -- --exact backend::cuda::tests::gpu_mem_info_on_an_unused_device_creates_no_context
+    cargo test --workspace --lib -- backend::cuda --test-threads=1
+    rm -rf target/hostcuda-validate
+    STEPALLOC_GPU_CARGO=0 gpu/validate.sh target/release/libstepalloc.so target/hostcuda-validate > /dev/null \
+        || { cat target/hostcuda-validate/validate/summary.txt; exit 1; }
+    tail -n 1 target/hostcuda-validate/validate/summary.txt
+)
 python3 -m pytest python_shim/tests -q

@@ -1,7 +1,9 @@
-/* Drives libstepalloc.so from C through dlopen/dlsym on the simulated device.
+/* Drives libstepalloc.so from C through dlopen/dlsym on the simulated device (and, in the
+ * scenario threads_cuda, on the CUDA backend with real streams of the driver, libcuda.so.1).
  * Usage: abi_test LIBRARY SCENARIO. Prints "ok SCENARIO" and exits 0 when every check holds.
  * After each misuse the statistics must stay consistent and a further malloc/free must work. */
 #define _GNU_SOURCE
+#include <dlfcn.h>
 #include <pthread.h>
 #include <stdint.h>
 
@@ -14,6 +16,38 @@ static int status(void) { return p_stepalloc_last_status(); }
 /* ----- many threads, several streams, two devices -------------------------------------- */
 
 enum { THREADS = 8, SLOTS = 48, OPS = 6000, STREAMS = 4 };
+
+/* The streams the threads use; index 0 is the default stream (NULL). Fake handles on the
+ * simulated device, which accepts any value; real ones (spread over the devices) on CUDA. */
+static cudaStream_t streams[STREAMS + 1];
+static int devices = 2;
+
+static void fake_streams(void) {
+    for (int i = 0; i <= STREAMS; i++) streams[i] = (cudaStream_t)(uintptr_t)i;
+}
+
+/* Non-blocking streams of the driver, made in the devices' primary contexts; leaves no
+ * context current (stepalloc must not need one). */
+static void real_streams(void) {
+    void *cu = dlopen("libcuda.so.1", RTLD_NOW | RTLD_LOCAL);
+    CHECK(cu != NULL, "dlopen(libcuda.so.1): %s", dlerror());
+    int (*init)(unsigned) = (int (*)(unsigned))dlsym(cu, "cuInit");
+    int (*get)(int *, int) = (int (*)(int *, int))dlsym(cu, "cuDeviceGet");
+    int (*retain)(void **, int) = (int (*)(void **, int))dlsym(cu, "cuDevicePrimaryCtxRetain");
+    int (*set_current)(void *) = (int (*)(void *))dlsym(cu, "cuCtxSetCurrent");
+    int (*create)(void **, unsigned) = (int (*)(void **, unsigned))dlsym(cu, "cuStreamCreate");
+    CHECK(init && get && retain && set_current && create, "driver symbols missing");
+    CHECK(init(0) == 0, "cuInit");
+    streams[0] = NULL;
+    for (int i = 1; i <= STREAMS; i++) {
+        int dev = 0;
+        void *ctx = NULL, *stream = NULL;
+        CHECK(get(&dev, i % devices) == 0 && retain(&ctx, dev) == 0 && set_current(ctx) == 0, "context");
+        CHECK(create(&stream, 1) == 0, "cuStreamCreate");
+        streams[i] = (cudaStream_t)stream;
+    }
+    CHECK(set_current(NULL) == 0, "cuCtxSetCurrent(NULL)");
+}
 
 struct slot {
     void *ptr;
@@ -45,7 +79,7 @@ static void *worker(void *arg) {
         struct slot *s = &slots[next_random(&rng) % SLOTS];
         if (s->ptr != NULL) {
             if (next_random(&rng) % 8 == 0) {
-                cudaStream_t other = (cudaStream_t)(uintptr_t)(1 + next_random(&rng) % STREAMS);
+                cudaStream_t other = streams[1 + next_random(&rng) % STREAMS];
                 p_stepalloc_record_stream(s->ptr, other);
                 CHECK(status() == STEPALLOC_OK, "record_stream: %s", last_error());
             }
@@ -54,8 +88,8 @@ static void *worker(void *arg) {
             s->ptr = NULL;
         } else {
             s->size = random_size(&rng);
-            s->device = (int)(next_random(&rng) % 2);
-            s->stream = (cudaStream_t)(uintptr_t)(next_random(&rng) % (STREAMS + 1)); /* 0 = default */
+            s->device = (int)(next_random(&rng) % (uint64_t)devices);
+            s->stream = streams[next_random(&rng) % (STREAMS + 1)]; /* 0 = default */
             s->ptr = p_stepalloc_malloc(s->size, s->device, s->stream);
             CHECK(s->ptr != NULL, "thread %d malloc(%zu): %s", id, s->size, last_error());
         }
@@ -75,8 +109,13 @@ static void *worker(void *arg) {
     return NULL;
 }
 
-static void scenario_threads(void) {
-    CHECK(p_stepalloc_configure("backend:sim,sim_devices:2") == STEPALLOC_OK, "%s", last_error());
+static void scenario_threads(const char *conf) {
+    CHECK(p_stepalloc_configure(conf) == STEPALLOC_OK, "%s", last_error());
+    devices = p_stepalloc_device_count();
+    CHECK(devices >= 1, "no device: %s", last_error());
+    if (devices > 2) devices = 2;
+    if (strstr(conf, "backend:cuda") != NULL) real_streams();
+    else fake_streams();
     pthread_t threads[THREADS];
     for (int i = 0; i < THREADS; i++) {
         CHECK(pthread_create(&threads[i], NULL, worker, (void *)(intptr_t)i) == 0, "pthread_create");
@@ -85,7 +124,7 @@ static void scenario_threads(void) {
         pthread_join(threads[i], NULL);
     }
     CHECK(p_stepalloc_step_end() == STEPALLOC_OK, "%s", last_error());
-    for (int d = 0; d < 2; d++) {
+    for (int d = 0; d < devices; d++) {
         check_stats(d, 0, 0);
         CHECK(stat(d, "allocated_bytes.all.current") == 0, "device %d leaks", d);
         CHECK(stat(d, "stepalloc.num_mallocs") == stat(d, "stepalloc.num_frees"), "mallocs != frees on %d", d);
@@ -94,7 +133,7 @@ static void scenario_threads(void) {
     }
     p_stepalloc_empty_cache();
     CHECK(status() == STEPALLOC_OK, "empty_cache: %s", last_error());
-    for (int d = 0; d < 2; d++) {
+    for (int d = 0; d < devices; d++) {
         CHECK(stat(d, "reserved_bytes.all.current") == 0, "device %d keeps %.0f bytes after empty_cache", d,
               stat(d, "reserved_bytes.all.current"));
         check_roundtrip(d);
@@ -318,7 +357,8 @@ int main(int argc, char **argv) {
     CHECK(argc == 3, "usage: %s LIBRARY SCENARIO", argv[0]);
     load_library(argv[1]);
     const char *scenario = argv[2];
-    if (strcmp(scenario, "threads") == 0) scenario_threads();
+    if (strcmp(scenario, "threads") == 0) scenario_threads("backend:sim,sim_devices:2");
+    else if (strcmp(scenario, "threads_cuda") == 0) scenario_threads("backend:cuda");
     else if (strcmp(scenario, "edge") == 0) scenario_edge();
     else if (strcmp(scenario, "bad_config") == 0) scenario_bad_config();
     else if (strcmp(scenario, "bad_env") == 0) scenario_bad_env();

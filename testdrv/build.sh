@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Builds the host-memory CUDA driver (testdrv/hostcuda.c) as target/hostcuda/libcuda.so and
+# libcuda.so.1 (the same file: cudarc opens libcuda.so first, ctypes scripts libcuda.so.1).
+# Use it with LD_LIBRARY_PATH=target/hostcuda. Needs only cc.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-target/hostcuda}
+mkdir -p "$OUT"
+${CC:-cc} -std=gnu11 -O1 -g -Wall -Wextra -Werror -fPIC -shared -pthread \
+    -Wl,-soname,libcuda.so.1 -o "$OUT/libcuda.so.1" testdrv/hostcuda.c
+ln -sf libcuda.so.1 "$OUT/libcuda.so"

@@ -1,0 +1,1100 @@
+/* hostcuda: a host-memory stand-in for the CUDA driver API subset that stepalloc's CUDA backend
+ * (src/backend/cuda.rs) and the GPU scripts (the gpu/ Python files, through ctypes) call. Built as
+ * libcuda.so / libcuda.so.1 (testdrv/build.sh) and found through LD_LIBRARY_PATH, so the CUDA
+ * path runs on machines without a GPU. It is a test double that enforces the driver's documented
+ * rules and returns the documented error codes; testdrv/README.md lists each call, its rule and
+ * the documentation it follows, and every configuration variable.
+ *
+ * Invariants:
+ * - Device memory is host memory: cuMemAlloc is an anonymous mmap (MAP_NORESERVE); cuMemCreate
+ *   is a memfd, mapped with MAP_SHARED|MAP_FIXED inside ranges reserved with PROT_NONE, so one
+ *   physical chunk can be mapped at two addresses and data written through one is read through
+ *   the other.
+ * - One global mutex guards all state; a call that waits (synchronize) computes the time it
+ *   waits for under the lock and sleeps without it.
+ * - Handles (streams, events, graphs, physical chunks) are checked against registries of live
+ *   objects, so a stale or foreign handle is CUDA_ERROR_INVALID_HANDLE, never a crash.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <time.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+
+enum {
+    OK = 0,
+    E_INVALID_VALUE = 1,
+    E_OUT_OF_MEMORY = 2,
+    E_NOT_INITIALIZED = 3,
+    E_INVALID_DEVICE = 101,
+    E_INVALID_CONTEXT = 201,
+    E_INVALID_HANDLE = 400,
+    E_ILLEGAL_STATE = 401,
+    E_NOT_READY = 600,
+    E_NOT_SUPPORTED = 801,
+    E_CAPTURE_UNSUPPORTED = 900,
+    E_CAPTURE_INVALIDATED = 901,
+    E_CAPTURE_IMPLICIT = 906,
+    E_CAPTURED_EVENT = 907,
+    E_CAPTURE_WRONG_THREAD = 908,
+    E_UNKNOWN = 999,
+};
+
+enum { MODE_GLOBAL = 0, MODE_THREAD_LOCAL = 1, MODE_RELAXED = 2 };
+enum { CAP_NONE = 0, CAP_ACTIVE = 1, CAP_INVALIDATED = 2 };
+#define STREAM_NON_BLOCKING 1u
+#define MAX_DEVICES 8
+#define GRANULARITY (2ull << 20)
+#define ALLOC_PAGE (2ull << 20)
+
+/* ------------------------------------------------------------------------------------------ */
+/* configuration */
+
+struct rule {
+    char name[64];
+    int code;
+    long after, count, seen, fired;
+    double prob;
+};
+
+static struct {
+    pthread_mutex_t lock;
+    int configured, inited, devices, vmm, trace;
+    unsigned long long capacity, delay_ns, jitter_ns, rng;
+    struct rule rules[32];
+    int nrules;
+} g = {.lock = PTHREAD_MUTEX_INITIALIZER};
+
+static void lock(void) { pthread_mutex_lock(&g.lock); }
+static void unlock(void) { pthread_mutex_unlock(&g.lock); }
+
+static unsigned long long now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (unsigned long long)ts.tv_sec * 1000000000ull + (unsigned long long)ts.tv_nsec;
+}
+
+static unsigned long long rand64(void) { /* xorshift64, under the lock */
+    unsigned long long x = g.rng ? g.rng : 88172645463325252ull;
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    return g.rng = x;
+}
+
+/* NAME:CODE[:after=N][:count=M][:prob=P], comma-separated; NAME * matches every call. */
+static int parse_rules(const char *spec) {
+    g.nrules = 0;
+    if (!spec || !*spec) return 0;
+    char *copy = strdup(spec), *save = NULL;
+    if (!copy) return -1;
+    int bad = 0;
+    for (char *item = strtok_r(copy, ",", &save); item && g.nrules < 32; item = strtok_r(NULL, ",", &save)) {
+        struct rule r = {.count = -1, .prob = 1.0};
+        char *save2 = NULL, *field = strtok_r(item, ":", &save2);
+        if (!field) continue;
+        snprintf(r.name, sizeof r.name, "%s", field);
+        field = strtok_r(NULL, ":", &save2);
+        if (!field) { bad = 1; continue; }
+        r.code = atoi(field);
+        while ((field = strtok_r(NULL, ":", &save2))) {
+            if (!strncmp(field, "after=", 6)) r.after = atol(field + 6);
+            else if (!strncmp(field, "count=", 6)) r.count = atol(field + 6);
+            else if (!strncmp(field, "prob=", 5)) r.prob = atof(field + 5);
+            else bad = 1;
+        }
+        g.rules[g.nrules++] = r;
+    }
+    free(copy);
+    if (bad) fprintf(stderr, "hostcuda: HOSTCUDA_FAIL: bad rule in '%s'\n", spec);
+    return bad ? -1 : 0;
+}
+
+static unsigned long long env_u64(const char *name, unsigned long long dflt) {
+    const char *v = getenv(name);
+    return v && *v ? strtoull(v, NULL, 10) : dflt;
+}
+
+static void configure(void) { /* under the lock */
+    if (g.configured) return;
+    g.configured = 1;
+    g.devices = (int)env_u64("HOSTCUDA_DEVICES", 2);
+    if (g.devices < 0) g.devices = 0;
+    if (g.devices > MAX_DEVICES) g.devices = MAX_DEVICES;
+    g.capacity = env_u64("HOSTCUDA_CAPACITY_MB", 1024) << 20;
+    g.vmm = (int)env_u64("HOSTCUDA_VMM", 1);
+    g.delay_ns = env_u64("HOSTCUDA_DELAY_US", 0) * 1000;
+    g.jitter_ns = env_u64("HOSTCUDA_JITTER_US", 0) * 1000;
+    g.rng = env_u64("HOSTCUDA_SEED", 1);
+    g.trace = (int)env_u64("HOSTCUDA_TRACE", 0);
+    parse_rules(getenv("HOSTCUDA_FAIL"));
+}
+
+/* The injected failure for this call, if a rule fires (under the lock). */
+static CUresult inject(const char *call) {
+    configure();
+    for (int i = 0; i < g.nrules; i++) {
+        struct rule *r = &g.rules[i];
+        if (strcmp(r->name, "*") && strcmp(r->name, call)) continue;
+        if (++r->seen <= r->after) continue;
+        if (r->count >= 0 && r->fired >= r->count) continue;
+        if (r->prob < 1.0 && (double)(rand64() >> 11) / 9007199254740992.0 >= r->prob) continue;
+        r->fired++;
+        if (g.trace) fprintf(stderr, "hostcuda: injected %d into %s\n", r->code, call);
+        return r->code;
+    }
+    return OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* registries of live objects */
+
+struct reg {
+    void **v;
+    size_t n, cap;
+};
+
+static int reg_add(struct reg *r, void *p) {
+    if (r->n == r->cap) {
+        size_t cap = r->cap ? r->cap * 2 : 64;
+        void **v = realloc(r->v, cap * sizeof *v);
+        if (!v) return -1;
+        r->v = v;
+        r->cap = cap;
+    }
+    r->v[r->n++] = p;
+    return 0;
+}
+
+static long reg_find(struct reg *r, const void *p) {
+    for (size_t i = 0; i < r->n; i++)
+        if (r->v[i] == p) return (long)i;
+    return -1;
+}
+
+static void reg_del(struct reg *r, long i) { r->v[i] = r->v[--r->n]; }
+
+struct ctx;
+struct stream {
+    struct ctx *ctx;
+    unsigned flags;
+    unsigned long long busy_until; /* when the work queued so far completes */
+    int cap_status, cap_mode;
+    pthread_t cap_thread;
+};
+
+struct ctx { /* the primary context of a device; its address is the CUcontext */
+    int dev, refs;
+    struct stream null_stream; /* the legacy default stream */
+};
+
+struct event {
+    struct ctx *ctx;
+    unsigned long long done_at;
+    int captured; /* recorded inside a capture and not recorded again since */
+};
+
+struct alloc { unsigned long long addr, size, charged; int dev; };
+struct resv { unsigned long long base, size; };
+struct phys { int fd, dev, released, maps; unsigned long long size; };
+struct mapping { unsigned long long addr, size, offset; struct phys *p; int prot; };
+
+static struct ctx ctxs[MAX_DEVICES];
+static unsigned long long used[MAX_DEVICES];
+static struct reg streams, events, graphs, allocs, resvs, physs, maps;
+static __thread struct ctx *t_current;
+static __thread int t_mode = MODE_GLOBAL;
+
+static int ctx_valid(const struct ctx *c) {
+    return c >= ctxs && c < ctxs + g.devices && ((const char *)c - (const char *)ctxs) % sizeof *c == 0 && c->refs > 0;
+}
+
+/* The stream a handle names: 0 (legacy), 1 (CU_STREAM_LEGACY) and 2 (CU_STREAM_PER_THREAD)
+ * are the current context's default stream. */
+static CUresult stream_of(void *h, struct stream **out) {
+    if ((uintptr_t)h <= 2) {
+        if (!t_current || !ctx_valid(t_current)) return E_INVALID_CONTEXT;
+        *out = &t_current->null_stream;
+        return OK;
+    }
+    if (reg_find(&streams, h) < 0) return E_INVALID_HANDLE;
+    *out = h;
+    return OK;
+}
+
+static int is_null_stream(const struct stream *s) { return s == &s->ctx->null_stream; }
+
+static void for_each_stream(struct ctx *c, void (*f)(struct stream *, void *), void *arg) {
+    f(&c->null_stream, arg);
+    for (size_t i = 0; i < streams.n; i++) {
+        struct stream *s = streams.v[i];
+        if (s->ctx == c) f(s, arg);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* stream capture rules (CUDA Programming Guide, "Prohibited and Unhandled Operations";
+ * cuThreadExchangeStreamCaptureMode) */
+
+static int capturing(const struct stream *s) { return s->cap_status != CAP_NONE; }
+
+/* Whether capture `s` forbids this thread's potentially unsafe calls. */
+static int forbids(const struct stream *s) {
+    if (!capturing(s) || t_mode == MODE_RELAXED) return 0;
+    int mine = pthread_equal(s->cap_thread, pthread_self());
+    if (mine) return s->cap_mode != MODE_RELAXED;
+    return t_mode == MODE_GLOBAL && s->cap_mode == MODE_GLOBAL;
+}
+
+/* A potentially unsafe call: fails with CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates
+ * each capture that forbids it. */
+static CUresult unsafe_call(const char *call) {
+    int hit = 0;
+    for (size_t i = 0; i < streams.n; i++) {
+        struct stream *s = streams.v[i];
+        if (forbids(s)) {
+            s->cap_status = CAP_INVALIDATED;
+            hit = 1;
+        }
+    }
+    if (hit && g.trace) fprintf(stderr, "hostcuda: %s during a capture invalidated it\n", call);
+    return hit ? E_CAPTURE_UNSUPPORTED : OK;
+}
+
+/* Work on the legacy stream while a blocking stream of its context captures. */
+static CUresult legacy_during_capture(struct stream *s) {
+    if (!is_null_stream(s)) return OK;
+    int hit = 0;
+    for (size_t i = 0; i < streams.n; i++) {
+        struct stream *o = streams.v[i];
+        if (o->ctx == s->ctx && capturing(o) && !(o->flags & STREAM_NON_BLOCKING)) {
+            o->cap_status = CAP_INVALIDATED;
+            hit = 1;
+        }
+    }
+    return hit ? E_CAPTURE_IMPLICIT : OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* streams and time */
+
+static void max_busy(struct stream *s, void *arg) {
+    unsigned long long *t = arg;
+    if (s->busy_until > *t) *t = s->busy_until;
+}
+
+static void max_busy_blocking(struct stream *s, void *arg) {
+    if (!(s->flags & STREAM_NON_BLOCKING)) max_busy(s, arg);
+}
+
+/* Queues work on `s` (not capturing) and returns when it completes: after the stream's
+ * earlier work (and the legacy stream's rules), plus the configured delay and jitter. */
+static unsigned long long enqueue(struct stream *s) {
+    unsigned long long start = now_ns();
+    if (s->busy_until > start) start = s->busy_until;
+    if (is_null_stream(s)) for_each_stream(s->ctx, max_busy_blocking, &start);
+    else if (!(s->flags & STREAM_NON_BLOCKING) && s->ctx->null_stream.busy_until > start)
+        start = s->ctx->null_stream.busy_until;
+    unsigned long long delay = g.delay_ns + (g.jitter_ns ? rand64() % g.jitter_ns : 0);
+    s->busy_until = start + delay;
+    return s->busy_until;
+}
+
+static void sleep_until(unsigned long long t) { /* without the lock */
+    for (unsigned long long n = now_ns(); n < t; n = now_ns()) {
+        unsigned long long d = t - n;
+        struct timespec ts = {(time_t)(d / 1000000000ull), (long)(d % 1000000000ull)};
+        nanosleep(&ts, NULL);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* entry helpers */
+
+#define BEGIN(name)                                                                           \
+    lock();                                                                                   \
+    CUresult inj_ = inject(#name);                                                            \
+    if (inj_) { unlock(); return inj_; }
+#define RETURN(x) do { CUresult r_ = (x); unlock(); return r_; } while (0)
+#define NEED_INIT() do { if (!g.inited) RETURN(E_NOT_INITIALIZED); } while (0)
+#define NEED_CTX() do { NEED_INIT(); if (!t_current || !ctx_valid(t_current)) RETURN(E_INVALID_CONTEXT); } while (0)
+#define NEED_DEV(d) do { NEED_INIT(); if ((d) < 0 || (d) >= g.devices) RETURN(E_INVALID_DEVICE); } while (0)
+
+/* ------------------------------------------------------------------------------------------ */
+/* initialization, devices, errors */
+
+CUresult cuInit(unsigned flags) {
+    BEGIN(cuInit);
+    if (flags) RETURN(E_INVALID_VALUE);
+    if (!g.inited) {
+        for (int d = 0; d < MAX_DEVICES; d++) {
+            ctxs[d].dev = d;
+            ctxs[d].null_stream.ctx = &ctxs[d];
+        }
+        g.inited = 1;
+    }
+    RETURN(OK);
+}
+
+CUresult cuDriverGetVersion(int *v) {
+    BEGIN(cuDriverGetVersion);
+    if (!v) RETURN(E_INVALID_VALUE);
+    *v = 12040;
+    RETURN(OK);
+}
+
+CUresult cuDeviceGetCount(int *n) {
+    BEGIN(cuDeviceGetCount);
+    NEED_INIT();
+    if (!n) RETURN(E_INVALID_VALUE);
+    *n = g.devices;
+    RETURN(OK);
+}
+
+CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
+    BEGIN(cuDeviceGet);
+    NEED_DEV(ordinal);
+    if (!dev) RETURN(E_INVALID_VALUE);
+    *dev = ordinal;
+    RETURN(OK);
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+    BEGIN(cuDeviceGetName);
+    NEED_DEV(dev);
+    if (!name || len <= 0) RETURN(E_INVALID_VALUE);
+    snprintf(name, (size_t)len, "hostcuda host-memory device %d", dev);
+    RETURN(OK);
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
+    BEGIN(cuDeviceTotalMem_v2);
+    NEED_DEV(dev);
+    if (!bytes) RETURN(E_INVALID_VALUE);
+    *bytes = g.capacity;
+    RETURN(OK);
+}
+
+CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
+    BEGIN(cuDeviceGetAttribute);
+    NEED_DEV(dev);
+    if (!value) RETURN(E_INVALID_VALUE);
+    switch (attribute) {
+    case 1: *value = 1024; break;        /* MAX_THREADS_PER_BLOCK */
+    case 16: *value = 4; break;          /* MULTIPROCESSOR_COUNT */
+    case 75: *value = 9; break;          /* COMPUTE_CAPABILITY_MAJOR */
+    case 76: *value = 0; break;          /* COMPUTE_CAPABILITY_MINOR */
+    case 102: *value = g.vmm != 0; break; /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
+    default: RETURN(E_INVALID_VALUE);
+    }
+    RETURN(OK);
+}
+
+static const struct { int code; const char *name, *text; } names[] = {
+    {0, "CUDA_SUCCESS", "no error"},
+    {1, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {2, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {3, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {4, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+    {100, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {101, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {201, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {400, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {401, "CUDA_ERROR_ILLEGAL_STATE", "the operation cannot be performed in the present state"},
+    {600, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {700, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {801, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", "operation not permitted when stream is capturing"},
+    {901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", "operation failed due to a previous error during capture"},
+    {906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT", "operation would make the legacy stream depend on a capturing blocking stream"},
+    {907, "CUDA_ERROR_CAPTURED_EVENT", "operation not permitted on an event last recorded in a capturing stream"},
+    {908, "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD", "attempt to terminate a thread-local capture sequence from another thread"},
+    {999, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+/* Codes this driver does not know (226, 46, ...) are CUDA_ERROR_INVALID_VALUE with *out NULL,
+ * as a driver older than the code does. */
+static CUresult lookup(int code, const char **out, int text) {
+    if (!out) return E_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++)
+        if (names[i].code == code) {
+            *out = text ? names[i].text : names[i].name;
+            return OK;
+        }
+    *out = NULL;
+    return E_INVALID_VALUE;
+}
+
+CUresult cuGetErrorName(CUresult code, const char **out) {
+    BEGIN(cuGetErrorName);
+    RETURN(lookup(code, out, 0));
+}
+
+CUresult cuGetErrorString(CUresult code, const char **out) {
+    BEGIN(cuGetErrorString);
+    RETURN(lookup(code, out, 1));
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* contexts */
+
+CUresult cuDevicePrimaryCtxRetain(void **out, CUdevice dev) {
+    BEGIN(cuDevicePrimaryCtxRetain);
+    NEED_DEV(dev);
+    if (!out) RETURN(E_INVALID_VALUE);
+    ctxs[dev].refs++;
+    *out = &ctxs[dev];
+    RETURN(OK);
+}
+
+static CUresult primary_release(CUdevice dev) {
+    if (ctxs[dev].refs <= 0) return E_INVALID_CONTEXT;
+    ctxs[dev].refs--;
+    return OK;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) {
+    BEGIN(cuDevicePrimaryCtxRelease_v2);
+    NEED_DEV(dev);
+    RETURN(primary_release(dev));
+}
+
+CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
+    BEGIN(cuDevicePrimaryCtxRelease);
+    NEED_DEV(dev);
+    RETURN(primary_release(dev));
+}
+
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned *flags, int *active) {
+    BEGIN(cuDevicePrimaryCtxGetState);
+    NEED_DEV(dev);
+    if (!flags || !active) RETURN(E_INVALID_VALUE);
+    *flags = 0;
+    *active = ctxs[dev].refs > 0;
+    RETURN(OK);
+}
+
+CUresult cuCtxGetCurrent(void **out) {
+    BEGIN(cuCtxGetCurrent);
+    NEED_INIT();
+    if (!out) RETURN(E_INVALID_VALUE);
+    *out = t_current;
+    RETURN(OK);
+}
+
+CUresult cuCtxSetCurrent(void *c) {
+    BEGIN(cuCtxSetCurrent);
+    NEED_INIT();
+    if (c && !ctx_valid(c)) RETURN(E_INVALID_CONTEXT);
+    t_current = c;
+    RETURN(OK);
+}
+
+CUresult cuCtxGetDevice(CUdevice *dev) {
+    BEGIN(cuCtxGetDevice);
+    NEED_CTX();
+    if (!dev) RETURN(E_INVALID_VALUE);
+    *dev = t_current->dev;
+    RETURN(OK);
+}
+
+CUresult cuCtxSynchronize(void) {
+    BEGIN(cuCtxSynchronize);
+    NEED_CTX();
+    CUresult r = unsafe_call("cuCtxSynchronize");
+    if (r) RETURN(r);
+    unsigned long long until = 0;
+    for_each_stream(t_current, max_busy, &until);
+    unlock();
+    sleep_until(until);
+    return OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* streams and capture */
+
+CUresult cuStreamCreate(void **out, unsigned flags) {
+    BEGIN(cuStreamCreate);
+    NEED_CTX();
+    if (!out || (flags & ~STREAM_NON_BLOCKING)) RETURN(E_INVALID_VALUE);
+    struct stream *s = calloc(1, sizeof *s);
+    if (!s || reg_add(&streams, s)) { free(s); RETURN(E_OUT_OF_MEMORY); }
+    s->ctx = t_current;
+    s->flags = flags;
+    *out = s;
+    RETURN(OK);
+}
+
+static CUresult stream_destroy(void *h) {
+    long i = (uintptr_t)h <= 2 ? -1 : reg_find(&streams, h);
+    if (i < 0) return E_INVALID_HANDLE;
+    reg_del(&streams, i);
+    free(h);
+    return OK;
+}
+
+CUresult cuStreamDestroy_v2(void *h) {
+    BEGIN(cuStreamDestroy_v2);
+    NEED_INIT();
+    RETURN(stream_destroy(h));
+}
+
+CUresult cuStreamDestroy(void *h) {
+    BEGIN(cuStreamDestroy);
+    NEED_INIT();
+    RETURN(stream_destroy(h));
+}
+
+CUresult cuStreamGetCtx(void *h, void **out) {
+    BEGIN(cuStreamGetCtx);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(h, &s);
+    if (r) RETURN(r);
+    if (!out) RETURN(E_INVALID_VALUE);
+    *out = s->ctx;
+    RETURN(OK);
+}
+
+CUresult cuStreamQuery(void *h) {
+    BEGIN(cuStreamQuery);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(h, &s);
+    if (r) RETURN(r);
+    if (capturing(s)) { s->cap_status = CAP_INVALIDATED; RETURN(E_CAPTURE_UNSUPPORTED); }
+    if ((r = unsafe_call("cuStreamQuery"))) RETURN(r);
+    RETURN(s->busy_until <= now_ns() ? OK : E_NOT_READY);
+}
+
+CUresult cuStreamSynchronize(void *h) {
+    BEGIN(cuStreamSynchronize);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(h, &s);
+    if (r) RETURN(r);
+    if (capturing(s)) { s->cap_status = CAP_INVALIDATED; RETURN(E_CAPTURE_UNSUPPORTED); }
+    if ((r = unsafe_call("cuStreamSynchronize"))) RETURN(r);
+    unsigned long long until = s->busy_until;
+    unlock();
+    sleep_until(until);
+    return OK;
+}
+
+CUresult cuStreamBeginCapture_v2(void *h, int mode) {
+    BEGIN(cuStreamBeginCapture_v2);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(h, &s);
+    if (r) RETURN(r);
+    if (mode < MODE_GLOBAL || mode > MODE_RELAXED) RETURN(E_INVALID_VALUE);
+    if (is_null_stream(s)) RETURN(E_CAPTURE_UNSUPPORTED);
+    if (capturing(s)) RETURN(E_ILLEGAL_STATE);
+    s->cap_status = CAP_ACTIVE;
+    s->cap_mode = mode;
+    s->cap_thread = pthread_self();
+    RETURN(OK);
+}
+
+CUresult cuStreamEndCapture(void *h, void **graph) {
+    BEGIN(cuStreamEndCapture);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(h, &s);
+    if (r) RETURN(r);
+    if (!graph) RETURN(E_INVALID_VALUE);
+    if (!capturing(s)) RETURN(E_ILLEGAL_STATE);
+    if (s->cap_mode != MODE_RELAXED && !pthread_equal(s->cap_thread, pthread_self()))
+        RETURN(E_CAPTURE_WRONG_THREAD);
+    int invalid = s->cap_status == CAP_INVALIDATED;
+    s->cap_status = CAP_NONE;
+    *graph = NULL;
+    if (invalid) RETURN(E_CAPTURE_INVALIDATED);
+    void *gr = malloc(16);
+    if (!gr || reg_add(&graphs, gr)) { free(gr); RETURN(E_OUT_OF_MEMORY); }
+    *graph = gr;
+    RETURN(OK);
+}
+
+CUresult cuStreamIsCapturing(void *h, int *status) {
+    BEGIN(cuStreamIsCapturing);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(h, &s);
+    if (r) RETURN(r);
+    if (!status) RETURN(E_INVALID_VALUE);
+    *status = s->cap_status;
+    RETURN(OK);
+}
+
+CUresult cuThreadExchangeStreamCaptureMode(int *mode) {
+    BEGIN(cuThreadExchangeStreamCaptureMode);
+    NEED_INIT();
+    if (!mode || *mode < MODE_GLOBAL || *mode > MODE_RELAXED) RETURN(E_INVALID_VALUE);
+    int old = t_mode;
+    t_mode = *mode;
+    *mode = old;
+    RETURN(OK);
+}
+
+CUresult cuGraphDestroy(void *gr) {
+    BEGIN(cuGraphDestroy);
+    NEED_INIT();
+    long i = reg_find(&graphs, gr);
+    if (i < 0) RETURN(E_INVALID_VALUE);
+    reg_del(&graphs, i);
+    free(gr);
+    RETURN(OK);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* events */
+
+CUresult cuEventCreate(void **out, unsigned flags) {
+    BEGIN(cuEventCreate);
+    NEED_CTX();
+    if (!out || (flags & ~0xfu)) RETURN(E_INVALID_VALUE);
+    struct event *e = calloc(1, sizeof *e);
+    if (!e || reg_add(&events, e)) { free(e); RETURN(E_OUT_OF_MEMORY); }
+    e->ctx = t_current;
+    *out = e;
+    RETURN(OK);
+}
+
+static CUresult event_destroy(void *h) {
+    long i = reg_find(&events, h);
+    if (i < 0) return E_INVALID_HANDLE;
+    reg_del(&events, i);
+    free(h);
+    return OK;
+}
+
+CUresult cuEventDestroy_v2(void *h) {
+    BEGIN(cuEventDestroy_v2);
+    NEED_INIT();
+    RETURN(event_destroy(h));
+}
+
+CUresult cuEventDestroy(void *h) {
+    BEGIN(cuEventDestroy);
+    NEED_INIT();
+    RETURN(event_destroy(h));
+}
+
+CUresult cuEventRecord(void *h, void *sh) {
+    BEGIN(cuEventRecord);
+    NEED_INIT();
+    if (reg_find(&events, h) < 0) RETURN(E_INVALID_HANDLE);
+    struct event *e = h;
+    struct stream *s;
+    CUresult r = stream_of(sh, &s);
+    if (r) RETURN(r);
+    /* The event and the stream must belong to the same context. */
+    if (e->ctx != s->ctx) RETURN(E_INVALID_HANDLE);
+    if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
+    if (s->cap_status == CAP_ACTIVE) {
+        e->captured = 1; /* a node of the graph: it completes only when the graph runs */
+        RETURN(OK);
+    }
+    if ((r = legacy_during_capture(s))) RETURN(r);
+    e->captured = 0;
+    e->done_at = enqueue(s);
+    RETURN(OK);
+}
+
+CUresult cuEventQuery(void *h) {
+    BEGIN(cuEventQuery);
+    NEED_INIT();
+    if (reg_find(&events, h) < 0) RETURN(E_INVALID_HANDLE);
+    struct event *e = h;
+    CUresult r = unsafe_call("cuEventQuery");
+    if (r) RETURN(r);
+    if (e->captured) RETURN(E_CAPTURED_EVENT);
+    RETURN(e->done_at <= now_ns() ? OK : E_NOT_READY);
+}
+
+CUresult cuEventSynchronize(void *h) {
+    BEGIN(cuEventSynchronize);
+    NEED_INIT();
+    if (reg_find(&events, h) < 0) RETURN(E_INVALID_HANDLE);
+    struct event *e = h;
+    CUresult r = unsafe_call("cuEventSynchronize");
+    if (r) RETURN(r);
+    if (e->captured) RETURN(E_CAPTURED_EVENT);
+    unsigned long long until = e->done_at;
+    unlock();
+    sleep_until(until);
+    return OK;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* linear memory */
+
+static unsigned long long round_up(unsigned long long x, unsigned long long to) { return (x + to - 1) / to * to; }
+
+CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
+    BEGIN(cuMemGetInfo_v2);
+    NEED_CTX();
+    if (!free_bytes || !total) RETURN(E_INVALID_VALUE);
+    int d = t_current->dev;
+    *free_bytes = g.capacity > used[d] ? g.capacity - used[d] : 0;
+    *total = g.capacity;
+    RETURN(OK);
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t bytes) {
+    BEGIN(cuMemAlloc_v2);
+    NEED_CTX();
+    CUresult r = unsafe_call("cuMemAlloc_v2");
+    if (r) RETURN(r);
+    if (!out || bytes == 0) RETURN(E_INVALID_VALUE);
+    int d = t_current->dev;
+    unsigned long long charged = round_up(bytes, ALLOC_PAGE);
+    if (charged > g.capacity || used[d] > g.capacity - charged) RETURN(E_OUT_OF_MEMORY);
+    void *p = mmap(NULL, charged, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) RETURN(E_OUT_OF_MEMORY);
+    struct alloc *a = malloc(sizeof *a);
+    if (!a || reg_add(&allocs, a)) { free(a); munmap(p, charged); RETURN(E_OUT_OF_MEMORY); }
+    *a = (struct alloc){(uintptr_t)p, bytes, charged, d};
+    used[d] += charged;
+    *out = (uintptr_t)p;
+    RETURN(OK);
+}
+
+CUresult cuMemFree_v2(CUdeviceptr ptr) {
+    BEGIN(cuMemFree_v2);
+    NEED_CTX();
+    CUresult r = unsafe_call("cuMemFree_v2");
+    if (r) RETURN(r);
+    for (size_t i = 0; i < allocs.n; i++) {
+        struct alloc *a = allocs.v[i];
+        if (a->addr == ptr) {
+            munmap((void *)(uintptr_t)a->addr, a->charged);
+            used[a->dev] -= a->charged;
+            reg_del(&allocs, (long)i);
+            free(a);
+            RETURN(OK);
+        }
+    }
+    RETURN(E_INVALID_VALUE);
+}
+
+/* Whether [ptr, ptr+n) is device memory: inside one allocation, or mapped throughout with
+ * access that allows writing (`write`) or reading. */
+static int device_range(unsigned long long ptr, unsigned long long n, int write) {
+    for (size_t i = 0; i < allocs.n; i++) {
+        struct alloc *a = allocs.v[i];
+        if (ptr >= a->addr && ptr + n <= a->addr + a->size) return 1;
+    }
+    unsigned long long pos = ptr, end = ptr + n;
+    while (pos < end) {
+        struct mapping *hit = NULL;
+        for (size_t i = 0; i < maps.n && !hit; i++) {
+            struct mapping *m = maps.v[i];
+            if (pos >= m->addr && pos < m->addr + m->size) hit = m;
+        }
+        if (!hit || !(hit->prot & (write ? PROT_WRITE : PROT_READ))) return 0;
+        pos = hit->addr + hit->size;
+    }
+    return n > 0;
+}
+
+CUresult cuMemsetD8_v2(CUdeviceptr ptr, unsigned char value, size_t n) {
+    BEGIN(cuMemsetD8_v2);
+    NEED_CTX();
+    CUresult r = unsafe_call("cuMemsetD8_v2");
+    if (r) RETURN(r);
+    if (!device_range(ptr, n, 1)) RETURN(E_INVALID_VALUE);
+    memset((void *)(uintptr_t)ptr, value, n);
+    RETURN(OK);
+}
+
+CUresult cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t n, void *sh) {
+    BEGIN(cuMemsetD8Async);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(sh, &s);
+    if (r) RETURN(r);
+    if (!device_range(ptr, n, 1)) RETURN(E_INVALID_VALUE);
+    if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
+    if (s->cap_status == CAP_ACTIVE) RETURN(OK); /* captured: runs when the graph runs */
+    if ((r = legacy_during_capture(s))) RETURN(r);
+    memset((void *)(uintptr_t)ptr, value, n);
+    enqueue(s);
+    RETURN(OK);
+}
+
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+    BEGIN(cuMemcpyDtoH_v2);
+    NEED_CTX();
+    CUresult r = unsafe_call("cuMemcpyDtoH_v2");
+    if (r) RETURN(r);
+    if (!dst || !device_range(src, n, 0)) RETURN(E_INVALID_VALUE);
+    memcpy(dst, (void *)(uintptr_t)src, n);
+    RETURN(OK);
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+    BEGIN(cuMemcpyHtoD_v2);
+    NEED_CTX();
+    CUresult r = unsafe_call("cuMemcpyHtoD_v2");
+    if (r) RETURN(r);
+    if (!src || !device_range(dst, n, 1)) RETURN(E_INVALID_VALUE);
+    memcpy((void *)(uintptr_t)dst, src, n);
+    RETURN(OK);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* virtual memory management */
+
+struct location { int type, id; };
+struct alloc_prop {
+    int type, handle_types;
+    struct location location;
+    void *win32;
+    unsigned char compression, rdma;
+    unsigned short usage;
+    unsigned char reserved[4];
+};
+struct access_desc { struct location location; int flags; };
+
+static CUresult vmm_check(void) {
+    if (!g.inited) return E_NOT_INITIALIZED;
+    return g.vmm ? OK : E_NOT_SUPPORTED;
+}
+
+/* CU_MEM_ALLOCATION_TYPE_PINNED on CU_MEM_LOCATION_TYPE_DEVICE of an existing device. */
+static CUresult prop_check(const struct alloc_prop *p) {
+    if (!p || p->type != 1 || p->location.type != 1) return E_INVALID_VALUE;
+    if (p->location.id < 0 || p->location.id >= g.devices) return E_INVALID_DEVICE;
+    return OK;
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *out, const struct alloc_prop *prop, int option) {
+    BEGIN(cuMemGetAllocationGranularity);
+    CUresult r = vmm_check();
+    if (r) RETURN(r);
+    if (!out || (option != 0 && option != 1)) RETURN(E_INVALID_VALUE);
+    if ((r = prop_check(prop))) RETURN(r);
+    *out = GRANULARITY;
+    RETURN(OK);
+}
+
+CUresult cuMemAddressReserve(CUdeviceptr *out, size_t size, size_t alignment, CUdeviceptr addr, unsigned long long flags) {
+    BEGIN(cuMemAddressReserve);
+    (void)addr; /* a hint only */
+    CUresult r = vmm_check();
+    if (r) RETURN(r);
+    if (!out || size == 0 || size % GRANULARITY || flags || (alignment & (alignment - 1))) RETURN(E_INVALID_VALUE);
+    unsigned long long align = alignment > GRANULARITY ? alignment : GRANULARITY;
+    unsigned long long span = size + align;
+    char *p = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) RETURN(E_OUT_OF_MEMORY);
+    unsigned long long base = round_up((uintptr_t)p, align);
+    if (base > (uintptr_t)p) munmap(p, base - (uintptr_t)p);
+    unsigned long long tail = (uintptr_t)p + span - (base + size);
+    if (tail) munmap((void *)(uintptr_t)(base + size), tail);
+    struct resv *v = malloc(sizeof *v);
+    if (!v || reg_add(&resvs, v)) { free(v); munmap((void *)(uintptr_t)base, size); RETURN(E_OUT_OF_MEMORY); }
+    *v = (struct resv){base, size};
+    *out = base;
+    RETURN(OK);
+}
+
+static int overlaps(unsigned long long a, unsigned long long an, unsigned long long b, unsigned long long bn) {
+    return a < b + bn && b < a + an;
+}
+
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+    BEGIN(cuMemAddressFree);
+    CUresult r = vmm_check();
+    if (r) RETURN(r);
+    for (size_t i = 0; i < resvs.n; i++) {
+        struct resv *v = resvs.v[i];
+        if (v->base != ptr || v->size != size) continue;
+        for (size_t j = 0; j < maps.n; j++) {
+            struct mapping *m = maps.v[j];
+            if (overlaps(m->addr, m->size, ptr, size)) RETURN(E_INVALID_VALUE); /* still mapped */
+        }
+        munmap((void *)(uintptr_t)ptr, size);
+        reg_del(&resvs, (long)i);
+        free(v);
+        RETURN(OK);
+    }
+    RETURN(E_INVALID_VALUE);
+}
+
+CUresult cuMemCreate(CUmemGenericAllocationHandle *out, size_t size, const struct alloc_prop *prop, unsigned long long flags) {
+    BEGIN(cuMemCreate);
+    CUresult r = vmm_check();
+    if (r) RETURN(r);
+    if (!out || size == 0 || size % GRANULARITY || flags) RETURN(E_INVALID_VALUE);
+    if ((r = prop_check(prop))) RETURN(r);
+    int d = prop->location.id;
+    if (size > g.capacity || used[d] > g.capacity - size) RETURN(E_OUT_OF_MEMORY);
+    int fd = memfd_create("hostcuda", MFD_CLOEXEC);
+    if (fd < 0) RETURN(E_OUT_OF_MEMORY);
+    if (ftruncate(fd, (off_t)size)) { close(fd); RETURN(E_OUT_OF_MEMORY); }
+    struct phys *p = calloc(1, sizeof *p);
+    if (!p || reg_add(&physs, p)) { free(p); close(fd); RETURN(E_OUT_OF_MEMORY); }
+    p->fd = fd;
+    p->dev = d;
+    p->size = size;
+    used[d] += size;
+    *out = (uintptr_t)p;
+    RETURN(OK);
+}
+
+static void phys_free(struct phys *p) {
+    close(p->fd);
+    used[p->dev] -= p->size;
+    reg_del(&physs, reg_find(&physs, p));
+    free(p);
+}
+
+/* Released now if mapped nowhere, else when its last mapping is unmapped. */
+CUresult cuMemRelease(CUmemGenericAllocationHandle h) {
+    BEGIN(cuMemRelease);
+    CUresult r = vmm_check();
+    if (r) RETURN(r);
+    struct phys *p = (struct phys *)(uintptr_t)h;
+    if (reg_find(&physs, p) < 0 || p->released) RETURN(E_INVALID_VALUE);
+    p->released = 1;
+    if (p->maps == 0) phys_free(p);
+    RETURN(OK);
+}
+
+static int reserved(unsigned long long ptr, unsigned long long size) {
+    for (size_t i = 0; i < resvs.n; i++) {
+        struct resv *v = resvs.v[i];
+        if (ptr >= v->base && ptr + size <= v->base + v->size) return 1;
+    }
+    return 0;
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle h, unsigned long long flags) {
+    BEGIN(cuMemMap);
+    CUresult r = vmm_check();
+    if (r) RETURN(r);
+    struct phys *p = (struct phys *)(uintptr_t)h;
+    if (reg_find(&physs, p) < 0 || p->released) RETURN(E_INVALID_HANDLE);
+    if (flags || size == 0 || ptr % GRANULARITY || size % GRANULARITY || offset % GRANULARITY ||
+        offset + size > p->size)
+        RETURN(E_INVALID_VALUE);
+    if (!reserved(ptr, size)) RETURN(E_INVALID_VALUE);
+    for (size_t i = 0; i < maps.n; i++) {
+        struct mapping *m = maps.v[i];
+        if (overlaps(m->addr, m->size, ptr, size)) RETURN(E_INVALID_VALUE); /* never over mapped bytes */
+    }
+    /* Inaccessible until cuMemSetAccess, as on a device. */
+    void *at = mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_SHARED | MAP_FIXED, p->fd, (off_t)offset);
+    if (at == MAP_FAILED) RETURN(E_OUT_OF_MEMORY);
+    struct mapping *m = malloc(sizeof *m);
+    if (!m || reg_add(&maps, m)) {
+        free(m);
+        mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+        RETURN(E_OUT_OF_MEMORY);
+    }
+    *m = (struct mapping){ptr, size, offset, p, PROT_NONE};
+    p->maps++;
+    RETURN(OK);
+}
+
+/* The mappings that make up exactly [ptr, ptr+size), or 0 when the range has a hole or cuts
+ * a mapping. */
+static int whole_mappings(unsigned long long ptr, unsigned long long size) {
+    unsigned long long covered = 0;
+    for (size_t i = 0; i < maps.n; i++) {
+        struct mapping *m = maps.v[i];
+        if (!overlaps(m->addr, m->size, ptr, size)) continue;
+        if (m->addr < ptr || m->addr + m->size > ptr + size) return 0;
+        covered += m->size;
+    }
+    return covered == size;
+}
+
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const struct access_desc *desc, size_t count) {
+    BEGIN(cuMemSetAccess);
+    CUresult r = vmm_check();
+    if (r) RETURN(r);
+    if (!desc || count == 0 || size == 0 || ptr % GRANULARITY || size % GRANULARITY) RETURN(E_INVALID_VALUE);
+    if (!whole_mappings(ptr, size)) RETURN(E_INVALID_VALUE);
+    int prot = PROT_NONE;
+    for (size_t i = 0; i < count; i++) {
+        if (desc[i].location.type != 1) RETURN(E_INVALID_VALUE);
+        if (desc[i].location.id < 0 || desc[i].location.id >= g.devices) RETURN(E_INVALID_DEVICE);
+        switch (desc[i].flags) {
+        case 0: break;
+        case 1: prot |= PROT_READ; break;
+        case 3: prot |= PROT_READ | PROT_WRITE; break;
+        default: RETURN(E_INVALID_VALUE);
+        }
+    }
+    if (mprotect((void *)(uintptr_t)ptr, size, prot)) RETURN(E_INVALID_VALUE);
+    for (size_t i = 0; i < maps.n; i++) {
+        struct mapping *m = maps.v[i];
+        if (overlaps(m->addr, m->size, ptr, size)) m->prot = prot;
+    }
+    RETURN(OK);
+}
+
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+    BEGIN(cuMemUnmap);
+    CUresult r = vmm_check();
+    if (r) RETURN(r);
+    if (size == 0 || ptr % GRANULARITY || size % GRANULARITY || !whole_mappings(ptr, size)) RETURN(E_INVALID_VALUE);
+    /* Back to reserved, inaccessible address space. */
+    mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+    for (size_t i = 0; i < maps.n;) {
+        struct mapping *m = maps.v[i];
+        if (!overlaps(m->addr, m->size, ptr, size)) { i++; continue; }
+        struct phys *p = m->p;
+        reg_del(&maps, (long)i);
+        free(m);
+        if (--p->maps == 0 && p->released) phys_free(p);
+    }
+    RETURN(OK);
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* control for tests (not part of CUDA): a test finds it with dlsym and skips on a real driver */
+
+/* Sets one setting: capacity_mb, delay_us, jitter_us, vmm, seed, trace, fail (a HOSTCUDA_FAIL
+ * rule list, replacing the rules and their counters). Returns 0, or -1 for an unknown key or
+ * a bad value. */
+int hostcuda_set(const char *key, const char *value) {
+    lock();
+    configure();
+    int rc = 0;
+    unsigned long long v = value ? strtoull(value, NULL, 10) : 0;
+    if (!key || !value) rc = -1;
+    else if (!strcmp(key, "capacity_mb")) g.capacity = v << 20;
+    else if (!strcmp(key, "delay_us")) g.delay_ns = v * 1000;
+    else if (!strcmp(key, "jitter_us")) g.jitter_ns = v * 1000;
+    else if (!strcmp(key, "vmm")) g.vmm = v != 0;
+    else if (!strcmp(key, "seed")) g.rng = v;
+    else if (!strcmp(key, "trace")) g.trace = v != 0;
+    else if (!strcmp(key, "fail")) rc = parse_rules(value);
+    else rc = -1;
+    unlock();
+    return rc;
+}
+
+/* Bytes of device memory (linear and physical) in use on `dev`, or -1. */
+long long hostcuda_used(int dev) {
+    lock();
+    configure();
+    long long r = dev >= 0 && dev < g.devices ? (long long)used[dev] : -1;
+    unlock();
+    return r;
+}
