@@ -631,8 +631,11 @@ impl Heap {
     /// Waits for every pending event and completes those frees.
     fn synchronize_pending(&mut self) -> Result<()> {
         self.stats.num_sync_all_streams += 1;
-        while let Some((event, id)) = self.pending.pop_front() {
+        // The event leaves the queue only once waited for: a failed wait leaves it there for
+        // the next attempt, so its block is not stranded as pending.
+        while let Some(&(event, id)) = self.pending.front() {
             self.backend.wait_event(event)?;
+            self.pending.pop_front();
             self.event_completed(event, id)?;
         }
         Ok(())

@@ -696,6 +696,20 @@ impl Backend for CudaDevice {
         self.time.sync_ns += elapsed_ns(start);
         done
     }
+
+    fn stream_is_capturing(&mut self, stream: Stream) -> Result<bool> {
+        let _ours = self.enter()?;
+        let context = self.stream_context(stream)?;
+        CurrentContext::enter(self.api, context).and_then(|_theirs| {
+            let mut status: c_int = 0;
+            // Safety: the caller's stream handle, in its own context; the driver writes one enum.
+            check("cuStreamIsCapturing", unsafe {
+                (self.api.stream_is_capturing)(stream_handle(stream), &mut status)
+            })?;
+            // CU_STREAM_CAPTURE_STATUS_NONE is 0; ACTIVE and INVALIDATED both mean "capturing".
+            Ok(status != 0)
+        })
+    }
 }
 
 #[cfg(test)]
@@ -924,6 +938,7 @@ mod tests {
             check("cuStreamIsCapturing", unsafe { (api.stream_is_capturing)(stream, &mut status) })
                 .expect("is capturing");
             assert_eq!(status, 1, "the capture is still active (not invalidated) after cuMemAlloc");
+            assert!(dev.stream_is_capturing(Stream(stream as u64)).expect("backend query"));
             let mut graph: CuGraph = std::ptr::null_mut();
             // Safety: as above; one out-pointer to a local.
             let ended = check("cuStreamEndCapture", unsafe { (api.stream_end_capture)(stream, &mut graph) });
@@ -932,6 +947,7 @@ mod tests {
             // Safety: the graph just captured, destroyed once.
             let _ = unsafe { (api.graph_destroy)(graph) };
             dev.release(ptr, 2 * MIB).expect("cuMemFree after the capture");
+            assert!(!dev.stream_is_capturing(Stream(stream as u64)).expect("backend query"));
         }
         // Safety: the stream made above, destroyed once.
         let _ = unsafe { (api.stream_destroy)(stream) };
@@ -1326,12 +1342,10 @@ mod tests {
         }
     }
 
-    /// Found by the random programs: when waiting for a pending free's event fails, the heap has
-    /// already taken the event off its queue (`synchronize_pending` in heap.rs), so the block
-    /// stays pending for good and its segment can never be released. Run with `--ignored`
-    /// once heap.rs keeps the event until the wait succeeds.
+    /// Found by the random programs: when waiting for a pending free's event failed, the heap
+    /// had already taken the event off its queue, so the block stayed pending for good and its
+    /// segment could never be released.
     #[test]
-    #[ignore = "heap.rs: synchronize_pending drops an event whose wait failed; the block leaks"]
     fn host_a_failed_wait_does_not_leak_the_block() {
         let Some(host) = HostCuda::get("host_a_failed_wait_does_not_leak_the_block") else { return };
         let mut devices = open_devices().expect("devices");
