@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Records allocation traces of small real transformers models on the CPU, as stepalloc JSON lines.
+r"""Records allocation traces of small real transformers models on the CPU, as stepalloc JSON lines.
 
 The models are built from configs with random weights (nothing is downloaded). Every tensor
 allocation and free is taken from the PyTorch profiler (`profile_memory=True`: each memory event
@@ -21,16 +21,28 @@ Workloads (`--workload`):
              alternating with training steps on the generated episodes; `--train-vision` trains
              the vision tower too (frozen by default).
 
-Usage (from the repository root; each trace is kept under 2 MB):
-    python3 stress/tests/data/record_model_trace.py --workload sft --out stress/tests/data/model_llama_sft.jsonl
-    python3 stress/tests/data/record_model_trace.py --workload vlm-agent --out stress/tests/data/model_vlm_agent.jsonl
-    python3 stress/tests/data/record_model_trace.py --workload vlm-agent --train-vision \
-        --out stress/tests/data/model_vlm_agent_trained_vision.jsonl
+Usage (from the repository root; each trace is kept under 2 MB). The checked-in traces were
+recorded with these exact commands, sized so that each floor (peak live bytes) is 2-5 GiB and
+2 MiB pages do not dominate the comparisons, with the same numbers of layers and steps (hence
+about the same number of events) as the defaults:
+    python3 stress/tests/data/record_model_trace.py --workload sft --hidden 1280 --vocab 32000 \
+        --out stress/tests/data/model_llama_sft.jsonl
+    python3 stress/tests/data/record_model_trace.py --workload vlm-agent --hidden 1536 --vocab 32000 \
+        --vision-hidden 768 --out stress/tests/data/model_vlm_agent.jsonl
+    python3 stress/tests/data/record_model_trace.py --workload vlm-agent --train-vision --hidden 1536 \
+        --vocab 32000 --vision-hidden 768 --out stress/tests/data/model_vlm_agent_trained_vision.jsonl
+Their floors: 2.75 GiB (sft, 12.9k allocations, 1.5 MB), 2.86 GiB (vlm-agent, 15.4k, 1.8 MB) and
+3.10 GiB (trained vision, 17.0k, 1.97 MB); on two CPU cores they took 163 s, 75 s and 78 s of
+CPU time (3.5, 1.7 and 1.8 min wall) and at most 6.2, 4.7 and 4.8 GB of RAM. The script prints
+the counts and the peak live bytes (= the replay's 'peak requested (floor)') to stderr.
 
-Defaults: sft = 12 steps of batch 4 (lengths log-normal around 150 tokens, at most 512) with an
-eval step every 4, Llama hidden 512 x 4 layers, vocab 8192; vlm-agent = 2 iterations of a rollout
-of 3 episodes (1-3 images of 224 px, up to 16 generated tokens) and a training step, CLIP 256 x 2
-layers, Llama hidden 512 x 2 layers. About 20 s each on two CPU cores.
+Defaults (small: floors of 0.37-0.48 GiB): sft = 12 steps of batch 4 (lengths log-normal around
+150 tokens, at most 512) with an eval step every 4, Llama hidden 512 x 4 layers, vocab 8192;
+vlm-agent = 2 iterations of a rollout of 3 episodes (1-3 images of 224 px, up to 16 generated
+tokens) and a training step, CLIP 256 x 2 layers, Llama hidden 512 x 2 layers. About 20 s each on
+two CPU cores. Size options: --hidden (Llama; MLP 11/4 of it, 8 heads, 4 KV heads), --vocab,
+--batch, --max-len, --max-new, --vision-hidden (CLIP; MLP 4x, heads hidden/64, at least 4),
+--image-size; --layers, --vision-layers and --steps change the number of events.
 
 Same seed, same shapes; addresses and times differ between runs (they come from the CPU's
 allocator), which does not change a replay's figures beyond the order of equal-time events.
@@ -104,10 +116,11 @@ def sft(args, rng):
 def vlm_agent(args, rng):
     """Rollouts (generation under no_grad, KV cache growing token by token) alternating with
     training on the episodes; images go through a CLIP tower and a projector into the LM."""
-    image, patch = 224, 16
-    vision = clip_vision(256, args.vision_layers, 4, 1024, image, patch)
+    image, patch = args.image_size, 16
+    vh = args.vision_hidden
+    vision = clip_vision(vh, args.vision_layers, max(4, vh // 64), vh * 4, image, patch)
     lm = llama(args.vocab, args.hidden, args.layers, 8, 4, args.hidden * 11 // 4)
-    proj = torch.nn.Linear(256, args.hidden)
+    proj = torch.nn.Linear(vh, args.hidden)
     trained = list(lm.parameters()) + list(proj.parameters())
     if args.train_vision:
         trained += list(vision.parameters())
@@ -119,7 +132,7 @@ def vlm_agent(args, rng):
     def episode_embeds(images, prompt_len, grad):
         pixels = torch.randn(images, 3, image, image)
         with torch.set_grad_enabled(grad and args.train_vision):
-            feats = vision(pixel_values=pixels).last_hidden_state  # images x tokens x 256
+            feats = vision(pixel_values=pixels).last_hidden_state  # images x tokens x vision_hidden
         with torch.set_grad_enabled(grad):
             img = proj(feats).reshape(1, -1, args.hidden)
             ids = torch.randint(0, args.vocab, (1, prompt_len))
@@ -180,8 +193,9 @@ def collect(prof):
 
 def write(events, out):
     t0 = events[0][0] if events else 0
-    live = set()
-    counts = {"alloc": 0, "free": 0, "steps": 0, "dropped_frees": 0}
+    live = {}
+    counts = {"alloc": 0, "free": 0, "steps": 0, "dropped_frees": 0, "peak_live_bytes": 0}
+    live_bytes = 0
     with open(out, "w") as f:
         for t, _, kind, payload in events:
             t_us = (t - t0) // 1000
@@ -197,11 +211,14 @@ def write(events, out):
                         # An address given out twice without a free in between: the free was
                         # not recorded; treat the old block as gone.
                         f.write('{"op":"free","addr":%d,"t_us":%d}\n' % (ptr, t_us))
-                    live.add(ptr)
+                        live_bytes -= live.pop(ptr)
+                    live[ptr] = size
+                    live_bytes += size
+                    counts["peak_live_bytes"] = max(counts["peak_live_bytes"], live_bytes)
                     f.write('{"op":"alloc","addr":%d,"size":%d,"t_us":%d}\n' % (ptr, size, t_us))
                     counts["alloc"] += 1
                 elif ptr in live:
-                    live.discard(ptr)
+                    live_bytes -= live.pop(ptr)
                     f.write('{"op":"free","addr":%d,"t_us":%d}\n' % (ptr, t_us))
                     counts["free"] += 1
                 else:
@@ -222,6 +239,10 @@ def main():
     p.add_argument("--max-len", type=int, default=512)
     p.add_argument("--max-new", type=int, default=16, help="vlm-agent: most tokens generated per episode")
     p.add_argument("--vision-layers", type=int, default=2)
+    p.add_argument(
+        "--vision-hidden", type=int, default=256, help="vlm-agent: CLIP hidden size (MLP 4x, heads hidden/64, at least 4)"
+    )
+    p.add_argument("--image-size", type=int, default=224, help="vlm-agent: image side in pixels (patches of 16)")
     p.add_argument("--train-vision", action="store_true")
     p.add_argument("--eval-every", type=int, default=4)
     args = p.parse_args()
