@@ -75,17 +75,3 @@ pub fn resolve_one(name: &str, base: &Base) -> Result<RunConfig, String> {
 pub fn resolve(names: &[String], base: &Base) -> Result<Vec<RunConfig>, String> {
     names.iter().map(|name| resolve_one(name, base)).collect()
 }
-
-/// Resolves a default comparison: presets the allocator does not accept (a key this build of
-/// the core does not know yet) are left out, each with the reason, instead of failing the run.
-pub fn resolve_defaults(names: &[&str], base: &Base) -> (Vec<RunConfig>, Vec<String>) {
-    let mut configs = Vec::new();
-    let mut skipped = Vec::new();
-    for name in names {
-        match resolve_one(name, base) {
-            Ok(rc) => configs.push(rc),
-            Err(e) => skipped.push(e),
-        }
-    }
-    (configs, skipped)
-}

@@ -40,7 +40,7 @@ enum BackendArg {
 #[derive(Args)]
 struct Global {
     /// Configurations to compare: presets pytorch, pytorch_expandable, split128,
-    /// empty_cache_every_step, stepalloc, vm_page_release, vm_page_reuse, or raw strings
+    /// empty_cache_every_step, stepalloc, vm_small_pages, vm_page_reuse, vm_page_release, or raw strings
     /// (`key:value,...`, optionally `name=key:value,...`).
     #[arg(long, global = true, num_args = 1..)]
     compare: Vec<String>,
@@ -163,17 +163,13 @@ fn run(cli: Cli) -> Result<i32, String> {
     Ok(0)
 }
 
-/// The configurations of `--compare`, or the default comparison less the presets this build
-/// of the core refuses (each named on stderr).
+/// The configurations of `--compare`, or the default comparison.
 fn resolve(g: &Global, defaults: &[&str], base: &Base) -> Result<Vec<RunConfig>, String> {
-    if !g.compare.is_empty() {
-        return compare::resolve(&g.compare, base);
+    if g.compare.is_empty() {
+        let names: Vec<String> = defaults.iter().map(|s| s.to_string()).collect();
+        return compare::resolve(&names, base);
     }
-    let (configs, skipped) = compare::resolve_defaults(defaults, base);
-    for reason in skipped {
-        eprintln!("note: default comparison: skipped {reason}");
-    }
-    Ok(configs)
+    compare::resolve(&g.compare, base)
 }
 
 fn run_headroom(g: &Global, agent: &AgentArgs, search: &HeadroomArgs, capacity_mb: u64) -> Result<i32, String> {

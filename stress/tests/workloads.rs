@@ -21,16 +21,10 @@ fn small_vlm(seed: u64) -> AgentSpec {
     AgentSpec { seed, iterations: 2, ..AgentSpec::preset(Preset::Vlm7b) }
 }
 
-/// The configurations of `names` this build of the core accepts. Presets that need keys still
-/// being added to the core (`stepalloc`, `pytorch_expandable`: expandable segments) are left
-/// out with a note until it has them; raw strings must parse.
+/// The configurations of `names` (presets or raw strings).
 fn accepted(names: &[&str], base: &Base) -> Vec<RunConfig> {
-    let (configs, skipped) = compare::resolve_defaults(names, base);
-    for reason in skipped {
-        println!("note: skipped {reason}");
-    }
-    assert!(!configs.is_empty());
-    configs
+    let names: Vec<String> = names.iter().map(|s| s.to_string()).collect();
+    compare::resolve(&names, base).unwrap()
 }
 
 fn run_all(program: &Program, names: &[&str], capacity_mb: u64) -> Report {
@@ -256,16 +250,13 @@ fn presets_are_named_once_and_defaults_use_them() {
     }
     assert_eq!(compare::preset("stepalloc"), Some(compare::STEPALLOC_BEST));
     assert_eq!(compare::preset("pytorch_expandable"), Some("expandable_segments:True"));
-    // A preset the core refuses is refused by name, never silently run as something else.
     for n in names {
-        match compare::resolve_one(n, &base(1024)) {
-            Ok(rc) => assert_eq!(rc.empty_cache_every_step, n == "empty_cache_every_step"),
-            Err(e) => assert!(e.contains(n) && e.contains("expandable_segments"), "{e}"),
-        }
+        let rc = compare::resolve_one(n, &base(1024)).unwrap();
+        assert_eq!(rc.empty_cache_every_step, n == "empty_cache_every_step");
     }
-    let (configs, skipped) = compare::resolve_defaults(compare::DEFAULT_AGENT, &base(1024));
-    assert_eq!(configs.len() + skipped.len(), compare::DEFAULT_AGENT.len());
-    assert_eq!(configs[0].name, "pytorch");
+    // A raw string the core refuses is refused by name before any run.
+    let e = compare::resolve_one("bad=page_reuse:True", &base(1024)).unwrap_err();
+    assert!(e.contains("bad=page_reuse:True") && e.contains("expandable_segments"), "{e}");
 }
 
 /// After the virtual-memory merge every preset is accepted.
