@@ -216,42 +216,16 @@ impl Heap {
 
     /// Marks a free block (already out of its list) allocated, splitting off the rest.
     fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64, stream: Stream) -> u64 {
-        let (seg_id, small, expandable, free_stream) = {
+        let (seg_id, small, expandable) = {
             let b = self.arena.block(id);
             let seg = self.arena.segment(b.segment);
-            (b.segment, seg.small, seg.expandable(), b.stream)
+            (b.segment, seg.small, seg.expandable())
         };
         self.split_stat_out(id);
         if self.should_split(self.arena.block(id).size, rounded, small || expandable) {
-            let (addr, size, next) = {
-                let b = self.arena.block(id);
-                (b.addr, b.size, b.next)
-            };
-            let rest = self.arena.new_block(Block {
-                addr: addr + rounded,
-                size: size - rounded,
-                requested: 0,
-                segment: seg_id,
-                prev: id,
-                next,
-                link_prev: NIL,
-                link_next: NIL,
-                list: 0,
-                // The remainder stays reusable by whoever could reuse the whole block.
-                stream: free_stream,
-                state: BlockState::Free,
-                extra_streams: None,
-                pending_events: 0,
-                freed_at: self.alloc_clock,
-            });
-            if next != NIL {
-                self.split_stat_out(next);
-                self.arena.block_mut(next).prev = rest;
-                self.split_stat_in(next);
-            }
-            let b = self.arena.block_mut(id);
-            b.next = rest;
-            b.size = rounded;
+            // The remainder stays free, reusable by whoever could reuse the whole block.
+            let rest = self.split_block(id, rounded);
+            self.arena.block_mut(rest).freed_at = self.alloc_clock;
             self.enlist(rest);
             self.split_stat_in(rest);
         }
@@ -356,22 +330,8 @@ impl Heap {
             handles: Vec::new(),
             mapped: size,
         });
-        let id = self.arena.new_block(Block {
-            addr,
-            size,
-            requested: 0,
-            segment: seg,
-            prev: NIL,
-            next: NIL,
-            link_prev: NIL,
-            link_next: NIL,
-            list: 0,
-            stream,
-            state: BlockState::Free,
-            extra_streams: None,
-            pending_events: 0,
-            freed_at: self.alloc_clock,
-        });
+        let block = Block::unlinked(addr, size, seg, stream, BlockState::Free, self.alloc_clock);
+        let id = self.arena.new_block(block);
         self.arena.segment_mut(seg).first = id;
         if pool > 0 {
             if let Some(p) = self.private_pools[pool as usize - 1].as_mut() {
@@ -465,33 +425,11 @@ impl Heap {
             self.defer_free_events(id);
             return Ok(());
         }
-        match self.arena.block_mut(id).extra_streams.take() {
-            None => self.finish_free(id),
-            Some(streams) => {
-                // Used by several streams: the block is reusable once each stream's queued work,
-                // and the allocating stream's, has passed this point.
-                self.arena.block_mut(id).state = BlockState::Pending;
-                for s in streams.iter().copied().chain(std::iter::once(stream)) {
-                    match self.backend.record_event(s) {
-                        Ok(event) => {
-                            self.arena.block_mut(id).pending_events += 1;
-                            self.pending.push_back((event, id));
-                        }
-                        Err(e) => {
-                            // Cannot order the reuse: wait for the device instead.
-                            self.backend.synchronize()?;
-                            if self.arena.block(id).pending_events == 0 {
-                                self.arena.block_mut(id).stream = ANY_STREAM;
-                                self.finish_free(id)?;
-                            }
-                            return Err(e);
-                        }
-                    }
-                }
-                self.arena.block_mut(id).stream = ANY_STREAM;
-                Ok(())
-            }
+        if self.arena.block(id).extra_streams.is_none() {
+            return self.finish_free(id);
         }
+        self.arena.block_mut(id).state = BlockState::Pending;
+        self.record_free_events(id)
     }
 
     /// A block becomes free: merge it with free neighbours and file it.
@@ -537,6 +475,40 @@ impl Heap {
             self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
         }
         Ok(())
+    }
+
+    /// Splits block `id` at `offset`: it keeps the first `offset` bytes; the rest becomes a new
+    /// block of the same state and stream after it (not filed in any list). Returns the new id.
+    pub(super) fn split_block(&mut self, id: BlockId, offset: u64) -> BlockId {
+        let b = self.arena.block(id);
+        debug_assert!(offset > 0 && offset < b.size);
+        let rest = Block {
+            addr: b.addr + offset,
+            size: b.size - offset,
+            requested: 0,
+            segment: b.segment,
+            prev: id,
+            next: b.next,
+            link_prev: NIL,
+            link_next: NIL,
+            list: 0,
+            stream: b.stream,
+            state: b.state,
+            extra_streams: None,
+            pending_events: 0,
+            freed_at: b.freed_at,
+        };
+        let next = b.next;
+        let rest = self.arena.new_block(rest);
+        if next != NIL {
+            self.split_stat_out(next);
+            self.arena.block_mut(next).prev = rest;
+            self.split_stat_in(next);
+        }
+        let b = self.arena.block_mut(id);
+        b.next = rest;
+        b.size = offset;
+        rest
     }
 
     /// Merges the free block `id` (not in a list) with free neighbours of compatible streams,
@@ -656,8 +628,10 @@ impl Heap {
         self.deferred_work = true;
     }
 
-    /// Records the events of a free deferred by a capture, as `free` does outside one.
-    fn record_deferred_events(&mut self, id: BlockId) -> Result<()> {
+    /// A free of a block used by several streams (`record_stream`): it is reusable once each
+    /// stream's queued work, and the allocating stream's, has passed this point. Records those
+    /// events (at the free, or when a capture that deferred it has ended).
+    fn record_free_events(&mut self, id: BlockId) -> Result<()> {
         let stream = self.arena.block(id).stream;
         let Some(streams) = self.arena.block_mut(id).extra_streams.take() else {
             return self.finish_free(id);
@@ -692,7 +666,7 @@ impl Heap {
         }
         self.deferred_work = false;
         while let Some(id) = self.deferred_frees.pop() {
-            if let Err(e) = self.record_deferred_events(id) {
+            if let Err(e) = self.record_free_events(id) {
                 self.deferred_work = true;
                 return Err(e);
             }

@@ -68,6 +68,33 @@ pub struct Block {
 }
 
 impl Block {
+    /// A block not linked to neighbours or a list, with nothing requested.
+    pub fn unlinked(
+        addr: u64,
+        size: u64,
+        segment: SegmentId,
+        stream: Stream,
+        state: BlockState,
+        freed_at: u64,
+    ) -> Block {
+        Block {
+            addr,
+            size,
+            requested: 0,
+            segment,
+            prev: NIL,
+            next: NIL,
+            link_prev: NIL,
+            link_next: NIL,
+            list: 0,
+            stream,
+            state,
+            extra_streams: None,
+            pending_events: 0,
+            freed_at,
+        }
+    }
+
     pub fn is_split(&self) -> bool {
         self.prev != NIL || self.next != NIL
     }

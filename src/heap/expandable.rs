@@ -179,22 +179,8 @@ impl Heap {
             handles: vec![None; pages],
             mapped: 0,
         });
-        let id = self.arena.new_block(Block {
-            addr,
-            size: bytes,
-            requested: 0,
-            segment: seg,
-            prev: NIL,
-            next: NIL,
-            link_prev: NIL,
-            link_next: NIL,
-            list: 0,
-            stream,
-            state: BlockState::Unmapped,
-            extra_streams: None,
-            pending_events: 0,
-            freed_at: self.alloc_clock,
-        });
+        let block = Block::unlinked(addr, bytes, seg, stream, BlockState::Unmapped, self.alloc_clock);
+        let id = self.arena.new_block(block);
         self.arena.segment_mut(seg).first = id;
         self.stats.segment.increase(small, 1);
         self.stats.virtual_reserved_bytes += bytes;
@@ -481,40 +467,6 @@ impl Heap {
         self.trace.record(TraceAction::SegmentUnmap, start, bytes, 0, seg_stream.0, 0);
         self.merge_unmapped(middle);
         Ok(())
-    }
-
-    /// Splits block `id` at `offset`: it keeps the first `offset` bytes; the rest becomes a new
-    /// block of the same state and stream after it (not filed in any list). Returns the new id.
-    pub(super) fn split_block(&mut self, id: BlockId, offset: u64) -> BlockId {
-        let b = self.arena.block(id);
-        debug_assert!(offset > 0 && offset < b.size);
-        let rest = Block {
-            addr: b.addr + offset,
-            size: b.size - offset,
-            requested: 0,
-            segment: b.segment,
-            prev: id,
-            next: b.next,
-            link_prev: NIL,
-            link_next: NIL,
-            list: 0,
-            stream: b.stream,
-            state: b.state,
-            extra_streams: None,
-            pending_events: 0,
-            freed_at: b.freed_at,
-        };
-        let next = b.next;
-        let rest = self.arena.new_block(rest);
-        if next != NIL {
-            self.split_stat_out(next);
-            self.arena.block_mut(next).prev = rest;
-            self.split_stat_in(next);
-        }
-        let b = self.arena.block_mut(id);
-        b.next = rest;
-        b.size = offset;
-        rest
     }
 
     /// Merges the unmapped block `id` with unmapped neighbours.
