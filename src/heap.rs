@@ -24,7 +24,7 @@ use crate::backend::{Backend, Event, PhysHandle, Stream};
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::freelist::{FreeList, ListKey};
-use crate::segment::{Arena, Block, BlockId, BlockState, Segment, ANY_STREAM, NIL};
+use crate::segment::{Arena, Block, BlockId, BlockState, Segment, SegmentId, ANY_STREAM, NIL};
 use crate::sizeclass::{self, GRANULE, MAX_REQUEST, SMALL_REQUEST};
 use crate::stats::{DeviceStats, HeapStats, ReleaseReason};
 use crate::step::StepState;
@@ -90,6 +90,9 @@ pub struct Heap {
     /// MemPool mode: the caller (PyTorch's caching allocator) caches; a free that leaves a
     /// general-pool segment entirely free gives it back to the device.
     mempool_mode: bool,
+    /// Expandable segments: the physical chunk mapped at each page, `None` where unmapped.
+    /// Beside the segment records, which the hot path reads, rather than in them.
+    pages: FxHashMap<SegmentId, Vec<Option<PhysHandle>>>,
     /// Physical pages unmapped for the request in progress (`page_reuse`); empty between calls.
     idle_pages: Vec<PhysHandle>,
     /// `alloc_clock` when the current step began (`page_release`).
@@ -116,6 +119,7 @@ impl Heap {
             fraction_set: false,
             alloc_clock: 0,
             captures_underway: 0,
+            pages: FxHashMap::default(),
             idle_pages: Vec::new(),
             step_clock: 0,
             deferred_frees: Vec::new(),
@@ -199,6 +203,9 @@ impl Heap {
     /// Expandable segments, as PyTorch: a free block followed by unmapped space (the free tail,
     /// which can grow in place) is taken only when no other free block fits.
     fn prefer_not_tail(&mut self, li: usize, id: BlockId, rounded: u64) -> BlockId {
+        if !self.config.expandable_segments {
+            return id; // no neighbour to load on the plain path
+        }
         let next = self.arena.block(id).next;
         if next == NIL || self.arena.block(next).state != BlockState::Unmapped || rounded >= self.config.max_split_size
         {
@@ -327,7 +334,6 @@ impl Heap {
             oversize,
             live: true,
             page: 0,
-            handles: Vec::new(),
             mapped: size,
         });
         let block = Block::unlinked(addr, size, seg, stream, BlockState::Free, self.alloc_clock);
@@ -933,7 +939,7 @@ impl Heap {
                 ));
             }
             if seg.expandable() {
-                let pages = seg.handles.iter().filter(|h| h.is_some()).count() as u64;
+                let pages = self.pages.get(&seg_id).map_or(0, |p| p.iter().filter(|h| h.is_some()).count()) as u64;
                 if pages * seg.page != seg.mapped {
                     return Err(format!("segment {:#x}: {pages} pages mapped for {} bytes", seg.addr, seg.mapped));
                 }

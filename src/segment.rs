@@ -18,7 +18,7 @@
 //! free blocks of compatible streams are always merged; `busy` counts the blocks of a segment
 //! that are allocated or pending.
 
-use crate::backend::{PhysHandle, Stream};
+use crate::backend::Stream;
 
 pub type BlockId = u32;
 pub type SegmentId = u32;
@@ -121,8 +121,6 @@ pub struct Segment {
     pub live: bool,
     /// Page size of an expandable segment (`size` is then its virtual range); 0 for a plain one.
     pub page: u64,
-    /// Expandable: the physical chunk mapped at each page, `None` where unmapped.
-    pub handles: Vec<Option<PhysHandle>>,
     /// Bytes mapped (the whole size for a plain segment).
     pub mapped: u64,
 }

@@ -176,12 +176,12 @@ impl Heap {
             oversize: false,
             live: true,
             page,
-            handles: vec![None; pages],
             mapped: 0,
         });
         let block = Block::unlinked(addr, bytes, seg, stream, BlockState::Unmapped, self.alloc_clock);
         let id = self.arena.new_block(block);
         self.arena.segment_mut(seg).first = id;
+        self.pages.insert(seg, vec![None; pages]);
         self.stats.segment.increase(small, 1);
         self.stats.virtual_reserved_bytes += bytes;
         Ok(Some(id))
@@ -299,7 +299,7 @@ impl Heap {
             if moved {
                 self.stats.moved_bytes += page;
             }
-            self.arena.segment_mut(seg_id).handles[first + i] = Some(handle);
+            self.page_slot(seg_id, first + i).replace(handle);
         }
         if map_bytes < size {
             let rest = self.split_block(id, map_bytes);
@@ -328,6 +328,11 @@ impl Heap {
         Ok(Some(merged))
     }
 
+    /// The handle slot of page `index` of an expandable segment.
+    fn page_slot(&mut self, seg_id: SegmentId, index: usize) -> &mut Option<PhysHandle> {
+        &mut self.pages.entry(seg_id).or_default()[index]
+    }
+
     /// Creates one page of physical memory.
     fn create_page(&mut self, page: u64) -> Result<PhysHandle> {
         let handle = self.backend.create_physical(page)?;
@@ -346,7 +351,7 @@ impl Heap {
     fn unmap_partial(&mut self, seg_id: SegmentId, first: usize, count: usize) -> Result<()> {
         let (seg_addr, page) = (self.arena.segment(seg_id).addr, self.arena.segment(seg_id).page);
         for i in first..first + count {
-            if let Some(handle) = self.arena.segment_mut(seg_id).handles[i].take() {
+            if let Some(handle) = self.page_slot(seg_id, i).take() {
                 self.backend.unmap(seg_addr + i as u64 * page, page)?;
                 self.stats.num_unmap += 1;
                 self.idle_pages.push(handle);
@@ -429,7 +434,7 @@ impl Heap {
         }
         for p in (start..end).step_by(page as usize) {
             let index = ((p - seg_addr) / page) as usize;
-            let Some(handle) = self.arena.segment_mut(seg_id).handles[index].take() else { continue };
+            let Some(handle) = self.page_slot(seg_id, index).take() else { continue };
             self.backend.unmap(p, page)?;
             self.stats.num_unmap += 1;
             match what {
@@ -529,6 +534,7 @@ impl Heap {
             self.backend.free_address(addr, size)?;
             self.arena.drop_block(first);
             self.arena.drop_segment(seg_id);
+            self.pages.remove(&seg_id);
             self.stats.segment.decrease(small, 1);
             self.stats.virtual_reserved_bytes -= size;
         }
