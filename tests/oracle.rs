@@ -176,9 +176,11 @@ impl Shadow {
     }
 }
 
-/// Runs `f`, saying whether it unmapped pages of `device` (virtual memory).
+/// Runs `f`, saying whether it unmapped pages of `device` (virtual memory) or synchronized the
+/// device: either makes what was freed before reusable by any stream within the same call.
 fn unmapping<T>(a: &Allocator, device: usize, f: impl FnOnce(&Allocator) -> T) -> (bool, T) {
-    let unmaps = |a: &Allocator| a.stats(device).map(|s| s.heap.num_unmap).unwrap_or(0);
+    let unmaps =
+        |a: &Allocator| a.stats(device).map(|s| (s.heap.num_unmap, s.heap.num_device_synchronize)).unwrap_or_default();
     let before = unmaps(a);
     let result = f(a);
     (unmaps(a) != before, result)
@@ -196,8 +198,8 @@ fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
             Op::Malloc { device, size, stream } => {
                 let (unmapped, result) = unmapping(&a, device, |a| a.malloc(device, size, Stream(stream)));
                 if unmapped {
-                    // Pages were unmapped (after synchronizing the streams that used them) and
-                    // may be mapped again anywhere: what was freed before is anyone's.
+                    // Pages were unmapped after synchronizing the streams that used them, or the
+                    // device was synchronized: what was freed before is anyone's.
                     shadow.freed[device].values_mut().for_each(|(_, owner)| *owner = None);
                 }
                 match result {
