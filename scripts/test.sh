@@ -14,6 +14,7 @@ cargo test --workspace
 # The CUDA backend on the host-memory CUDA driver (testdrv/, no GPU needed): the Rust CUDA
 # backend tests (one thread: they change the driver's settings), then gpu/validate.sh (capture
 # probe, cuda_smoke.py on backend:cuda, C ABI programs) with its logs in target/hostcuda-validate.
+cargo build -p stepalloc-stress
 testdrv/build.sh
 (
     export LD_LIBRARY_PATH="$PWD/target/hostcuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -21,6 +22,9 @@ testdrv/build.sh
     # First, alone: it needs a device no other test has used.
     cargo test --workspace --lib -- --exact backend::cuda::tests::gpu_mem_info_on_an_unused_device_creates_no_context
     cargo test --workspace --lib -- backend::cuda --test-threads=1
+    # A real-model trace replayed on backend:cuda gives the simulated device's peaks exactly,
+    # expandable segments and page reuse included (the VMM calls of cuda.rs, for real).
+    python3 scripts/cuda_matches_sim.py target/debug/stepalloc-stress stress/tests/data/model_vlm_agent.jsonl
     rm -rf target/hostcuda-validate
     STEPALLOC_GPU_CARGO=0 gpu/validate.sh target/release/libstepalloc.so target/hostcuda-validate > /dev/null \
         || { cat target/hostcuda-validate/validate/summary.txt; exit 1; }

@@ -84,7 +84,15 @@ pub fn run(
     if let Err(e) = allocator.check_invariants() {
         return Err(format!("allocator invariants broken after `{}`: {e}", rc.name));
     }
-    Ok(runner.finish(rc, program, wall))
+    let live: Vec<(u16, u64)> = runner.live.iter().flatten().map(|l| (l.device, l.ptr)).collect();
+    let report = runner.finish(rc, program, wall);
+    // Give the memory back before the next configuration runs: on a GPU every run of the
+    // comparison shares the one device (the allocator itself never releases at drop).
+    for (device, addr) in live {
+        let _ = allocator.free(device as usize, addr, 0);
+    }
+    let _ = allocator.empty_cache();
+    Ok(report)
 }
 
 /// Running totals of the driver's work (see `Runner::driver_totals`).
