@@ -159,7 +159,7 @@ fn random_workload_keeps_blocks_apart() {
         step_every: 500,
         seed: 5,
     };
-    for rc in accepted(&["pytorch", "stepalloc"], &base(16384)) {
+    for rc in accepted(&["pytorch", "pytorch_expandable", "stepalloc", "vm_page_release"], &base(16384)) {
         let (run, integrity) = random::run(&args, &rc).unwrap();
         assert!(integrity.ok(), "{integrity:?}");
         assert_eq!(run.ops, 12000);
