@@ -53,7 +53,7 @@ from .stats import (
     stepalloc_stats,
 )
 from .steps import step, step_begin, step_end
-from .torch import Installation, install, installation, is_installed, mempool, patch_torch, unpatch_torch
+from .torch import RECOMMENDED, Installation, install, installation, is_installed, mempool, patch_torch, unpatch_torch
 
 __version__ = "0.1.0"
 
@@ -68,6 +68,7 @@ def empty_cache() -> None:
 
 
 __all__ = [
+    "RECOMMENDED",
     "AgentLoop",
     "ConfigError",
     "Installation",

@@ -116,3 +116,25 @@ def test_raw_alloc_oom_is_memory_error() -> None:
 def test_raw_free_of_unknown_pointer_raises() -> None:
     with pytest.raises(ValueError):
         stepalloc.raw_free(0xDEAD0000, 512, device=0)
+
+
+def test_recommended_configuration_is_the_cores_and_works() -> None:
+    # The same string as the core's `config::RECOMMENDED` (the source is the reference).
+    core = (Path(__file__).resolve().parents[2] / "src" / "config.rs").read_text()
+    assert f'pub const RECOMMENDED: &str = "{stepalloc.RECOMMENDED}";' in core
+    out = check_child(
+        run_python(
+            f"""
+            import stepalloc
+            stepalloc.configure("backend:sim,sim_capacity_mb:64,{stepalloc.RECOMMENDED}")
+            # Nine 6 MiB blocks, every other one freed, then 24 MiB: free pages move into place.
+            blocks = [stepalloc.raw_alloc(6 << 20) for _ in range(9)]
+            for p in blocks[::2]:
+                stepalloc.raw_free(p)
+            stepalloc.raw_alloc(24 << 20)
+            stats = stepalloc.memory_stats(include_stepalloc=True)
+            print(stats["stepalloc.moved_bytes"] > 0, stats["num_ooms"])
+            """
+        )
+    )
+    assert out.split() == ["True", "0"]
