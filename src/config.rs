@@ -189,6 +189,12 @@ pub const KEYS: &[KeyDoc] = &[
         form: "number in [0, 1]",
         doc: "simulated device: each device reserve fails with this probability",
     },
+    KeyDoc {
+        name: "sim_fail_map_prob",
+        default: "0",
+        form: "number in [0, 1]",
+        doc: "simulated device: each virtual-memory map fails (out of memory) with this probability",
+    },
     KeyDoc { name: "sim_seed", default: "0", form: "integer", doc: "simulated device: seed for failure injection" },
     KeyDoc {
         name: "sim_cost_model",
@@ -231,6 +237,7 @@ pub struct SimConfig {
     pub event_delay_ns: u64,
     pub fail_nth: u64,
     pub fail_prob: f64,
+    pub fail_map_prob: f64,
     pub seed: u64,
     pub cost_model: bool,
 }
@@ -243,6 +250,7 @@ impl Default for SimConfig {
             event_delay_ns: 0,
             fail_nth: 0,
             fail_prob: 0.0,
+            fail_map_prob: 0.0,
             seed: 0,
             cost_model: false,
         }
@@ -416,6 +424,7 @@ impl Config {
             }
             "sim_fail_nth" => self.sim.fail_nth = parse_u64(value).ok_or_else(bad)?,
             "sim_fail_prob" => self.sim.fail_prob = parse_unit_interval(value).ok_or_else(bad)?,
+            "sim_fail_map_prob" => self.sim.fail_map_prob = parse_unit_interval(value).ok_or_else(bad)?,
             "sim_seed" => self.sim.seed = parse_u64(value).ok_or_else(bad)?,
             "sim_cost_model" => self.sim.cost_model = parse_bool(value).ok_or_else(bad)?,
             _ => unreachable!("every key in KEYS has a setter"),

@@ -228,3 +228,34 @@ fn snapshots_show_mapped_runs_as_expandable_segments() {
         snapshot["device_traces"][0].as_array().unwrap().iter().filter_map(|e| e["action"].as_str()).collect();
     assert!(actions.contains(&"segment_map") && actions.contains(&"segment_unmap"), "{actions:?}");
 }
+
+#[test]
+fn map_failures_roll_back_and_retry() {
+    // Half the maps fail: a request maps its pages or undoes the ones it mapped, and the
+    // out-of-memory retry runs; nothing stays mapped that no block accounts for.
+    let a = sim("sim_capacity_mb:512,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,sim_fail_map_prob:0.5,sim_seed:3");
+    let mut live = Vec::new();
+    let mut failures = 0;
+    for i in 0..200u64 {
+        match a.malloc(0, (i * 104_729) % (9 * MIB) + 1, S0) {
+            Ok(p) => live.push(p),
+            Err(e) => {
+                assert!(e.is_out_of_memory(), "{e}");
+                failures += 1;
+            }
+        }
+        if i % 2 == 0 && !live.is_empty() {
+            a.free(0, live.swap_remove((i as usize * 7) % live.len()), 0).unwrap();
+        }
+        a.check_invariants().unwrap();
+        let s = stats(&a);
+        let device_free = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap().0;
+        assert_eq!(s.device_total - device_free, s.heap.reserved_bytes.all.current, "no page outside the books");
+    }
+    assert!(failures > 0 && live.len() > 10, "{failures} failures, {} live", live.len());
+    for p in live {
+        a.free(0, p, 0).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 0);
+}

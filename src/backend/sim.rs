@@ -332,6 +332,9 @@ impl Backend for SimDevice {
         if offset % GRANULARITY != 0 || !in_range || overlaps || !whole_chunk {
             return Err(invalid("cuMemMap"));
         }
+        if self.config.fail_map_prob > 0.0 && self.next_random() < self.config.fail_map_prob {
+            return Err(Error::OutOfMemory(Box::<OomReport>::default()));
+        }
         if let Some(p) = self.physical.get_mut(&handle.0) {
             p.mappings += 1;
         }

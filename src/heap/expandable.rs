@@ -293,7 +293,7 @@ impl Heap {
             if let Err(e) = self.backend.map(page_addr, page, handle) {
                 self.idle_pages.push(handle);
                 self.unmap_partial(seg_id, first, i)?;
-                return Err(e);
+                return if e.is_out_of_memory() { Ok(None) } else { Err(e) };
             }
             self.stats.num_map += 1;
             if moved {
