@@ -25,6 +25,13 @@ testdrv/build.sh
     # A real-model trace replayed on backend:cuda gives the simulated device's peaks exactly,
     # expandable segments and page reuse included (the VMM calls of cuda.rs, for real).
     python3 scripts/cuda_matches_sim.py target/debug/stepalloc-stress stress/tests/data/model_vlm_agent.jsonl
+    # The random workload on backend:cuda: real driver streams, threads freeing each other's
+    # blocks, and a tag in every block (cuMemsetD32Async) checked before its free (cuMemcpyDtoH);
+    # exit status 1 on an overlap or a corrupted tag. Then its Rust tests on the driver.
+    target/debug/stepalloc-stress random --backend cuda --threads 2 --streams 2 --ops 2000 \
+        --compare pytorch pytorch_expandable stepalloc | tee target/hostcuda-random.txt | tail -n 3
+    test "$(grep -c ' 0 corrupted tags of [1-9][0-9]* tagged blocks' target/hostcuda-random.txt)" = 3
+    cargo test -p stepalloc-stress --test random_cuda
     rm -rf target/hostcuda-validate
     STEPALLOC_GPU_CARGO=0 gpu/validate.sh target/release/libstepalloc.so target/hostcuda-validate > /dev/null \
         || { cat target/hostcuda-validate/validate/summary.txt; exit 1; }

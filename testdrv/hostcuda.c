@@ -834,6 +834,36 @@ CUresult cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t n, void *s
     RETURN(OK);
 }
 
+static void fill32(unsigned long long ptr, unsigned value, size_t words) {
+    unsigned *p = (unsigned *)(uintptr_t)ptr;
+    for (size_t i = 0; i < words; i++) p[i] = value;
+}
+
+CUresult cuMemsetD32_v2(CUdeviceptr ptr, unsigned value, size_t words) {
+    BEGIN(cuMemsetD32_v2);
+    NEED_CTX();
+    CUresult r = unsafe_call("cuMemsetD32_v2");
+    if (r) RETURN(r);
+    if (ptr % 4 || words > (~0ull >> 2) || !device_range(ptr, 4ull * words, 1)) RETURN(E_INVALID_VALUE);
+    fill32(ptr, value, words);
+    RETURN(OK);
+}
+
+CUresult cuMemsetD32Async(CUdeviceptr ptr, unsigned value, size_t words, void *sh) {
+    BEGIN(cuMemsetD32Async);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(sh, &s);
+    if (r) RETURN(r);
+    if (ptr % 4 || words > (~0ull >> 2) || !device_range(ptr, 4ull * words, 1)) RETURN(E_INVALID_VALUE);
+    if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
+    if (s->cap_status == CAP_ACTIVE) RETURN(OK); /* captured: runs when the graph runs */
+    if ((r = legacy_during_capture(s))) RETURN(r);
+    fill32(ptr, value, words);
+    enqueue(s);
+    RETURN(OK);
+}
+
 CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
     BEGIN(cuMemcpyDtoH_v2);
     NEED_CTX();

@@ -35,6 +35,7 @@
 //!   every other failure becomes `Error::Driver` with the call, the error's name and number.
 
 mod codes;
+pub mod tools;
 
 use super::{Backend, DeviceInfo, DriverTime, Event, PhysHandle, Stream};
 use crate::error::{Error, Result};
@@ -92,8 +93,9 @@ struct AccessDesc {
 macro_rules! driver_api {
     ($( $field:ident = $symbol:literal: fn($($arg:ty),*); )*) => {
         /// The driver functions this crate calls, each typed as in the CUDA driver API reference
-        /// except that every result is a plain `i32`. Some are used only by the tests (streams,
-        /// captures, copies) or kept for the capture checks above the backend.
+        /// except that every result is a plain `i32`. Some are used only by the tests (captures) or
+        /// by `tools` (streams, memsets, copies for tools and tests that drive a device beside
+        /// the allocator).
         #[cfg_attr(not(test), allow(dead_code))]
         struct Api {
             $( $field: unsafe extern "C" fn($($arg),*) -> i32, )*
@@ -124,6 +126,8 @@ driver_api! {
     mem_free = "cuMemFree_v2": fn(u64);
     memcpy_htod = "cuMemcpyHtoD_v2": fn(u64, *const c_void, usize);
     memcpy_dtoh = "cuMemcpyDtoH_v2": fn(*mut c_void, u64, usize);
+    memset_d32 = "cuMemsetD32_v2": fn(u64, c_uint, usize);
+    memset_d32_async = "cuMemsetD32Async": fn(u64, c_uint, usize, CuStream);
     event_create = "cuEventCreate": fn(*mut CuEvent, c_uint);
     event_record = "cuEventRecord": fn(CuEvent, CuStream);
     event_query = "cuEventQuery": fn(CuEvent);

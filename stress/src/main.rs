@@ -247,7 +247,8 @@ fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, St
         print!("{}", report::table(&report));
         for c in &checks {
             println!(
-                "integrity of {}: {} overlapping live blocks, invariants {}, {} bytes leaked, {} refused calls{}",
+                "integrity of {}: {} overlapping live blocks, invariants {}, {} bytes leaked, {} refused calls{}, \
+                 {} corrupted tags of {} tagged blocks{}",
                 c.config,
                 c.overlaps,
                 match &c.invariants {
@@ -256,7 +257,10 @@ fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, St
                 },
                 c.leaked_bytes,
                 c.refused_calls,
-                c.first_refusal.as_ref().map_or(String::new(), |f| format!(" (first: {f})"))
+                c.first_refusal.as_ref().map_or(String::new(), |f| format!(" (first: {f})")),
+                c.corrupted_tags,
+                c.tagged_blocks,
+                c.first_corruption.as_ref().map_or(String::new(), |f| format!(" (first: {f})"))
             );
         }
     }

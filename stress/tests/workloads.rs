@@ -158,10 +158,12 @@ fn random_workload_keeps_blocks_apart() {
         live_fraction: 0.5,
         step_every: 500,
         seed: 5,
+        tag_kib: 4,
     };
     for rc in accepted(&["pytorch", "pytorch_expandable", "stepalloc", "vm_page_release"], &base(16384)) {
         let (run, integrity) = random::run(&args, &rc).unwrap();
         assert!(integrity.ok(), "{integrity:?}");
+        assert_eq!((integrity.tagged_blocks, integrity.corrupted_tags), (0, 0), "no tags on the simulated device");
         assert_eq!(run.ops, 12000);
         assert!(run.floor > 0 && run.peak_reserved >= run.floor);
     }

@@ -8,9 +8,14 @@
 //! another thread cannot look like an overlap. At the end every block is freed and the heap's
 //! invariants are checked (blocks tile segments, statistics equal their sums, nothing leaks).
 //!
-//! Writing a tag into each block on the CUDA backend is not implemented: cudarc's safe API only
-//! reaches memory it allocated itself; writing into the allocator's blocks needs its unsafe
-//! `result::memcpy_htod` on raw pointers.
+//! On the CUDA backend the threads use real driver streams (created in the device's primary
+//! context through `stepalloc::backend::cuda::tools`, destroyed at the end), the live budget
+//! is a share of the device's memory, and every block carries a tag: right after its malloc, its
+//! first and last `--tag-kib` KiB (the whole block when smaller) are set to the block's id as
+//! 32-bit words with `cuMemsetD32Async` on its stream; right before its free the stream is
+//! synchronized and the words read back (`cuMemcpyDtoH`). A word that differs is a corrupted tag:
+//! another block's tag (or anything else) was written over live memory. Tags are written in
+//! malloc order, so of two overlapping blocks the first one's check fails at its free.
 
 use crate::replay::RunConfig;
 use crate::report::RunReport;
@@ -21,7 +26,8 @@ use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Barrier, Mutex};
 use std::time::Instant;
-use stepalloc::{Allocator, Config, Error, Stream};
+use stepalloc::backend::cuda::tools::DeviceTools;
+use stepalloc::{Allocator, BackendKind, Config, Error, Stream};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
@@ -60,6 +66,9 @@ pub struct RandomArgs {
     pub step_every: u64,
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// CUDA backend: KiB at each end of every block that hold its tag (0: the whole block).
+    #[arg(long, default_value_t = 4)]
+    pub tag_kib: u64,
 }
 
 /// What the integrity checks found.
@@ -73,17 +82,115 @@ pub struct Integrity {
     pub leaked_bytes: u64,
     pub refused_calls: u64,
     pub first_refusal: Option<String>,
+    /// Blocks whose tag was written and checked (CUDA backend; 0 on the simulated device).
+    pub tagged_blocks: u64,
+    /// Blocks whose tag had changed when they were freed (must be 0).
+    pub corrupted_tags: u64,
+    pub first_corruption: Option<String>,
 }
 
 impl Integrity {
     pub fn ok(&self) -> bool {
-        self.overlaps == 0 && self.invariants.is_ok() && self.leaked_bytes == 0 && self.refused_calls == 0
+        self.overlaps == 0
+            && self.invariants.is_ok()
+            && self.leaked_bytes == 0
+            && self.refused_calls == 0
+            && self.corrupted_tags == 0
     }
+}
+
+/// Where tags are written and read back: device memory through the driver, or host memory in
+/// tests.
+pub trait TagMemory: Send + Sync {
+    /// Sets `words` 32-bit words from `ptr` to `value`, as work queued on `stream`.
+    fn fill(&self, ptr: u64, value: u32, words: usize, stream: Stream) -> Result<(), String>;
+    /// Waits for the work queued on `stream`, then reads `out.len()` words from `ptr`.
+    fn read(&self, ptr: u64, out: &mut [u32], stream: Stream) -> Result<(), String>;
+}
+
+impl TagMemory for DeviceTools {
+    fn fill(&self, ptr: u64, value: u32, words: usize, stream: Stream) -> Result<(), String> {
+        self.memset_d32_async(ptr, value, words, stream).map_err(|e| e.to_string())
+    }
+
+    fn read(&self, ptr: u64, out: &mut [u32], stream: Stream) -> Result<(), String> {
+        self.synchronize_stream(stream).map_err(|e| e.to_string())?;
+        let mut bytes = vec![0u8; out.len() * 4];
+        self.copy_to_host(&mut bytes, ptr).map_err(|e| e.to_string())?;
+        for (w, b) in out.iter_mut().zip(bytes.chunks_exact(4)) {
+            *w = u32::from_ne_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        Ok(())
+    }
+}
+
+/// The ranges (address, 32-bit words) of a block of `size` bytes at `ptr` that hold its tag:
+/// its first and last `span` bytes in whole words, or the whole block (in words) when it is at
+/// most two spans or `span` is 0; none when it is smaller than a word.
+pub fn tag_ranges(ptr: u64, size: u64, span: u64) -> Vec<(u64, usize)> {
+    let words = size / 4;
+    let span_words = span / 4;
+    if words == 0 {
+        Vec::new()
+    } else if span_words == 0 || words <= 2 * span_words {
+        vec![(ptr, words as usize)]
+    } else {
+        vec![(ptr, span_words as usize), (ptr + (words - span_words) * 4, span_words as usize)]
+    }
+}
+
+/// The index of the first word of `words` that is not `tag`.
+pub fn first_mismatch(words: &[u32], tag: u32) -> Option<usize> {
+    words.iter().position(|&w| w != tag)
+}
+
+/// Writes `tag` over the tag ranges of the block (see `tag_ranges`), on `stream`.
+pub fn write_tag(mem: &dyn TagMemory, ptr: u64, size: u64, span: u64, tag: u32, stream: Stream) -> Result<(), String> {
+    for (at, words) in tag_ranges(ptr, size, span) {
+        mem.fill(at, tag, words, stream)?;
+    }
+    Ok(())
+}
+
+/// Reads the block's tag ranges back: `Ok(None)` when every word is `tag`, `Ok(Some(what))`
+/// describing the first word that is not, `Err` when the memory could not be read.
+pub fn verify_tag(
+    mem: &dyn TagMemory,
+    ptr: u64,
+    size: u64,
+    span: u64,
+    tag: u32,
+    stream: Stream,
+) -> Result<Option<String>, String> {
+    for (at, words) in tag_ranges(ptr, size, span) {
+        let mut found = vec![0u32; words];
+        mem.read(at, &mut found, stream)?;
+        if let Some(i) = first_mismatch(&found, tag) {
+            return Ok(Some(format!(
+                "block {tag} ({size} bytes at {ptr:#x}): word at {:#x} is {} (another block's id if it is at most the blocks allocated)",
+                at + 4 * i as u64,
+                found[i]
+            )));
+        }
+    }
+    Ok(None)
 }
 
 struct Block {
     ptr: u64,
     size: u64,
+    stream: Stream,
+    tag: u32,
+}
+
+/// The CUDA backend's tags: where they go and how much of each block they cover.
+struct Tags {
+    mem: Arc<dyn TagMemory>,
+    span: u64,
+    next: std::sync::atomic::AtomicU32,
+    checked: AtomicU64,
+    corrupted: AtomicU64,
+    first_corruption: Mutex<Option<String>>,
 }
 
 struct Shared {
@@ -95,6 +202,9 @@ struct Shared {
     overlaps: AtomicU64,
     refused: AtomicU64,
     first_refusal: Mutex<Option<String>>,
+    tags: Option<Tags>,
+    /// Every thread's streams, thread-major (`streams[i * per_thread + k]`).
+    streams: Vec<Stream>,
 }
 
 impl Shared {
@@ -105,8 +215,8 @@ impl Shared {
         }
     }
 
-    fn alloc(&self, size: u64, stream: u64) -> Option<Block> {
-        match self.allocator.malloc(0, size, Stream(stream)) {
+    fn alloc(&self, size: u64, stream: Stream) -> Option<Block> {
+        match self.allocator.malloc(0, size, stream) {
             Ok(ptr) => {
                 let end = ptr + size.max(1);
                 if let Ok(mut shadow) = self.shadow.lock() {
@@ -117,7 +227,14 @@ impl Shared {
                 }
                 let live = self.live.fetch_add(size, Ordering::Relaxed) + size;
                 self.floor.fetch_max(live, Ordering::Relaxed);
-                Some(Block { ptr, size })
+                let mut tag = 0;
+                if let Some(t) = &self.tags {
+                    tag = t.next.fetch_add(1, Ordering::Relaxed);
+                    if let Err(e) = write_tag(t.mem.as_ref(), ptr, size, t.span, tag, stream) {
+                        self.refuse(format!("tag of malloc({size}) at {ptr:#x}: {e}"));
+                    }
+                }
+                Some(Block { ptr, size, stream, tag })
             }
             Err(Error::OutOfMemory(_)) => {
                 self.ooms.fetch_add(1, Ordering::Relaxed);
@@ -131,6 +248,21 @@ impl Shared {
     }
 
     fn free(&self, b: Block) {
+        if let Some(t) = &self.tags {
+            match verify_tag(t.mem.as_ref(), b.ptr, b.size, t.span, b.tag, b.stream) {
+                Ok(None) => {
+                    t.checked.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(Some(what)) => {
+                    t.checked.fetch_add(1, Ordering::Relaxed);
+                    t.corrupted.fetch_add(1, Ordering::Relaxed);
+                    if let Ok(mut first) = t.first_corruption.lock() {
+                        first.get_or_insert(what);
+                    }
+                }
+                Err(e) => self.refuse(format!("tag of the block at {:#x}: {e}", b.ptr)),
+            }
+        }
         if let Ok(mut shadow) = self.shadow.lock() {
             shadow.remove(&b.ptr);
         }
@@ -176,8 +308,36 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
         return Err("--threads and --streams must be at least 1".into());
     }
     let config = Config::parse(&rc.conf).map_err(|e| format!("configuration `{}`: {e}", rc.conf))?;
-    let capacity = config.sim.capacity;
+    let cuda = config.backend != BackendKind::Sim;
     let allocator = Arc::new(Allocator::new(config).map_err(|e| format!("cannot create the allocator: {e}"))?);
+    // The device's memory: the simulated capacity, or the CUDA device's total.
+    let capacity = allocator.stats(0).map_err(|e| e.to_string())?.device_total;
+    let n_streams = args.threads * args.streams as usize;
+    let (tools, streams) = if cuda {
+        let tools = Arc::new(DeviceTools::open(0).map_err(|e| format!("CUDA device 0: {e}"))?);
+        let mut streams = Vec::with_capacity(n_streams);
+        for _ in 0..n_streams {
+            match tools.create_stream(true) {
+                Ok(s) => streams.push(s),
+                Err(e) => {
+                    destroy_streams(&tools, &streams);
+                    return Err(format!("cannot create a CUDA stream: {e}"));
+                }
+            }
+        }
+        (Some(tools), streams)
+    } else {
+        // The simulated device accepts any value as a stream.
+        (None, (1..=n_streams as u64).map(Stream).collect())
+    };
+    let tags = tools.as_ref().map(|tools| Tags {
+        mem: tools.clone() as Arc<dyn TagMemory>,
+        span: args.tag_kib * 1024,
+        next: std::sync::atomic::AtomicU32::new(1),
+        checked: AtomicU64::new(0),
+        corrupted: AtomicU64::new(0),
+        first_corruption: Mutex::new(None),
+    });
     let shared = Arc::new(Shared {
         allocator: allocator.clone(),
         shadow: Mutex::new(BTreeMap::new()),
@@ -187,6 +347,8 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
         overlaps: AtomicU64::new(0),
         refused: AtomicU64::new(0),
         first_refusal: Mutex::new(None),
+        tags,
+        streams,
     });
     let budget = (capacity as f64 * args.live_fraction / args.threads as f64) as u64;
     let barrier = Arc::new(Barrier::new(args.threads));
@@ -200,7 +362,7 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
             let mut rng = XorShiftRng::seed_from_u64(args.seed.wrapping_mul(1_000_003).wrapping_add(i as u64));
             let mut mine: Vec<Block> = Vec::new();
             let mut mine_bytes = 0u64;
-            let stream_of = |k: u64| 1 + i as u64 * args.streams + k;
+            let stream_of = |k: u64| shared.streams[i * args.streams as usize + k as usize];
             if i == 0 && args.step_every > 0 {
                 let _ = shared.allocator.step_begin("even");
             }
@@ -231,8 +393,8 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
                     let stream = stream_of(rng.random_range(0..args.streams));
                     if let Some(b) = shared.alloc(size(&mut rng, args.sizes), stream) {
                         if rng.random_bool(args.record_stream) {
-                            let other = rng.random_range(1..=args.threads as u64 * args.streams);
-                            if let Err(e) = shared.allocator.record_stream(0, b.ptr, Stream(other)) {
+                            let other = shared.streams[rng.random_range(0..shared.streams.len())];
+                            if let Err(e) = shared.allocator.record_stream(0, b.ptr, other) {
                                 shared.refuse(format!("record_stream: {e}"));
                             }
                         }
@@ -255,8 +417,15 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
         }));
     }
     drop(senders);
+    let mut panicked = false;
     for h in handles {
-        h.join().map_err(|_| "a worker thread panicked".to_string())?;
+        panicked |= h.join().is_err();
+    }
+    if panicked {
+        if let Some(tools) = &tools {
+            destroy_streams(tools, &shared.streams);
+        }
+        return Err("a worker thread panicked".to_string());
     }
     let wall = started.elapsed().as_secs_f64();
     let stats = allocator.stats(0).map_err(|e| e.to_string())?;
@@ -287,6 +456,7 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
         external_fragmentation_mean: stats.external_fragmentation(),
         ..Default::default()
     };
+    let tags = shared.tags.as_ref();
     let integrity = Integrity {
         config: rc.name.clone(),
         overlaps: shared.overlaps.load(Ordering::Relaxed),
@@ -294,6 +464,101 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
         leaked_bytes: h.allocated_bytes.all.current,
         refused_calls: report.errors,
         first_refusal: report.first_error.clone(),
+        tagged_blocks: tags.map_or(0, |t| t.checked.load(Ordering::Relaxed)),
+        corrupted_tags: tags.map_or(0, |t| t.corrupted.load(Ordering::Relaxed)),
+        first_corruption: tags.and_then(|t| t.first_corruption.lock().ok().and_then(|f| f.clone())),
     };
+    // Give the memory back before the next configuration runs (on a GPU they share the device),
+    // then the streams: no work of ours is left on them.
+    let _ = allocator.empty_cache();
+    if let Some(tools) = &tools {
+        destroy_streams(tools, &shared.streams);
+    }
     Ok((report, integrity))
+}
+
+/// Synchronizes and destroys the workload's streams (best effort: the run is over).
+fn destroy_streams(tools: &DeviceTools, streams: &[Stream]) {
+    for &s in streams {
+        let _ = tools.synchronize_stream(s);
+        let _ = tools.destroy_stream(s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Host memory standing in for a device: a word array from address 0.
+    struct HostWords(Mutex<Vec<u32>>);
+
+    impl TagMemory for HostWords {
+        fn fill(&self, ptr: u64, value: u32, words: usize, _stream: Stream) -> Result<(), String> {
+            let mut m = self.0.lock().unwrap();
+            let at = (ptr / 4) as usize;
+            m.get_mut(at..at + words).ok_or("out of range")?.fill(value);
+            Ok(())
+        }
+
+        fn read(&self, ptr: u64, out: &mut [u32], _stream: Stream) -> Result<(), String> {
+            let m = self.0.lock().unwrap();
+            let at = (ptr / 4) as usize;
+            out.copy_from_slice(m.get(at..at + out.len()).ok_or("out of range")?);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn tag_ranges_cover_both_ends_in_whole_words() {
+        assert_eq!(tag_ranges(512, 3, 4096), vec![]);
+        assert_eq!(tag_ranges(512, 4098, 4096), vec![(512, 1024)]);
+        assert_eq!(tag_ranges(512, 8192, 4096), vec![(512, 2048)]);
+        assert_eq!(tag_ranges(512, 10_001, 4096), vec![(512, 1024), (512 + 10_000 - 4096, 1024)]);
+        assert_eq!(tag_ranges(0, 1 << 20, 0), vec![(0, 1 << 18)]);
+    }
+
+    #[test]
+    fn first_mismatch_finds_the_first_foreign_word() {
+        assert_eq!(first_mismatch(&[7, 7, 7], 7), None);
+        assert_eq!(first_mismatch(&[7, 9, 9], 7), Some(1));
+        assert_eq!(first_mismatch(&[], 7), None);
+    }
+
+    /// Two blocks handed out over the same bytes: the first one's tag is overwritten by the
+    /// second's, at its head, its tail or both, and its check at free says so; blocks apart
+    /// keep their tags.
+    #[test]
+    fn tags_catch_overlapping_blocks() {
+        const KIB: u64 = 1024;
+        let s = Stream(1);
+        let cases = [
+            // (second block's start, size): over the first one's head, its tail, inside it, apart.
+            (0, 4 * KIB, true),
+            (60 * KIB, 8 * KIB, true),
+            (20 * KIB + 4, 100, false),
+            (64 * KIB, 16 * KIB, false),
+        ];
+        for (start, size, head_or_tail_hit) in cases {
+            let mem = HostWords(Mutex::new(vec![0; (128 * KIB / 4) as usize]));
+            write_tag(&mem, 0, 64 * KIB, 4 * KIB, 1, s).unwrap();
+            write_tag(&mem, start, size, 4 * KIB, 2, s).unwrap();
+            let first = verify_tag(&mem, 0, 64 * KIB, 4 * KIB, 1, s).unwrap();
+            assert_eq!(first.is_some(), head_or_tail_hit, "second block at {start}: {first:?}");
+            if let Some(what) = first {
+                assert!(what.contains("is 2"), "{what}");
+            }
+            assert_eq!(verify_tag(&mem, start, size, 4 * KIB, 2, s).unwrap(), None);
+            // Tagging whole blocks (span 0) catches an overlap anywhere.
+            write_tag(&mem, 0, 64 * KIB, 0, 3, s).unwrap();
+            write_tag(&mem, start, size, 0, 4, s).unwrap();
+            let whole = verify_tag(&mem, 0, 64 * KIB, 0, 3, s).unwrap();
+            assert_eq!(whole.is_some(), start < 64 * KIB, "whole-block tags, second block at {start}");
+        }
+    }
+
+    #[test]
+    fn unreadable_memory_is_an_error_not_a_corruption() {
+        let mem = HostWords(Mutex::new(vec![0; 16]));
+        assert!(verify_tag(&mem, 0, 4096, 1024, 1, Stream(1)).is_err());
+    }
 }
