@@ -391,3 +391,21 @@ fn a_segment_goes_back_only_after_its_stream_work_completed() {
         "released without waiting for stream 0x1111: {log:?}"
     );
 }
+
+#[test]
+fn page_release_waits_for_the_capture_to_end() {
+    let (a, watch) = watched("expandable_segments:True,large_segment_size_mb:2,page_release:True,cache_limit_mb:4");
+    let p = a.malloc(0, 20 * MIB, S0).unwrap();
+    let q = a.malloc(0, 2 * MIB, S0).unwrap();
+    begin_capture(&a, &watch, POOL);
+    a.free(0, p, 20 * MIB).unwrap();
+    assert_eq!(reserved(&a), 22 * MIB, "no page unmapped during the capture");
+    end_capture(&a, &watch, POOL);
+    no_violations(&watch);
+    let s = a.stats(0).unwrap();
+    assert!(s.cached_free <= 4 * MIB, "the cache limit unmaps free pages once the capture ended: {}", s.cached_free);
+    assert!(watch.lock().log.iter().any(|c| c == "unmap"));
+    a.free(0, q, 2 * MIB).unwrap();
+    a.release_pool(0, POOL).unwrap();
+    a.check_invariants().unwrap();
+}

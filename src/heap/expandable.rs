@@ -496,6 +496,8 @@ impl Heap {
         enough: impl Fn(&Heap) -> bool,
     ) -> Result<u64> {
         if self.captures_underway > 0 {
+            // No unmap during a capture: `run_deferred_work` applies the cache limit after it.
+            self.deferred_work = true;
             return Ok(0);
         }
         let candidates: Vec<BlockId> = (0..self.arena.blocks.len() as BlockId)
