@@ -488,22 +488,9 @@ impl Heap {
     pub(super) fn split_block(&mut self, id: BlockId, offset: u64) -> BlockId {
         let b = self.arena.block(id);
         debug_assert!(offset > 0 && offset < b.size);
-        let rest = Block {
-            addr: b.addr + offset,
-            size: b.size - offset,
-            requested: 0,
-            segment: b.segment,
-            prev: id,
-            next: b.next,
-            link_prev: NIL,
-            link_next: NIL,
-            list: 0,
-            stream: b.stream,
-            state: b.state,
-            extra_streams: None,
-            pending_events: 0,
-            freed_at: b.freed_at,
-        };
+        let mut rest = Block::unlinked(b.addr + offset, b.size - offset, b.segment, b.stream, b.state, b.freed_at);
+        rest.prev = id;
+        rest.next = b.next;
         let next = b.next;
         let rest = self.arena.new_block(rest);
         if next != NIL {
