@@ -40,6 +40,7 @@ enum {
     E_INVALID_CONTEXT = 201,
     E_INVALID_HANDLE = 400,
     E_ILLEGAL_STATE = 401,
+    E_NOT_FOUND = 500,
     E_NOT_READY = 600,
     E_NOT_SUPPORTED = 801,
     E_CAPTURE_UNSUPPORTED = 900,
@@ -73,6 +74,7 @@ static struct {
     unsigned long long capacity, delay_ns, jitter_ns, rng;
     struct rule rules[32];
     int nrules;
+    unsigned long long capture_ids;
 } g = {.lock = PTHREAD_MUTEX_INITIALIZER};
 
 static void lock(void) { pthread_mutex_lock(&g.lock); }
@@ -191,6 +193,7 @@ struct stream {
     unsigned long long busy_until; /* when the work queued so far completes */
     int cap_status, cap_mode;
     pthread_t cap_thread;
+    unsigned long long cap_id; /* the capture's unique id (cuStreamGetCaptureInfo) */
 };
 
 struct ctx { /* the primary context of a device; its address is the CUcontext */
@@ -323,9 +326,10 @@ static void sleep_until(unsigned long long t) { /* without the lock */
 
 #define BEGIN(name)                                                                           \
     lock();                                                                                   \
+    const char *call_ = #name;                                                                \
     CUresult inj_ = inject(#name);                                                            \
     if (inj_) { unlock(); return inj_; }
-#define RETURN(x) do { CUresult r_ = (x); unlock(); return r_; } while (0)
+#define RETURN(x) do { CUresult r_ = (x); if (r_ && g.trace > 1) fprintf(stderr, "hostcuda: %s returns %d\n", call_, r_); unlock(); return r_; } while (0)
 #define NEED_INIT() do { if (!g.inited) RETURN(E_NOT_INITIALIZED); } while (0)
 #define NEED_CTX() do { NEED_INIT(); if (!t_current || !ctx_valid(t_current)) RETURN(E_INVALID_CONTEXT); } while (0)
 #define NEED_DEV(d) do { NEED_INIT(); if ((d) < 0 || (d) >= g.devices) RETURN(E_INVALID_DEVICE); } while (0)
@@ -395,7 +399,12 @@ CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
     case 75: *value = 9; break;          /* COMPUTE_CAPABILITY_MAJOR */
     case 76: *value = 0; break;          /* COMPUTE_CAPABILITY_MINOR */
     case 102: *value = g.vmm != 0; break; /* VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED */
-    default: RETURN(E_INVALID_VALUE);
+    case 103: *value = g.vmm != 0; break; /* HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED (memfd) */
+    default:
+        /* Every other attribute of CUDA 13's list answers 0, an absent feature (fabric and
+         * Win32 handles, multicast, RDMA, ...); beyond the list, INVALID_VALUE. */
+        if (attribute < 1 || attribute > 138) RETURN(E_INVALID_VALUE);
+        *value = 0;
     }
     RETURN(OK);
 }
@@ -601,6 +610,7 @@ CUresult cuStreamBeginCapture_v2(void *h, int mode) {
     if (is_null_stream(s)) RETURN(E_CAPTURE_UNSUPPORTED);
     if (capturing(s)) RETURN(E_ILLEGAL_STATE);
     s->cap_status = CAP_ACTIVE;
+    s->cap_id = ++g.capture_ids;
     s->cap_mode = mode;
     s->cap_thread = pthread_self();
     RETURN(OK);
@@ -1099,6 +1109,217 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
 /* ------------------------------------------------------------------------------------------ */
 /* control for tests (not part of CUDA): a test finds it with dlsym and skips on a real driver */
 
+/* ------------------------------------------------------------------------------------------ */
+/* what a CUDA runtime needs on top (testdrv/hostcudart.c): copies, waits, capture ids, pointer
+ * attributes. Copies run at once, in call order, and complete (for events and synchronize) after
+ * the stream's earlier work, like the async memsets above. */
+
+/* Whether [ptr, ptr+n) is device memory; used by the copies in both directions. */
+static CUresult copy_check(void *sh, struct stream **s, unsigned long long dev_a, int write_a,
+                           unsigned long long dev_b, int has_b, size_t n) {
+    CUresult r = stream_of(sh, s);
+    if (r) return r;
+    if (n == 0) return OK;
+    if (!device_range(dev_a, n, write_a)) return E_INVALID_VALUE;
+    if (has_b && !device_range(dev_b, n, 0)) return E_INVALID_VALUE;
+    if ((*s)->cap_status == CAP_INVALIDATED) return E_CAPTURE_INVALIDATED;
+    return OK;
+}
+
+/* Runs a checked copy on `s`: captured (not run) during an active capture, else now. */
+static CUresult copy_run(struct stream *s, void *dst, const void *src, size_t n) {
+    if (s->cap_status == CAP_ACTIVE) return OK;
+    CUresult r = legacy_during_capture(s);
+    if (r) return r;
+    if (n) memmove(dst, src, n);
+    enqueue(s);
+    return OK;
+}
+
+CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dst, const void *src, size_t n, void *sh) {
+    BEGIN(cuMemcpyHtoDAsync_v2);
+    NEED_INIT();
+    struct stream *s;
+    if (!src && n) RETURN(E_INVALID_VALUE);
+    CUresult r = copy_check(sh, &s, dst, 1, 0, 0, n);
+    if (r) RETURN(r);
+    RETURN(copy_run(s, (void *)(uintptr_t)dst, src, n));
+}
+
+CUresult cuMemcpyDtoHAsync_v2(void *dst, CUdeviceptr src, size_t n, void *sh) {
+    BEGIN(cuMemcpyDtoHAsync_v2);
+    NEED_INIT();
+    struct stream *s;
+    if (!dst && n) RETURN(E_INVALID_VALUE);
+    CUresult r = copy_check(sh, &s, src, 0, 0, 0, n);
+    if (r) RETURN(r);
+    RETURN(copy_run(s, dst, (const void *)(uintptr_t)src, n));
+}
+
+CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dst, CUdeviceptr src, size_t n, void *sh) {
+    BEGIN(cuMemcpyDtoDAsync_v2);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = copy_check(sh, &s, dst, 1, src, 1, n);
+    if (r) RETURN(r);
+    RETURN(copy_run(s, (void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n));
+}
+
+CUresult cuMemcpyDtoD_v2(CUdeviceptr dst, CUdeviceptr src, size_t n) {
+    BEGIN(cuMemcpyDtoD_v2);
+    NEED_CTX();
+    CUresult r = unsafe_call("cuMemcpyDtoD_v2");
+    if (r) RETURN(r);
+    if (n && (!device_range(dst, n, 1) || !device_range(src, n, 0))) RETURN(E_INVALID_VALUE);
+    if (n) memmove((void *)(uintptr_t)dst, (const void *)(uintptr_t)src, n);
+    RETURN(OK);
+}
+
+/* The stream's later work starts after the event's work. Waiting on an event recorded in a
+ * capture from outside it is CUDA_ERROR_CAPTURED_EVENT's case; inside a capture the wait is a
+ * graph dependency, nothing to do here. */
+CUresult cuStreamWaitEvent(void *sh, void *h, unsigned flags) {
+    BEGIN(cuStreamWaitEvent);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(sh, &s);
+    if (r) RETURN(r);
+    if (reg_find(&events, h) < 0) RETURN(E_INVALID_HANDLE);
+    if (flags & ~1u) RETURN(E_INVALID_VALUE);
+    struct event *e = h;
+    if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
+    if (s->cap_status == CAP_ACTIVE) RETURN(OK);
+    if (e->captured) RETURN(E_CAPTURED_EVENT);
+    if (e->done_at > s->busy_until) s->busy_until = e->done_at;
+    RETURN(OK);
+}
+
+/* Milliseconds between two completed events. */
+CUresult cuEventElapsedTime(float *ms, void *start, void *end) {
+    BEGIN(cuEventElapsedTime);
+    NEED_INIT();
+    if (reg_find(&events, start) < 0 || reg_find(&events, end) < 0) RETURN(E_INVALID_HANDLE);
+    if (!ms) RETURN(E_INVALID_VALUE);
+    struct event *a = start, *b = end;
+    if (a->captured || b->captured) RETURN(E_CAPTURED_EVENT);
+    if (!a->done_at || !b->done_at) RETURN(E_INVALID_HANDLE); /* never recorded */
+    unsigned long long t = now_ns();
+    if (a->done_at > t || b->done_at > t) RETURN(E_NOT_READY);
+    *ms = (float)((double)((long long)(b->done_at - a->done_at)) / 1e6);
+    RETURN(OK);
+}
+
+/* CUDA 12's form: status, the capture's id, and no graph or dependency nodes (this driver
+ * builds no graphs). */
+CUresult cuStreamGetCaptureInfo_v2(void *sh, int *status, unsigned long long *id, void **graph,
+                                   const void ***deps, size_t *ndeps) {
+    BEGIN(cuStreamGetCaptureInfo_v2);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(sh, &s);
+    if (r) RETURN(r);
+    if (!status) RETURN(E_INVALID_VALUE);
+    *status = s->cap_status;
+    if (id) *id = s->cap_status ? s->cap_id : 0;
+    if (graph) *graph = NULL;
+    if (deps) *deps = NULL;
+    if (ndeps) *ndeps = 0;
+    RETURN(OK);
+}
+
+/* CU_POINTER_ATTRIBUTE_MEMORY_TYPE (2: CU_MEMORYTYPE_DEVICE) and DEVICE_ORDINAL (9) of device
+ * memory; any other pointer is CUDA_ERROR_INVALID_VALUE, as for unregistered host memory. */
+CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+    BEGIN(cuPointerGetAttribute);
+    NEED_INIT();
+    if (!data) RETURN(E_INVALID_VALUE);
+    int dev = -1;
+    for (size_t i = 0; i < allocs.n && dev < 0; i++) {
+        struct alloc *a = allocs.v[i];
+        if (ptr >= a->addr && ptr < a->addr + a->size) dev = a->dev;
+    }
+    for (size_t i = 0; i < maps.n && dev < 0; i++) {
+        struct mapping *m = maps.v[i];
+        if (ptr >= m->addr && ptr < m->addr + m->size) dev = m->p->dev;
+    }
+    if (dev < 0) RETURN(E_INVALID_VALUE);
+    if (attribute == 2) *(unsigned *)data = 2;
+    else if (attribute == 9) *(int *)data = dev;
+    else RETURN(E_INVALID_VALUE);
+    RETURN(OK);
+}
+
+/* The base and size of the allocation or mapping that holds `ptr`. */
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr ptr) {
+    BEGIN(cuMemGetAddressRange_v2);
+    NEED_CTX();
+    for (size_t i = 0; i < allocs.n; i++) {
+        struct alloc *a = allocs.v[i];
+        if (ptr >= a->addr && ptr < a->addr + a->size) {
+            if (base) *base = a->addr;
+            if (size) *size = a->size;
+            RETURN(OK);
+        }
+    }
+    for (size_t i = 0; i < maps.n; i++) {
+        struct mapping *m = maps.v[i];
+        if (ptr >= m->addr && ptr < m->addr + m->size) {
+            if (base) *base = m->addr;
+            if (size) *size = m->size;
+            RETURN(OK);
+        }
+    }
+    RETURN(E_NOT_FOUND);
+}
+
+/* A per-thread stack of contexts under the current one. */
+static __thread struct ctx *t_stack[16];
+static __thread int t_depth;
+
+CUresult cuCtxPushCurrent_v2(void *c) {
+    BEGIN(cuCtxPushCurrent_v2);
+    NEED_INIT();
+    if (!ctx_valid(c)) RETURN(E_INVALID_CONTEXT);
+    if (t_depth == 16) RETURN(E_OUT_OF_MEMORY);
+    t_stack[t_depth++] = t_current;
+    t_current = c;
+    RETURN(OK);
+}
+
+CUresult cuCtxPopCurrent_v2(void **out) {
+    BEGIN(cuCtxPopCurrent_v2);
+    NEED_INIT();
+    if (!t_current) RETURN(E_INVALID_CONTEXT);
+    if (out) *out = t_current;
+    t_current = t_depth ? t_stack[--t_depth] : NULL;
+    RETURN(OK);
+}
+
+/* Calls PyTorch resolves when it starts (c10's driver table must find every one) for features
+ * this driver does not model: green contexts, multicast, IPC handles, driver logs, stream
+ * memory operations. They are documented to return CUDA_ERROR_NOT_SUPPORTED on devices without
+ * the feature. */
+#define NOT_MODELLED(name) \
+    CUresult name(void) { BEGIN(name); RETURN(E_NOT_SUPPORTED); }
+NOT_MODELLED(cuCtxFromGreenCtx)
+NOT_MODELLED(cuDevResourceGenerateDesc)
+NOT_MODELLED(cuDevSmResourceSplitByCount)
+NOT_MODELLED(cuDeviceGetDevResource)
+NOT_MODELLED(cuGreenCtxCreate)
+NOT_MODELLED(cuGreenCtxDestroy)
+NOT_MODELLED(cuGreenCtxStreamCreate)
+NOT_MODELLED(cuLogsRegisterCallback)
+NOT_MODELLED(cuLogsUnregisterCallback)
+NOT_MODELLED(cuMemExportToShareableHandle)
+NOT_MODELLED(cuMemImportFromShareableHandle)
+NOT_MODELLED(cuMemGetAllocationPropertiesFromHandle)
+NOT_MODELLED(cuMemRetainAllocationHandle)
+NOT_MODELLED(cuMulticastAddDevice)
+NOT_MODELLED(cuMulticastBindMem)
+NOT_MODELLED(cuMulticastCreate)
+NOT_MODELLED(cuMulticastUnbind)
+NOT_MODELLED(cuStreamWriteValue32_v2)
+
 /* Sets one setting: capacity_mb, delay_us, jitter_us, vmm, seed, trace, fail (a HOSTCUDA_FAIL
  * rule list, replacing the rules and their counters). Returns 0, or -1 for an unknown key or
  * a bad value. */
@@ -1113,7 +1334,7 @@ int hostcuda_set(const char *key, const char *value) {
     else if (!strcmp(key, "jitter_us")) g.jitter_ns = v * 1000;
     else if (!strcmp(key, "vmm")) g.vmm = v != 0;
     else if (!strcmp(key, "seed")) g.rng = v;
-    else if (!strcmp(key, "trace")) g.trace = v != 0;
+    else if (!strcmp(key, "trace")) g.trace = (int)v;
     else if (!strcmp(key, "fail")) rc = parse_rules(value);
     else rc = -1;
     unlock();
