@@ -132,3 +132,11 @@ nvmlReturn_t nvmlDeviceGetGpuFabricInfo(void *h, struct fabric_info *info) { ret
 nvmlReturn_t nvmlDeviceGetP2PStatus(void) { return NVML_ERROR_NOT_SUPPORTED; }
 nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(void) { return NVML_ERROR_NOT_SUPPORTED; }
 nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(void) { return NVML_ERROR_NOT_SUPPORTED; }
+nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *bus, void **out) { return nvmlDeviceGetHandleByPciBusId_v2(bus, out); }
+
+/* Sensors (torch.cuda.utilization, temperature, power_draw, clock_rate through pynvml): a host
+ * memory device has none. */
+nvmlReturn_t nvmlDeviceGetUtilizationRates(void) { return NVML_ERROR_NOT_SUPPORTED; }
+nvmlReturn_t nvmlDeviceGetTemperature(void) { return NVML_ERROR_NOT_SUPPORTED; }
+nvmlReturn_t nvmlDeviceGetPowerUsage(void) { return NVML_ERROR_NOT_SUPPORTED; }
+nvmlReturn_t nvmlDeviceGetClockInfo(void) { return NVML_ERROR_NOT_SUPPORTED; }
