@@ -16,6 +16,15 @@ cargo test --workspace
 # probe, cuda_smoke.py on backend:cuda, C ABI programs) with its logs in target/hostcuda-validate.
 cargo build -p stepalloc-stress
 testdrv/build.sh
+# Real PyTorch over the host-memory driver (testdrv/README.md): the drift check says what the
+# installed torch needs that the stubs lack; stand-ins for the CUDA vendor libraries let a torch
+# installed without its CUDA wheels (CI) load. With the wheels there is nothing to stand in for.
+TORCH=$(python3 -c 'import importlib.util; print(importlib.util.find_spec("torch") is not None)')
+rm -rf target/hostcuda/standins
+if [ "$TORCH" = True ]; then
+    python3 testdrv/torch_drift.py target/hostcuda
+    python3 testdrv/standins.py target/hostcuda/standins
+fi
 (
     export LD_LIBRARY_PATH="$PWD/target/hostcuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export STEPALLOC_HOSTCUDA=1 HOSTCUDA_DEVICES=2 HOSTCUDA_CAPACITY_MB=4096 HOSTCUDA_DELAY_US=2000
@@ -37,4 +46,5 @@ testdrv/build.sh
         || { cat target/hostcuda-validate/validate/summary.txt; exit 1; }
     tail -n 1 target/hostcuda-validate/validate/summary.txt
 )
-python3 -m pytest python_shim/tests -q
+# The real-PyTorch tests (test_real_torch.py) preload the stub runtime in their child processes.
+LD_LIBRARY_PATH="$PWD/target/hostcuda/standins${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" python3 -m pytest python_shim/tests -q

@@ -10,7 +10,9 @@ torch's own import tables (`readelf`), and for each needed library that cannot b
 `DIR/<soname>`: every imported function returns 1 (a failure status in each of these
 libraries), a function named like an error-string getter returns a static message, and an
 imported object is a zeroed one of the right size. With DIR on LD_LIBRARY_PATH, torch installed
-with `pip install --no-deps` loads; its vendor libraries fail on first use.
+with `pip install --no-deps` loads as a CPU-only torch (the runtime stand-in finds no
+device); its vendor libraries fail on first use. Preloading testdrv's stub runtime
+(libcudart.so.13, same soname) makes CUDA available on the host-memory driver.
 
 Usage: testdrv/standins.py DIR   (needs readelf and cc; prints what it wrote)
 """
@@ -23,8 +25,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-# The libraries testdrv provides itself (built by testdrv/build.sh).
-OWN = {"libcuda.so.1", "libcudart.so.13", "libnvidia-ml.so.1"}
+# Never stood in for: the driver (testdrv's, or the machine's) is opened lazily, never linked
+# by the libraries loaded at `import torch`. The runtime gets a stand-in like the others
+# (then torch imports as a CPU-only torch: cudaGetDeviceCount fails); preloading testdrv's
+# stub runtime (same soname) replaces it for the tests that run PyTorch's CUDA paths.
+OWN = {"libcuda.so.1", "libnvidia-ml.so.1"}
+# Return values other than 1: the runtime stand-in reports no device (cudaErrorNoDevice), as a
+# machine without a GPU does, so torch answers is_available() False without a warning.
+RETURNS = {"cudaGetDeviceCount": 100}
 MESSAGE = "unavailable: a stand-in library (testdrv/standins.py) with no implementation"
 
 
@@ -100,7 +108,7 @@ def c_source(functions: set[str], objects: set[str]) -> str:
         if re.search(r"(ErrorString|StatusString|StatusName|ErrorName|GetLastError)$", name):
             lines.append(f"const char *{name}(void) {{ return message; }}")
         else:
-            lines.append(f"int {name}(void) {{ return 1; }}")
+            lines.append(f"int {name}(void) {{ return {RETURNS.get(name, 1)}; }}")
     for name in sorted(objects):
         lines.append(f"char {name}[256];")
     return "\n".join(lines) + "\n"

@@ -201,9 +201,14 @@ void stepalloc_record_stream(void *ptr, cudaStream_t stream);
 extern "C" {
 /* Process-wide mode (CUDAPluggableAllocator alloc function): like stepalloc_malloc, but on
  * failure throws std::runtime_error. On out-of-memory its message is the allocator's report,
- * which starts "CUDA out of memory." as PyTorch's does; other failures start "stepalloc: ".
+ * which starts "CUDA out of memory." as PyTorch's does, and it throws through the function
+ * given to stepalloc_set_oom_thrower when there is one; other failures start "stepalloc: ".
  * Never returns NULL. */
 void *stepalloc_torch_malloc(size_t size, int device, cudaStream_t stream);
+/* Registers a function that throws PyTorch's c10::OutOfMemoryError with the message (built
+ * against the installed torch's headers; the Python package does it), so that out-of-memory
+ * in process-wide mode is torch.OutOfMemoryError in Python. NULL: back to std::runtime_error. */
+void stepalloc_set_oom_thrower(void (*thrower)(const char *message)) noexcept;
 /* set_begin_allocate_to_pool: a CUDA graph capture starts; until the matching end, allocations
  * on `device` whose stream `filter` accepts go to the private pool `mempool_id`, which stays
  * out of general reuse until stepalloc_release_pool. Throws std::runtime_error on a bad

@@ -59,6 +59,10 @@ struct Capture {
 
 std::atomic<int> g_active{0};
 
+// Throws PyTorch's c10::OutOfMemoryError with the given message (registered by the Python
+// package, built against the installed torch's headers); null: std::runtime_error instead.
+std::atomic<void (*)(const char *)> g_oom_thrower{nullptr};
+
 std::mutex &table_mutex() {
     static std::mutex *m = new std::mutex();  // never destroyed: callers may outlive statics
     return *m;
@@ -134,9 +138,17 @@ extern "C" void *stepalloc_torch_malloc(size_t size, int device, cudaStream_t st
     }
     if (stepalloc_last_status() == STEPALLOC_OUT_OF_MEMORY) {
         // The report already begins "CUDA out of memory." as PyTorch's own message does.
-        throw std::runtime_error(last_error_text());
+        std::string text = last_error_text();
+        if (void (*thrower)(const char *) = g_oom_thrower.load(std::memory_order_acquire)) {
+            thrower(text.c_str());  // throws c10::OutOfMemoryError: torch.OutOfMemoryError in Python
+        }
+        throw std::runtime_error(text);
     }
     throw std::runtime_error("stepalloc: " + last_error_text());
+}
+
+extern "C" void stepalloc_set_oom_thrower(void (*thrower)(const char *message)) noexcept {
+    g_oom_thrower.store(thrower, std::memory_order_release);
 }
 
 extern "C" void stepalloc_begin_allocate_to_pool(int device, MempoolId mempool_id, StreamFilter filter) {

@@ -18,7 +18,7 @@ import os
 import threading
 from typing import Any, Callable
 
-from . import _lib, snapshot, stats
+from . import _lib, _oom, snapshot, stats
 from .metrics import served_address
 
 # PyTorch's optional hooks: the setter on the pluggable allocator -> the library's symbol.
@@ -161,6 +161,8 @@ def install(
         except RuntimeError as e:
             raise RuntimeError(f"{_CUDA_INITIALISED_MESSAGE} (PyTorch said: {e})") from e
         _keep_alive.append(allocator)
+        # Out of memory raises torch.OutOfMemoryError (else RuntimeError, with a warning).
+        _oom.enable(torch)
         # Recorded before the optional extras: if serving metrics fails, the swap still stands
         # and a later install() call retries only the extras.
         _installation = Installation(
