@@ -99,6 +99,12 @@ pub const KEYS: &[KeyDoc] = &[
     },
     // stepalloc's keys.
     KeyDoc {
+        name: "exact_fit",
+        default: "False",
+        form: "True or False",
+        doc: "take the smallest free block that fits, lowest address first, as PyTorch's ordered set does (default: the O(1) size-class lookup, within 1/16 of the smallest)",
+    },
+    KeyDoc {
         name: "page_reuse",
         default: "False",
         form: "True or False",
@@ -217,6 +223,8 @@ pub struct Config {
     pub large_page: u64,
     pub page_reuse: bool,
     pub page_release: bool,
+    /// Free-block choice: exact best fit by (size, address) instead of the size-class head.
+    pub exact_fit: bool,
     pub backend: BackendKind,
     pub per_process_memory_fraction: f64,
     pub cache_limit_bytes: u64,
@@ -268,6 +276,7 @@ impl Default for Config {
             large_page: 20 * MIB,
             page_reuse: false,
             page_release: false,
+            exact_fit: false,
             backend: BackendKind::Auto,
             per_process_memory_fraction: 1.0,
             cache_limit_bytes: 0,
@@ -357,6 +366,7 @@ impl Config {
                 self.large_page = mb * MIB;
             }
             "page_reuse" => self.page_reuse = parse_bool(value).ok_or_else(bad)?,
+            "exact_fit" => self.exact_fit = parse_bool(value).ok_or_else(bad)?,
             "page_release" => self.page_release = parse_bool(value).ok_or_else(bad)?,
             "release_lock_on_cudamalloc" | "pinned_use_cuda_host_register" | "pinned_use_background_threads" => {
                 parse_bool(value).ok_or_else(bad)?;

@@ -100,6 +100,27 @@ impl FreeList {
         self.bitmap.find_from(bin_up(size)).map(|bin| self.heads[bin])
     }
 
+    /// The smallest free block below `max_split_size` that holds `size` bytes, the lowest
+    /// address among equal sizes: PyTorch's choice (its free blocks are a set ordered by
+    /// (size, address)). Scans at most two bins: the one `size` falls in (for blocks at least
+    /// `size`), else the first non-empty bin above, whose blocks all fit and are all smaller
+    /// than any block further up.
+    pub fn find_exact(&self, blocks: &[Block], size: u64) -> Option<BlockId> {
+        let best_in = |bin: usize| {
+            let mut best: Option<(u64, u64, BlockId)> = None;
+            let mut cursor = self.heads[bin];
+            while cursor != NIL {
+                let b = &blocks[cursor as usize];
+                if b.size >= size && best.is_none_or(|x| (b.size, b.addr) < (x.0, x.1)) {
+                    best = Some((b.size, b.addr, cursor));
+                }
+                cursor = b.link_next;
+            }
+            best.map(|x| x.2)
+        };
+        best_in(bin_down(size)).or_else(|| self.bitmap.find_from(bin_up(size)).and_then(best_in))
+    }
+
     /// The smallest oversize block of at least `size` bytes and below `size + max_extra`.
     pub fn find_oversize(&self, size: u64, max_extra: u64) -> Option<BlockId> {
         let &(found, _, id) = self.oversize.range((size, 0, 0)..).next()?;

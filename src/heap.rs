@@ -190,7 +190,7 @@ impl Heap {
             let found = if oversize_request {
                 self.lists[li].find_oversize(rounded, self.config.max_non_split_rounding)
             } else {
-                self.lists[li].find(&self.arena.blocks, rounded)
+                self.find_in(li, rounded)
             };
             if let Some(id) = found {
                 self.unlist(id);
@@ -198,6 +198,15 @@ impl Heap {
             }
         }
         None
+    }
+
+    /// A free block below `max_split_size` of list `li` that holds `rounded` bytes.
+    fn find_in(&self, li: usize, rounded: u64) -> Option<BlockId> {
+        if self.config.exact_fit {
+            self.lists[li].find_exact(&self.arena.blocks, rounded)
+        } else {
+            self.lists[li].find(&self.arena.blocks, rounded)
+        }
     }
 
     /// Expandable segments, as PyTorch: a free block followed by unmapped space (the free tail,
@@ -211,7 +220,7 @@ impl Heap {
         {
             return id;
         }
-        match self.lists[li].find(&self.arena.blocks, rounded) {
+        match self.find_in(li, rounded) {
             Some(other) => {
                 self.unlist(other);
                 self.enlist(id);

@@ -14,11 +14,12 @@ use crate::replay::RunConfig;
 pub const STEPALLOC_BEST: &str = stepalloc::config::RECOMMENDED;
 
 /// Every preset: its name and its configuration (without the base keys).
+/// PyTorch's presets take exact best fits (`exact_fit`), as PyTorch's ordered free set does.
 pub const PRESETS: &[(&str, &str)] = &[
-    ("pytorch", ""),
-    ("pytorch_expandable", "expandable_segments:True"),
-    ("split128", "max_split_size_mb:128"),
-    ("empty_cache_every_step", ""),
+    ("pytorch", "exact_fit:True"),
+    ("pytorch_expandable", "exact_fit:True,expandable_segments:True"),
+    ("split128", "exact_fit:True,max_split_size_mb:128"),
+    ("empty_cache_every_step", "exact_fit:True"),
     ("stepalloc", STEPALLOC_BEST),
     ("vm_small_pages", "expandable_segments:True,large_segment_size_mb:2"),
     ("vm_page_reuse", "expandable_segments:True,page_reuse:True"),

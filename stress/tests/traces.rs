@@ -206,7 +206,8 @@ print("OK")
 #[test]
 fn stepalloc_recordings_replay_to_the_recorded_run() {
     use stepalloc::{Allocator, Config, Stream};
-    let a = Allocator::new(Config::parse("backend:sim,trace_entries:100000").unwrap()).unwrap();
+    // PyTorch's block choice, as the `pytorch` preset it is replayed under.
+    let a = Allocator::new(Config::parse("backend:sim,trace_entries:100000,exact_fit:True").unwrap()).unwrap();
     let mut live = Vec::new();
     a.step_begin("rollout").unwrap();
     for i in 0..200u64 {
