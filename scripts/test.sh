@@ -24,6 +24,9 @@ rm -rf target/hostcuda/standins
 if [ "$TORCH" = True ]; then
     python3 testdrv/torch_drift.py target/hostcuda
     python3 testdrv/standins.py target/hostcuda/standins
+    # PyTorch's own allocator (libc10_cuda.so, default / max_split_size_mb:128 / expandable
+    # segments) replays the real-model traces; the stress tool's PyTorch presets must match it.
+    python3 scripts/torch_replay.py target/debug/stepalloc-stress stress/tests/data/model_*.jsonl | tail -n 1
 fi
 (
     export LD_LIBRARY_PATH="$PWD/target/hostcuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
