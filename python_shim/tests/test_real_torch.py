@@ -344,3 +344,28 @@ def test_stepalloc_reserves_no_more_than_pytorchs_own_allocator_on_the_same_scri
     assert default > 300 << 20
     assert ours <= default
     assert ours <= expandable
+
+
+def test_drift_check_names_what_the_installed_torch_needs_and_a_stub_lacks(tmp_path: Path) -> None:
+    import shutil
+    import subprocess
+    import sys
+
+    drift = ROOT / "testdrv" / "torch_drift.py"
+    ok = subprocess.run([sys.executable, str(drift), str(HOSTCUDA)], capture_output=True, text=True, check=False)
+    assert ok.returncode == 0, ok.stderr
+    # A runtime without cudaStreamGetPriority (as when a new torch starts importing a function).
+    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
+        shutil.copy(HOSTCUDA / name, tmp_path / name)
+    source = (ROOT / "testdrv" / "hostcudart.c").read_text()
+    source = source.replace("cudaError_t cudaStreamGetPriority(", "static cudaError_t cudaStreamGetPriority(")
+    (tmp_path / "hostcudart.c").write_text(source)
+    subprocess.run(
+        ["cc", "-shared", "-fPIC", "-w", f"-Wl,--version-script={ROOT / 'testdrv' / 'cudart.map'}",
+         "-o", str(tmp_path / "libcudart.so.13"), str(tmp_path / "hostcudart.c"),
+         f"-L{tmp_path}", "-l:libcuda.so.1", "-ldl"],
+        check=True,
+    )
+    bad = subprocess.run([sys.executable, str(drift), str(tmp_path)], capture_output=True, text=True, check=False)
+    assert bad.returncode == 1
+    assert "runtime: cudaStreamGetPriority" in bad.stderr
