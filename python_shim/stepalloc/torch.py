@@ -7,6 +7,10 @@ Invariants:
   talk to one allocator state.
 - ``install()`` happens at most once per process: PyTorch allows one allocator swap, before
   CUDA is first used. A second call with the same arguments returns the same handle.
+- ``install()`` fixes the configuration: it validates it (``conf``, else ``STEPALLOC_CONF``,
+  else ``RECOMMENDED``) before swapping, and ``configure()`` refuses from then on. It holds
+  ``_lib._config_lock`` from its ``configure`` to the swap, so a racing ``configure()`` lands
+  before (and is replaced) or after (and is refused), never in between.
 - The ``CUDAPluggableAllocator`` objects are kept alive here for the life of the process
   (PyTorch may free tensors through them until exit).
 """
@@ -118,7 +122,8 @@ def install(
     Args:
         conf: configuration in ``PYTORCH_CUDA_ALLOC_CONF`` syntax (``"phase_trim:True"``); None
             keeps ``STEPALLOC_CONF``, or when that is unset uses ``RECOMMENDED``. A bad string
-            raises ``ValueError``.
+            (``conf`` or ``STEPALLOC_CONF``) raises ``ValueError`` here, before anything is
+            swapped. From here on the configuration is fixed: ``configure()`` raises.
         metrics_port: serve Prometheus metrics on 127.0.0.1 at this port.
         patch_torch: route ``torch.cuda.memory_stats`` and friends to stepalloc (they raise
             under a pluggable allocator otherwise); see ``patch_torch()``.
@@ -132,7 +137,7 @@ def install(
         ValueError: ``conf`` was rejected, or differs from the installed configuration.
     """
     global _installation
-    with _lock:
+    with _lock, _lib._config_lock:
         if _installation is not None:
             return _update_installation(conf, metrics_port, patch_torch)
         torch = _import_torch()
@@ -142,6 +147,11 @@ def install(
             conf = RECOMMENDED
         if conf is not None:
             _lib.configure(conf)
+        elif _lib._pending_conf is None and not _lib.initialised():
+            # The library would read STEPALLOC_CONF only at the first allocation and fail there;
+            # giving it the same text now fails here, naming the variable.
+            env = os.environ["STEPALLOC_CONF"]
+            _lib.configure(env, source=f"STEPALLOC_CONF={env!r}")
         path = _lib.library_path()
         _lib.lib()  # load through ctypes first: a missing symbol gives our message, not torch's
         allocator = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC_FN, FREE_FN)
@@ -161,6 +171,7 @@ def install(
         except RuntimeError as e:
             raise RuntimeError(f"{_CUDA_INITIALISED_MESSAGE} (PyTorch said: {e})") from e
         _keep_alive.append(allocator)
+        _lib.fix_configuration("install()")
         # Recorded before the optional extras: if serving metrics fails, the swap still stands
         # and a later install() call retries only the extras.
         _installation = Installation(
