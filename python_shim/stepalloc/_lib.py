@@ -24,7 +24,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 LIBRARY_NAME = "libstepalloc.so"
 ENV_LIBRARY = "STEPALLOC_LIBRARY"
@@ -261,7 +261,7 @@ def config_help() -> str:
     return read_text(lib().stepalloc_config_help)
 
 
-def _checked_int(value: object, what: str, low: int, high: int, c_type: str) -> int:
+def _checked_int(value: Any, what: str, low: int, high: int, c_type: str) -> int:
     """``value`` as a Python int in ``low..high``: ``TypeError`` for a non-integer (a bool
     included), ``ValueError`` below ``low``, ``OverflowError`` above ``high``."""
     if isinstance(value, bool):
@@ -414,7 +414,9 @@ def raw_free(ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> None:
     if not initialised():
         # Nothing was allocated yet, so the pointer cannot be ours; asking the library would
         # create the allocator and fix the configuration.
-        raise ConfigError(f"raw_free: {ptr:#x} was not allocated by stepalloc (nothing is allocated yet)", UNKNOWN_POINTER)
+        raise ConfigError(
+            f"raw_free: {ptr:#x} was not allocated by stepalloc (nothing is allocated yet)", UNKNOWN_POINTER
+        )
     lib().stepalloc_free(ptr, size, device, stream or None)
     status = int(lib().stepalloc_last_status())
     if status != OK:
