@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import json
 import sys
+import textwrap
 from typing import Any, Union
 
 from . import _lib
@@ -218,6 +219,8 @@ def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
         f"{k[len('released_bytes.') :]} {_fmt_bytes(v)}" for k, v in own.items() if k.startswith("released_bytes.")
     )
     for text in (frag, steps, f"released: {released}" if released else "released: none"):
-        out.append(f"| {text:<{width - 1}}|")
+        # Wrapped, so that a long list (many phases, large figures) keeps the table's width.
+        for piece in textwrap.wrap(text, width - 2, subsequent_indent="  "):
+            out.append(f"| {piece:<{width - 1}}|")
     out.append(line)
     return "\n".join(out) + "\n"

@@ -235,14 +235,14 @@ def test_install_fixes_a_good_environment_configuration() -> None:
             import torch, stepalloc
             h = stepalloc.install()
             assert h.conf is None
-            p = stepalloc.raw_alloc(1 << 20)
-            print(stepalloc.memory_stats(0, include_stepalloc=True)["stepalloc.device_total_bytes"])
-            stepalloc.raw_free(p)
             try:
                 stepalloc.configure("backend:sim")  # install() fixed STEPALLOC_CONF's configuration
                 raise SystemExit("configure() after install() was accepted")
             except ValueError:
                 pass
+            p = stepalloc.raw_alloc(1 << 20)
+            print(stepalloc.memory_stats(0, include_stepalloc=True)["stepalloc.device_total_bytes"])
+            stepalloc.raw_free(p)
             """,
             env={"STEPALLOC_CONF": "backend:sim,sim_capacity_mb:96"},
         )
