@@ -171,7 +171,6 @@ def install(
         except RuntimeError as e:
             raise RuntimeError(f"{_CUDA_INITIALISED_MESSAGE} (PyTorch said: {e})") from e
         _keep_alive.append(allocator)
-        _lib.fix_configuration("install()")
         # Recorded before the optional extras: if serving metrics fails, the swap still stands
         # and a later install() call retries only the extras.
         _installation = Installation(
@@ -184,6 +183,8 @@ def install(
             metrics_address=None,
             torch_patched=False,
         )
+        # PyTorch now allocates through the library: the configuration is the one it will use.
+        _lib.fix_configuration("install()")
         return _update_installation(None, metrics_port, patch_torch)
 
 
