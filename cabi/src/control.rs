@@ -285,4 +285,16 @@ mod tests {
         assert_eq!(unsafe { write_text("hi", buf.as_mut_ptr(), 8) }, 2);
         assert_eq!(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_bytes(), b"hi");
     }
+
+    #[test]
+    fn config_device_count_counts_without_creating_and_rejects_bad_strings() {
+        // Safety (all calls): NUL-terminated literals or NULL.
+        assert_eq!(unsafe { stepalloc_config_device_count(c"backend:sim,sim_devices:3".as_ptr()) }, 3);
+        assert_eq!(unsafe { stepalloc_config_device_count(c"backend:sim".as_ptr()) }, 1);
+        assert_eq!(unsafe { stepalloc_config_device_count(c"backend:sim,sim_devices:lots".as_ptr()) }, -1);
+        assert_eq!(last_error::status(), crate::status::STEPALLOC_CONFIG);
+        assert!(last_error::with_message(|m| m.contains("sim_devices")));
+        assert_eq!(unsafe { stepalloc_config_device_count(std::ptr::null()) }, -1);
+        assert_eq!(last_error::status(), crate::status::STEPALLOC_INVALID_ARGUMENT);
+    }
 }
