@@ -341,6 +341,18 @@ def pending_configuration() -> tuple[str, str]:
     return "", "the default configuration"
 
 
+def adopt_environment() -> None:
+    """Gives ``STEPALLOC_CONF`` to the library now, when it is set and nothing else chose the
+    configuration yet. The library would read it only when the allocator is created, at the
+    first allocation, and a bad string would fail there; this fails at once, naming the
+    variable. The text is the same, so the configuration is the same."""
+    with _config_lock:
+        env = os.environ.get("STEPALLOC_CONF")
+        if env is None or _pending_conf is not None or _fixed_by is not None or initialised():
+            return
+        configure(env, source=f"STEPALLOC_CONF={env!r}")
+
+
 def configure(conf: str, source: str | None = None) -> None:
     """Sets the process-wide configuration (``PYTORCH_CUDA_ALLOC_CONF`` syntax).
 

@@ -147,11 +147,8 @@ def install(
             conf = RECOMMENDED
         if conf is not None:
             _lib.configure(conf)
-        elif _lib._pending_conf is None and not _lib.initialised():
-            # The library would read STEPALLOC_CONF only at the first allocation and fail there;
-            # giving it the same text now fails here, naming the variable.
-            env = os.environ["STEPALLOC_CONF"]
-            _lib.configure(env, source=f"STEPALLOC_CONF={env!r}")
+        else:
+            _lib.adopt_environment()  # a bad STEPALLOC_CONF fails here, not at the first tensor
         path = _lib.library_path()
         _lib.lib()  # load through ctypes first: a missing symbol gives our message, not torch's
         allocator = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC_FN, FREE_FN)
@@ -240,6 +237,7 @@ def mempool(use_on_oom: bool = False) -> Any:
     if not hasattr(torch.cuda, "MemPool"):
         raise RuntimeError(f"torch {torch.__version__} has no torch.cuda.MemPool (needs torch >= 2.5)")
     with _lock:
+        _lib.adopt_environment()  # a bad STEPALLOC_CONF fails naming the variable
         if _mempool_allocator is None:
             _lib.lib()
             _mempool_allocator = torch.cuda.memory.CUDAPluggableAllocator(

@@ -221,11 +221,17 @@ def test_install_rejects_a_bad_environment_configuration() -> None:
                 print("ValueError:", e)
             assert not stepalloc.is_installed()
             assert torch._C._cuda_getAllocatorBackend() == "native"
+            try:
+                stepalloc.mempool()
+                raise SystemExit("mempool() accepted a bad STEPALLOC_CONF")
+            except ValueError as e:
+                print("mempool ValueError:", e)
             """,
             env={"STEPALLOC_CONF": "backend:sim,sim_capacity_mb:lots"},
         )
     )
     assert "ValueError:" in out and "STEPALLOC_CONF" in out and "sim_capacity_mb" in out
+    assert "mempool ValueError: STEPALLOC_CONF=" in out
 
 
 def test_install_fixes_a_good_environment_configuration() -> None:
