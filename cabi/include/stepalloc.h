@@ -87,6 +87,20 @@ int stepalloc_reset_accumulated_stats(int device);
 // last error).
 int stepalloc_device_count(void);
 
+// Whether the process-wide allocator exists: 1 once something created it (the first
+// allocation, `stepalloc_init`, or any call that needs it), 0 before. Creates nothing, so
+// callers can answer "nothing allocated yet" without fixing the configuration.
+int stepalloc_is_initialised(void);
+
+// The number of devices an allocator created from `conf` (configuration string syntax) would
+// drive, without creating it: `sim_devices` for `backend:sim`, else the CUDA driver's device
+// count (no context is created). -1 when `conf` is rejected or no device is usable (see the
+// last error).
+//
+// # Safety
+// `conf` must be NULL or a NUL-terminated string.
+int stepalloc_config_device_count(const char *conf);
+
 // `torch.cuda.memory_stats(device)` as one JSON object (same keys, plus `stepalloc.*`).
 // Like the other readers below, it does not create the allocator: before the first
 // allocation it reports zeros, so reading statistics never fixes the configuration.

@@ -16,7 +16,7 @@ use std::net::SocketAddr;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use stepalloc::metrics;
-use stepalloc::{Allocator, Config};
+use stepalloc::{Allocator, BackendKind, Config};
 
 /// Copies `text` into `buf` as described at the top; returns `text.len()`.
 ///
@@ -123,6 +123,37 @@ pub extern "C" fn stepalloc_device_count() -> c_int {
     // `guard` yields 0 on failure, so shift by one: failure becomes -1.
     let count_plus_one = guard(|| Ok(allocator()?.device_count() + 1));
     count_plus_one as c_int - 1
+}
+
+/// Whether the process-wide allocator exists: 1 once something created it (the first
+/// allocation, `stepalloc_init`, or any call that needs it), 0 before. Creates nothing, so
+/// callers can answer "nothing allocated yet" without fixing the configuration.
+#[no_mangle]
+pub extern "C" fn stepalloc_is_initialised() -> c_int {
+    catch_unwind(|| c_int::from(stepalloc::allocator::global_if_initialised().is_some())).unwrap_or(0)
+}
+
+/// The number of devices an allocator created from `conf` (configuration string syntax) would
+/// drive, without creating it: `sim_devices` for `backend:sim`, else the CUDA driver's device
+/// count (no context is created). -1 when `conf` is rejected or no device is usable (see the
+/// last error).
+///
+/// # Safety
+/// `conf` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_config_device_count(conf: *const c_char) -> c_int {
+    // `guard` yields 0 on failure, so shift by one: failure becomes -1.
+    let count_plus_one = guard(|| {
+        // Safety: forwarded caller contract.
+        let text = unsafe { c_str(conf, "configuration string") }?;
+        let config = Config::parse(text)?;
+        let count = match config.backend {
+            BackendKind::Sim => config.sim.devices,
+            BackendKind::Cuda | BackendKind::Auto => stepalloc::backend::cuda::open_all()?.len(),
+        };
+        Ok(count.saturating_add(1))
+    });
+    c_int::try_from(count_plus_one).unwrap_or(c_int::MAX) - 1
 }
 
 /// `torch.cuda.memory_stats(device)` as one JSON object (same keys, plus `stepalloc.*`).
@@ -253,5 +284,17 @@ mod tests {
         assert_eq!(buf[6], 0x7f, "nothing past cap");
         assert_eq!(unsafe { write_text("hi", buf.as_mut_ptr(), 8) }, 2);
         assert_eq!(unsafe { CStr::from_ptr(buf.as_ptr()) }.to_bytes(), b"hi");
+    }
+
+    #[test]
+    fn config_device_count_counts_without_creating_and_rejects_bad_strings() {
+        // Safety (all calls): NUL-terminated literals or NULL.
+        assert_eq!(unsafe { stepalloc_config_device_count(c"backend:sim,sim_devices:3".as_ptr()) }, 3);
+        assert_eq!(unsafe { stepalloc_config_device_count(c"backend:sim".as_ptr()) }, 1);
+        assert_eq!(unsafe { stepalloc_config_device_count(c"backend:sim,sim_devices:lots".as_ptr()) }, -1);
+        assert_eq!(last_error::status(), crate::status::STEPALLOC_CONFIG);
+        assert!(last_error::with_message(|m| m.contains("sim_devices")));
+        assert_eq!(unsafe { stepalloc_config_device_count(std::ptr::null()) }, -1);
+        assert_eq!(last_error::status(), crate::status::STEPALLOC_INVALID_ARGUMENT);
     }
 }

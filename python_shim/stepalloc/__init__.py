@@ -60,9 +60,12 @@ __version__ = "0.1.0"
 
 def empty_cache() -> None:
     """Releases every unused cached segment to the device (``torch.cuda.empty_cache`` calls
-    this too once ``install()`` ran)."""
+    this too once ``install()`` ran). Before the allocator exists nothing is cached: nothing to
+    do, and nothing is created (which would fix the configuration)."""
     from . import _lib
 
+    if not _lib.initialised():
+        return
     _lib.lib().stepalloc_empty_cache()
     _lib.check(int(_lib.lib().stepalloc_last_status()))
 

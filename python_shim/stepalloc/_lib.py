@@ -8,16 +8,23 @@ Invariants:
   carries the library's own message (``stepalloc_last_error``, a thread-local in the library,
   read on the same thread right after the failing call).
 - Nothing here imports torch at module import time.
+- No integer or string reaches ctypes unchecked: ctypes wraps an out-of-range integer silently
+  (``2**64 + 1000`` bytes becomes 1000) and C cuts a string at its first NUL, so
+  ``c_int_arg``/``c_size_arg``/``c_pointer_arg`` and ``c_string`` refuse those first.
+- The configuration is fixed once ``install()`` ran (``fix_configuration``) or the allocator
+  exists (``initialised()``); ``configure`` refuses it then, under ``_config_lock``, which
+  ``install()`` holds from its own ``configure`` to the swap.
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
 import os
 import sys
 import threading
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 LIBRARY_NAME = "libstepalloc.so"
 ENV_LIBRARY = "STEPALLOC_LIBRARY"
@@ -63,6 +70,16 @@ class LibraryNotFoundError(ImportError):
 _lock = threading.Lock()
 _path: str | None = None
 _lib: ctypes.CDLL | None = None
+
+# The configuration's state as seen from Python (see the invariants at the top).
+_config_lock = threading.RLock()
+_fixed_by: str | None = None  # what fixed the configuration ("install()"), None while open
+_pending_conf: str | None = None  # the text ``configure`` last gave the library
+
+# The ranges of the C types the library takes (LP64: int is 32 bits, size_t 64).
+INT_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_int) - 1) - 1
+SIZE_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_size_t)) - 1
+POINTER_MAX = 2 ** (8 * ctypes.sizeof(ctypes.c_void_p)) - 1
 
 
 def _candidates() -> list[tuple[str, Path]]:
@@ -131,6 +148,8 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_reset_peak_stats": ([c_int], c_int),
         "stepalloc_reset_accumulated_stats": ([c_int], c_int),
         "stepalloc_device_count": ([], c_int),
+        "stepalloc_is_initialised": ([], c_int),
+        "stepalloc_config_device_count": ([c_char_p], c_int),
         "stepalloc_last_status": ([], c_int),
         "stepalloc_stats_json": ([c_int, c_char_p, c_size_t], c_size_t),
         "stepalloc_snapshot_json": (text, c_size_t),
@@ -242,22 +261,137 @@ def config_help() -> str:
     return read_text(lib().stepalloc_config_help)
 
 
-def configure(conf: str) -> None:
+def _checked_int(value: Any, what: str, low: int, high: int, c_type: str) -> int:
+    """``value`` as a Python int in ``low..high``: ``TypeError`` for a non-integer (a bool
+    included), ``ValueError`` below ``low``, ``OverflowError`` above ``high``."""
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, not bool")
+    try:
+        number = operator.index(value)  # ints and integer-like types (numpy), never floats
+    except TypeError:
+        raise TypeError(f"{what} must be an int, not {type(value).__name__}") from None
+    if number < low:
+        raise ValueError(f"{what} {number} is out of range: accepted {low}..{high} ({c_type})")
+    if number > high:
+        raise OverflowError(f"{what} {number} is out of range: accepted {low}..{high} ({c_type})")
+    return number
+
+
+def c_int_arg(value: object, what: str) -> int:
+    """A non-negative C ``int`` argument (device numbers)."""
+    return _checked_int(value, what, 0, INT_MAX, "a C int")
+
+
+def c_size_arg(value: object, what: str) -> int:
+    """A C ``size_t`` argument (sizes in bytes)."""
+    return _checked_int(value, what, 0, SIZE_MAX, "a C size_t")
+
+
+def c_pointer_arg(value: object, what: str) -> int:
+    """A pointer-sized argument (device addresses, ``cudaStream_t`` handles as ints)."""
+    return _checked_int(value, what, 0, POINTER_MAX, "a pointer")
+
+
+def c_string(value: object, what: str) -> bytes:
+    """``value`` as the UTF-8 bytes of a C string. A NUL inside would end the string there and
+    the rest would be dropped silently, so it is refused (``ValueError``)."""
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, not {type(value).__name__}")
+    at = value.find("\x00")
+    if at >= 0:
+        raise ConfigError(
+            f"{what} {value!r} contains a NUL character (at index {at}); the library reads C strings, "
+            f"which end at the first NUL, so it would see only {value[:at]!r}",
+            INVALID_ARGUMENT,
+        )
+    try:
+        return value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{what} {value!r} is not valid Unicode text ({e})", INVALID_ARGUMENT) from None
+
+
+def initialised() -> bool:
+    """Whether the library's allocator exists (creates nothing). Before it does, nothing has
+    been allocated, every statistic is zero and the configuration can still change."""
+    return bool(lib().stepalloc_is_initialised())
+
+
+def configuration_fixed() -> bool:
+    """Whether the configuration can no longer change: ``install()`` ran or the allocator exists.
+    Calls that need the allocator may then create it without fixing anything new."""
+    return _fixed_by is not None or initialised()
+
+
+def fix_configuration(by: str) -> None:
+    """Marks the configuration fixed by ``by`` (``install()``): ``configure`` refuses from now on."""
+    global _fixed_by
+    with _config_lock:
+        _fixed_by = by
+
+
+def pending_configuration() -> tuple[str, str]:
+    """The configuration the allocator will be created with, and where it comes from: the text
+    given to ``configure``, else ``STEPALLOC_CONF``, else the defaults (as the library chooses)."""
+    with _config_lock:
+        if _pending_conf is not None:
+            return _pending_conf, "configure()"
+    env = os.environ.get("STEPALLOC_CONF")
+    if env is not None:
+        return env, f"STEPALLOC_CONF={env!r}"
+    return "", "the default configuration"
+
+
+def adopt_environment() -> None:
+    """Gives ``STEPALLOC_CONF`` to the library now, when it is set and nothing else chose the
+    configuration yet. The library would read it only when the allocator is created, at the
+    first allocation, and a bad string would fail there; this fails at once, naming the
+    variable. The text is the same, so the configuration is the same."""
+    with _config_lock:
+        env = os.environ.get("STEPALLOC_CONF")
+        if env is None or _pending_conf is not None or _fixed_by is not None or initialised():
+            return
+        configure(env, source=f"STEPALLOC_CONF={env!r}")
+
+
+def configure(conf: str, source: str | None = None) -> None:
     """Sets the process-wide configuration (``PYTORCH_CUDA_ALLOC_CONF`` syntax).
 
-    Only before the first allocation; afterwards the configuration is fixed and this raises
-    ``ValueError``. A bad key or value raises ``ValueError`` with the library's message.
+    Only before ``install()`` and before the first allocation; afterwards the configuration is
+    fixed and this raises ``ValueError``. A bad key or value raises ``ValueError`` with the
+    library's message (prefixed with ``source``, where the text came from, when given).
     """
-    if not isinstance(conf, str):
-        raise TypeError(f"conf must be a str, not {type(conf).__name__}")
-    check(lib().stepalloc_configure(conf.encode()))
+    global _pending_conf
+    data = c_string(conf, "configuration string")
+    with _config_lock:
+        if _fixed_by is not None:
+            raise ConfigError(
+                f"stepalloc's configuration is fixed since {_fixed_by}; configure({conf!r}) cannot apply "
+                "(pass the configuration to install(conf=...) or set STEPALLOC_CONF before it)",
+                INVALID_ARGUMENT,
+            )
+        status = int(lib().stepalloc_configure(data))
+        if status != OK:
+            error = error_for(status)
+            if source is not None and isinstance(error, StepallocError):
+                raise type(error)(f"{source}: {error}", error.status) from None
+            raise error
+        _pending_conf = conf
 
 
 def device_count() -> int:
-    """Number of devices the allocator drives (initialises the allocator)."""
-    n = int(lib().stepalloc_device_count())
+    """Number of devices the allocator drives. Before it exists (nothing allocated yet), the
+    number it will drive under the pending configuration (see ``pending_configuration``),
+    without creating it: ``sim_devices`` on the simulated device, else the CUDA driver's count."""
+    if initialised():
+        n = int(lib().stepalloc_device_count())
+        if n < 0:
+            check(int(lib().stepalloc_last_status()) or UNAVAILABLE)
+        return n
+    conf, source = pending_configuration()
+    n = int(lib().stepalloc_config_device_count(c_string(conf, source)))
     if n < 0:
-        check(int(lib().stepalloc_last_status()) or UNAVAILABLE)
+        status = int(lib().stepalloc_last_status()) or UNAVAILABLE
+        raise error_for(status, f"{source}: {last_error()}")
     return n
 
 
@@ -266,10 +400,12 @@ def raw_alloc(size: int, device: int = 0, stream: int = 0) -> int:
     0 = default stream) and returns the device address.
 
     Raises ``torch.cuda.OutOfMemoryError`` (also a ``MemoryError``) when the device is full,
-    with the library's report. Pair with ``raw_free``.
+    with the library's report; ``ValueError`` / ``OverflowError`` for an argument outside its C
+    type (``size``: 0..2**64-1, ``device``: 0..2**31-1). Pair with ``raw_free``.
     """
-    if size < 0:
-        raise ValueError(f"size must be >= 0, got {size}")
+    size = c_size_arg(size, "raw_alloc: size")
+    device = c_int_arg(device, "raw_alloc: device")
+    stream = c_pointer_arg(stream, "raw_alloc: stream")
     ptr = lib().stepalloc_malloc(size, device, stream or None)
     if ptr:
         return int(ptr)
@@ -281,7 +417,19 @@ def raw_alloc(size: int, device: int = 0, stream: int = 0) -> int:
 
 def raw_free(ptr: int, size: int = 0, device: int = 0, stream: int = 0) -> None:
     """Frees an address from ``raw_alloc`` (``size``: the size asked for, or 0 if unknown)."""
-    lib().stepalloc_free(ptr or None, size, device, stream or None)
+    ptr = c_pointer_arg(ptr, "raw_free: ptr")
+    size = c_size_arg(size, "raw_free: size")
+    device = c_int_arg(device, "raw_free: device")
+    stream = c_pointer_arg(stream, "raw_free: stream")
+    if ptr == 0:
+        return
+    if not initialised():
+        # Nothing was allocated yet, so the pointer cannot be ours; asking the library would
+        # create the allocator and fix the configuration.
+        raise ConfigError(
+            f"raw_free: {ptr:#x} was not allocated by stepalloc (nothing is allocated yet)", UNKNOWN_POINTER
+        )
+    lib().stepalloc_free(ptr, size, device, stream or None)
     status = int(lib().stepalloc_last_status())
     if status != OK:
         raise error_for(status)

@@ -7,17 +7,24 @@ Invariants:
   (``stepalloc_metrics_text``, the same text the endpoint serves) at scrape time and hands the
   parsed families to ``prometheus_client``; names, types, labels and help are the library's.
 - ``prometheus_client`` is imported only by ``register_prometheus`` / ``StepallocCollector``.
+- One bridge per registry: the collector describes its families (``describe()``), so
+  prometheus_client refuses a second collector reporting the same series, and
+  ``register_prometheus`` refuses a registry that already holds one.
+- ``serve_metrics`` never creates the allocator before ``install()``: that would fix its
+  configuration although nothing was allocated.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 from . import _lib
 
 DEFAULT_PORT = 9835
+_register_lock = threading.Lock()  # check-then-register in `register_prometheus`
 
 
 def serve_metrics(port: int | None = None, host: str = "127.0.0.1") -> str:
@@ -32,7 +39,18 @@ def serve_metrics(port: int | None = None, host: str = "127.0.0.1") -> str:
         port = DEFAULT_PORT
     if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
         raise ValueError(f"port must be an int in 1..65535, got {port!r}")
-    _lib.check(_lib.lib().stepalloc_metrics_serve(f"{host}:{port}".encode()))
+    address = _lib.c_string(f"{host}:{port}", "serve_metrics: address (host:port)")
+    if not _lib.configuration_fixed():
+        # The endpoint serves the allocator, and creating it now would fix the configuration
+        # before install(conf=...) or the first allocation could choose it.
+        raise _lib.StepallocError(
+            "serve_metrics: the allocator does not exist yet (install() has not run and nothing is "
+            "allocated), and starting the endpoint would create it and fix its configuration. Call "
+            "serve_metrics() after install() (or pass install(metrics_port=...)), or after the first "
+            "allocation; or configure `metrics_addr`",
+            _lib.UNAVAILABLE,
+        )
+    _lib.check(_lib.lib().stepalloc_metrics_serve(address))
     return served_address(port, host)
 
 
@@ -62,14 +80,33 @@ class StepallocCollector:
 
         yield from text_string_to_metric_families(metrics_text())
 
+    def describe(self) -> list[Any]:
+        """The families ``collect()`` reports (names, types, help), read from the library, so
+        that a registry can refuse a second collector reporting the same series. Before the
+        allocator exists the library reports no family, and neither does this."""
+        return list(self.collect())
+
 
 def register_prometheus(registry: Any = None) -> StepallocCollector:
     """Registers a ``StepallocCollector`` with ``registry`` (default: prometheus_client's global
-    ``REGISTRY``) and returns it (``registry.unregister(collector)`` removes it)."""
+    ``REGISTRY``) and returns it (``registry.unregister(collector)`` removes it).
+
+    Raises ``ValueError`` when ``registry`` already holds a ``StepallocCollector``: two would
+    report every series twice, which Prometheus rejects."""
     try:
         import prometheus_client
     except ImportError as e:
         raise ImportError("register_prometheus needs prometheus_client; `pip install prometheus_client`") from e
-    collector = StepallocCollector()
-    (registry if registry is not None else prometheus_client.REGISTRY).register(collector)
+    target = registry if registry is not None else prometheus_client.REGISTRY
+    # prometheus_client keeps its collectors in `_collector_to_names` (stable for years, but
+    # private: without it the check falls back to describe()'s names alone).
+    with _register_lock:
+        registered = getattr(target, "_collector_to_names", {})
+        if any(isinstance(c, StepallocCollector) for c in list(registered)):
+            raise ValueError(
+                "a stepalloc collector is already registered with this registry; a second one would "
+                "report every series twice (unregister the first with registry.unregister(collector))"
+            )
+        collector = StepallocCollector()
+        target.register(collector)
     return collector

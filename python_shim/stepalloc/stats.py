@@ -6,7 +6,10 @@ Invariants:
   ``stepalloc_stats()`` or ``memory_stats(include_stepalloc=True)``, under ``stepalloc.``.
 - The figures are the library's (``stepalloc_stats_json``); nothing is computed twice here.
 - A ``device`` argument is read like torch reads it (int, ``"cuda:1"``, ``torch.device``, None =
-  the current device) without initialising CUDA just to answer.
+  the current device) without initialising CUDA just to answer, and checked against the range
+  of a C ``int`` before it reaches ctypes.
+- Nothing here creates the allocator (which would fix its configuration): before it exists the
+  statistics are zero and the resets have nothing to do.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from __future__ import annotations
 import collections
 import json
 import sys
+import textwrap
 from typing import Any, Union
 
 from . import _lib
@@ -24,11 +28,16 @@ PREFIX = "stepalloc."
 
 
 def device_index(device: Device = None) -> int:
-    """The device ordinal for ``device`` as torch reads it.
+    """The device ordinal for ``device`` as torch reads it, in 0..2**31-1 (``OverflowError``
+    above, ``ValueError`` below).
 
     ``None`` is torch's current device when torch has initialised CUDA, else device 0 (asking
     torch would initialise CUDA, which ``install()`` must precede).
     """
+    return _lib.c_int_arg(_device_number(device), f"device {device!r}: index")
+
+
+def _device_number(device: Device) -> int:
     if device is None:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
@@ -42,12 +51,12 @@ def device_index(device: Device = None) -> int:
         kind, _, index = device.partition(":")
         if kind != "cuda":
             raise ValueError(f"expected a CUDA device, got {device!r}")
-        return int(index) if index else device_index(None)
+        return int(index) if index else _device_number(None)
     device_type = getattr(device, "type", None)
     if device_type is not None:  # torch.device
         if device_type != "cuda":
             raise ValueError(f"expected a CUDA device, got {device!r}")
-        return device.index if device.index is not None else device_index(None)
+        return device.index if device.index is not None else _device_number(None)
     raise TypeError(f"device must be an int, a str, a torch.device or None, not {type(device).__name__}")
 
 
@@ -99,13 +108,19 @@ def max_memory_reserved(device: Device = None) -> int:
 
 
 def reset_peak_memory_stats(device: Device = None) -> None:
-    """Sets every ``.peak`` statistic of ``device`` to its current value."""
-    _lib.check(_lib.lib().stepalloc_reset_peak_stats(device_index(device)))
+    """Sets every ``.peak`` statistic of ``device`` to its current value. Before the allocator
+    exists every statistic is zero: nothing to reset, and nothing is created."""
+    index = device_index(device)
+    if _lib.initialised():
+        _lib.check(_lib.lib().stepalloc_reset_peak_stats(index))
 
 
 def reset_accumulated_memory_stats(device: Device = None) -> None:
-    """Sets the ``.allocated``/``.freed`` totals and the event counters of ``device`` to 0."""
-    _lib.check(_lib.lib().stepalloc_reset_accumulated_stats(device_index(device)))
+    """Sets the ``.allocated``/``.freed`` totals and the event counters of ``device`` to 0
+    (before the allocator exists they are 0 already: nothing is created)."""
+    index = device_index(device)
+    if _lib.initialised():
+        _lib.check(_lib.lib().stepalloc_reset_accumulated_stats(index))
 
 
 def reset_max_memory_allocated(device: Device = None) -> None:
@@ -204,6 +219,8 @@ def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
         f"{k[len('released_bytes.') :]} {_fmt_bytes(v)}" for k, v in own.items() if k.startswith("released_bytes.")
     )
     for text in (frag, steps, f"released: {released}" if released else "released: none"):
-        out.append(f"| {text:<{width - 1}}|")
+        # Wrapped, so that a long list (many phases, large figures) keeps the table's width.
+        for piece in textwrap.wrap(text, width - 2, subsequent_indent="  "):
+            out.append(f"| {piece:<{width - 1}}|")
     out.append(line)
     return "\n".join(out) + "\n"

@@ -1,11 +1,21 @@
 """Layer: step and phase hooks (``with stepalloc.step("rollout"):``) over the library's
 ``stepalloc_step_begin`` / ``stepalloc_step_end``.
 
+Steps are per process, as the library keeps them: one step at a time, for every device.
+
 Invariants:
 - A step always ends: the context manager and the decorator call ``step_end`` on the way out,
   also when the body raises (the body's exception wins over an error from ``step_end``).
-- Steps do not nest: a ``step`` entered inside another raises ``RuntimeError`` (the library
-  would end the outer step silently).
+- ``@step`` covers the body's execution: for a coroutine function until the coroutine
+  returns, for a generator or async generator function until it is exhausted or closed.
+- Steps do not nest: a ``step`` entered inside another in the same thread or asyncio task
+  raises ``RuntimeError`` (the library would end the outer step silently).
+- Threads and tasks that enter a ``step`` of the phase already open join that process-wide
+  step; it ends when the last of them leaves. A ``step`` of another phase while one is open
+  elsewhere raises ``RuntimeError`` naming both phases.
+- Before the allocator exists and before ``install()``, a step reaches no library: there is
+  nothing to measure or release, and beginning one would create the allocator and fix its
+  configuration. Such steps are not counted.
 - Phases are a small, bounded label set (they become metric labels): use a few fixed names
   such as ``rollout``, ``train``, ``eval``, never per-step names.
 """
@@ -13,30 +23,52 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
+import inspect
 import threading
-from typing import Any, Literal
+from collections.abc import AsyncIterator, Callable, Iterator
+from typing import Any, Literal, TypeVar
 
 from . import _lib
 
-# The phase of the `step` context now open (steps are process-wide in the library).
-_active: str | None = None
-_active_lock = threading.Lock()
+F = TypeVar("F", bound=Callable[..., Any])
+
+# The process-wide step opened through `step` (phase, and how many threads or tasks are in
+# it), guarded by `_state_lock`; `_inside` is the phase of the step the current thread or task
+# entered (a context variable: per thread, and per asyncio task).
+_state_lock = threading.Lock()
+_open_phase: str | None = None
+_holders = 0
+_inside: contextvars.ContextVar[str | None] = contextvars.ContextVar("stepalloc_step", default=None)
+# Whether the last `step_begin` stopped short of the library (see the invariants).
+_begin_skipped = False
 
 
 def step_begin(phase: str = "step") -> None:
-    """Marks the start of a step of ``phase`` on every device.
+    """Marks the start of a step of ``phase`` on every device (process-wide).
 
     A step of another phase than the previous one is a phase switch: with ``phase_trim:True``
-    the cache is trimmed to what this phase needed before.
+    the cache is trimmed to what this phase needed before. Before the allocator exists and
+    before ``install()`` this does nothing (nothing is measured; the configuration stays open).
     """
-    if not isinstance(phase, str):
-        raise TypeError(f"phase must be a str, not {type(phase).__name__}")
-    _lib.check(_lib.lib().stepalloc_step_begin(phase.encode()))
+    global _begin_skipped
+    data = _lib.c_string(phase, "step phase")
+    if not _lib.configuration_fixed():
+        _begin_skipped = True
+        return
+    _begin_skipped = False
+    _lib.check(_lib.lib().stepalloc_step_begin(data))
 
 
 def step_end() -> None:
     """Marks the end of the current step; runs the step-end release policies
-    (``release_idle_steps``, ``cache_limit_mb``) and records the step's figures."""
+    (``release_idle_steps``, ``cache_limit_mb``) and records the step's figures. Ends nothing
+    when the step began before the allocator existed (see ``step_begin``)."""
+    global _begin_skipped
+    skipped, _begin_skipped = _begin_skipped, False
+    if skipped or not _lib.initialised():
+        return
     _lib.check(_lib.lib().stepalloc_step_end())
 
 
@@ -48,29 +80,95 @@ class step(contextlib.ContextDecorator):
 
     @stepalloc.step("train")
     def train_step(batch): ...
+
+    @stepalloc.step("rollout")
+    async def rollout(env): ...  # the step lasts until the coroutine returns
+
+    Steps are per process: threads or asyncio tasks inside ``step`` of one phase share one step,
+    which ends when the last of them leaves; another phase meanwhile raises ``RuntimeError``.
     """
 
     def __init__(self, phase: str = "step") -> None:
-        if not isinstance(phase, str):
-            raise TypeError(f"phase must be a str, not {type(phase).__name__}")
+        _lib.c_string(phase, "step phase")  # a type or NUL error here, not at the first use
         self.phase = phase
 
+    def _recreate_cm(self) -> step:
+        # Each decorated call gets its own context manager: calls may overlap (threads, tasks).
+        return step(self.phase)
+
+    def __call__(self, func: F) -> F:  # type: ignore[override]
+        phase = self.phase
+        if inspect.isasyncgenfunction(func):
+
+            @functools.wraps(func)
+            async def async_generator(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+                with step(phase):
+                    inner = func(*args, **kwargs)
+                    try:
+                        item = await inner.__anext__()
+                        while True:
+                            try:
+                                sent = yield item
+                            except GeneratorExit:
+                                raise
+                            except BaseException as thrown:  # noqa: BLE001 - handed to the body
+                                item = await inner.athrow(thrown)
+                            else:
+                                item = await inner.asend(sent)
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        await inner.aclose()
+
+            return async_generator  # type: ignore[return-value]
+        if inspect.iscoroutinefunction(func):
+
+            @functools.wraps(func)
+            async def coroutine(*args: Any, **kwargs: Any) -> Any:
+                with step(phase):
+                    return await func(*args, **kwargs)
+
+            return coroutine  # type: ignore[return-value]
+        if inspect.isgeneratorfunction(func):
+
+            @functools.wraps(func)
+            def generator(*args: Any, **kwargs: Any) -> Iterator[Any]:
+                with step(phase):
+                    return (yield from func(*args, **kwargs))
+
+            return generator  # type: ignore[return-value]
+        return super().__call__(func)  # type: ignore[return-value]
+
     def __enter__(self) -> step:
-        global _active
-        with _active_lock:
-            if _active is not None:
+        global _open_phase, _holders
+        with _state_lock:
+            mine = _inside.get()
+            if mine is not None:
                 raise RuntimeError(
-                    f"stepalloc steps do not nest: step({self.phase!r}) began inside step({_active!r}); "
-                    "end one phase before the next begins"
+                    f"stepalloc steps do not nest: step({self.phase!r}) began inside step({mine!r}) in the "
+                    "same thread or task; end one phase before the next begins"
                 )
-            step_begin(self.phase)
-            _active = self.phase
+            if _open_phase is None:
+                step_begin(self.phase)
+                _open_phase, _holders = self.phase, 0
+            elif _open_phase != self.phase:
+                raise RuntimeError(
+                    f"stepalloc steps are process-wide: step({self.phase!r}) cannot begin while "
+                    f"step({_open_phase!r}) is open in another thread or task; one phase runs at a time"
+                )
+            _holders += 1
+            _inside.set(self.phase)
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: Any) -> Literal[False]:
-        global _active
-        with _active_lock:
-            _active = None
+        global _open_phase, _holders
+        with _state_lock:
+            # Steps do not nest, so this context was in no step before this one.
+            _inside.set(None)
+            _holders -= 1
+            if _holders > 0:
+                return False
+            _open_phase = None
             try:
                 step_end()
             except _lib.StepallocError:

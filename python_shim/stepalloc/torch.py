@@ -7,6 +7,10 @@ Invariants:
   talk to one allocator state.
 - ``install()`` happens at most once per process: PyTorch allows one allocator swap, before
   CUDA is first used. A second call with the same arguments returns the same handle.
+- ``install()`` fixes the configuration: it validates it (``conf``, else ``STEPALLOC_CONF``,
+  else ``RECOMMENDED``) before swapping, and ``configure()`` refuses from then on. It holds
+  ``_lib._config_lock`` from its ``configure`` to the swap, so a racing ``configure()`` lands
+  before (and is replaced) or after (and is refused), never in between.
 - The ``CUDAPluggableAllocator`` objects are kept alive here for the life of the process
   (PyTorch may free tensors through them until exit).
 """
@@ -118,7 +122,8 @@ def install(
     Args:
         conf: configuration in ``PYTORCH_CUDA_ALLOC_CONF`` syntax (``"phase_trim:True"``); None
             keeps ``STEPALLOC_CONF``, or when that is unset uses ``RECOMMENDED``. A bad string
-            raises ``ValueError``.
+            (``conf`` or ``STEPALLOC_CONF``) raises ``ValueError`` here, before anything is
+            swapped. From here on the configuration is fixed: ``configure()`` raises.
         metrics_port: serve Prometheus metrics on 127.0.0.1 at this port.
         patch_torch: route ``torch.cuda.memory_stats`` and friends to stepalloc (they raise
             under a pluggable allocator otherwise); see ``patch_torch()``.
@@ -132,7 +137,7 @@ def install(
         ValueError: ``conf`` was rejected, or differs from the installed configuration.
     """
     global _installation
-    with _lock:
+    with _lock, _lib._config_lock:
         if _installation is not None:
             return _update_installation(conf, metrics_port, patch_torch)
         torch = _import_torch()
@@ -142,6 +147,8 @@ def install(
             conf = RECOMMENDED
         if conf is not None:
             _lib.configure(conf)
+        else:
+            _lib.adopt_environment()  # a bad STEPALLOC_CONF fails here, not at the first tensor
         path = _lib.library_path()
         _lib.lib()  # load through ctypes first: a missing symbol gives our message, not torch's
         allocator = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC_FN, FREE_FN)
@@ -175,6 +182,8 @@ def install(
             metrics_address=None,
             torch_patched=False,
         )
+        # PyTorch now allocates through the library: the configuration is the one it will use.
+        _lib.fix_configuration("install()")
         return _update_installation(None, metrics_port, patch_torch)
 
 
@@ -230,6 +239,7 @@ def mempool(use_on_oom: bool = False) -> Any:
     if not hasattr(torch.cuda, "MemPool"):
         raise RuntimeError(f"torch {torch.__version__} has no torch.cuda.MemPool (needs torch >= 2.5)")
     with _lock:
+        _lib.adopt_environment()  # a bad STEPALLOC_CONF fails naming the variable
         if _mempool_allocator is None:
             _lib.lib()
             _mempool_allocator = torch.cuda.memory.CUDAPluggableAllocator(

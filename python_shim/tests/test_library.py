@@ -138,3 +138,96 @@ def test_recommended_configuration_is_the_cores_and_works() -> None:
         )
     )
     assert out.split() == ["True", "0"]
+
+
+def test_out_of_range_integers_never_reach_ctypes() -> None:
+    # ctypes would wrap these silently: 2**64 + 1000 bytes became a 1000-byte block, device
+    # 2**32 became device 0.
+    before = stepalloc.memory_stats(0)["allocation.all.current"]
+    for size in (2**64 + 1000, 2**64):
+        with pytest.raises(OverflowError, match="size"):
+            stepalloc.raw_alloc(size)
+    for device in (2**32, 2**31, -1):
+        with pytest.raises((OverflowError, ValueError), match="device"):
+            stepalloc.raw_alloc(10, device=device)
+    with pytest.raises(OverflowError, match="stream"):
+        stepalloc.raw_alloc(10, stream=2**64)
+    with pytest.raises(ValueError, match="size"):
+        stepalloc.raw_alloc(-1)
+    with pytest.raises(TypeError, match="size"):
+        stepalloc.raw_alloc(10.5)  # type: ignore[arg-type]
+    assert stepalloc.memory_stats(0)["allocation.all.current"] == before
+    for call in (stepalloc.memory_stats, stepalloc.reset_peak_memory_stats, stepalloc.memory_summary):
+        with pytest.raises(OverflowError, match="device"):
+            call(2**32)
+    with pytest.raises(OverflowError, match="device"):
+        stepalloc.memory_stats("cuda:4294967296")
+    with pytest.raises(OverflowError, match="ptr"):
+        stepalloc.raw_free(2**64 + 4096)
+    with pytest.raises(OverflowError, match="size"):
+        stepalloc.raw_free(4096, size=2**64 + 512)
+
+
+def test_strings_with_nul_are_refused_not_truncated() -> None:
+    with pytest.raises(ValueError, match="NUL") as e:
+        stepalloc.configure("backend:sim\x00garbage")
+    assert "configuration" in str(e.value)
+
+
+def test_calls_that_do_not_allocate_leave_the_configuration_open() -> None:
+    out = check_child(
+        run_python(
+            """
+            import stepalloc
+            from stepalloc import _lib
+            stepalloc.reset_peak_memory_stats()
+            stepalloc.reset_accumulated_memory_stats(1)
+            with stepalloc.step("rollout"):
+                pass
+            stepalloc.step_begin("train")
+            stepalloc.step_end()
+            stepalloc.empty_cache()
+            try:
+                stepalloc.serve_metrics(1)
+            except RuntimeError as e:
+                print("serve_metrics:", e)
+            assert stepalloc.memory_stats()["allocation.all.current"] == 0
+            # Nothing was allocated: the configuration is still open.
+            stepalloc.configure("backend:sim,sim_devices:3,sim_capacity_mb:64")
+            assert stepalloc.device_count() == 3
+            stepalloc.reset_peak_memory_stats(2)
+            stepalloc.configure("backend:sim,sim_devices:2,sim_capacity_mb:64")
+            assert stepalloc.device_count() == 2
+            p = stepalloc.raw_alloc(1 << 20)
+            try:
+                stepalloc.reset_peak_memory_stats(2)
+                raise SystemExit("device 2 of 2 accepted")
+            except ValueError as e:
+                print("device 2:", e)
+            with stepalloc.step("rollout"):
+                pass
+            assert stepalloc.stepalloc_stats(0)["steps.rollout"] == 1
+            stepalloc.raw_free(p)
+            print("ok")
+            """
+        )
+    )
+    assert "ok" in out
+    assert "serve_metrics: " in out and "install()" in out
+    assert "device 2: " in out and "2 devices" in out
+
+
+def test_bad_environment_configuration_names_its_source() -> None:
+    out = check_child(
+        run_python(
+            """
+            import stepalloc
+            try:
+                stepalloc.device_count()
+            except ValueError as e:
+                print("ValueError:", e)
+            """,
+            env={"STEPALLOC_CONF": "backend:sim,sim_capacity_mb:-5"},
+        )
+    )
+    assert "ValueError:" in out and "sim_capacity_mb" in out and "STEPALLOC_CONF" in out

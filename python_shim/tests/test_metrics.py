@@ -70,3 +70,28 @@ def test_serve_metrics_rejects_bad_ports() -> None:
     for bad in (0, 70000, "9835"):
         with pytest.raises(ValueError):
             stepalloc.serve_metrics(bad)  # type: ignore[arg-type]
+
+
+def test_bridge_registered_twice_is_refused() -> None:
+    pytest.importorskip("prometheus_client", reason="prometheus_client is not installed: the bridge not tested")
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    collector = stepalloc.register_prometheus(registry)
+    try:
+        with pytest.raises(ValueError, match="already registered"):
+            stepalloc.register_prometheus(registry)
+        # describe() names the families, so prometheus_client itself sees the duplicate.
+        names = {family.name for family in collector.describe()}
+        assert "stepalloc_allocated_bytes" in names
+        with pytest.raises(ValueError, match="Duplicated"):
+            registry.register(stepalloc.StepallocCollector())
+    finally:
+        registry.unregister(collector)
+    again = stepalloc.register_prometheus(registry)  # after unregister(), registering again works
+    registry.unregister(again)
+
+
+def test_serve_metrics_host_with_nul_is_refused() -> None:
+    with pytest.raises(ValueError, match="NUL"):
+        stepalloc.serve_metrics(free_port(), host="127.0.0.1\x00junk")

@@ -148,3 +148,22 @@ def test_reading_statistics_does_not_fix_the_configuration() -> None:
         )
     )
     assert out.strip() == "ok"
+
+
+def test_memory_summary_keeps_its_width_with_long_lists() -> None:
+    out = check_child(
+        run_python(
+            """
+            import stepalloc
+            stepalloc.configure("backend:sim,sim_capacity_mb:64")
+            p = stepalloc.raw_alloc(1 << 20)
+            for phase in ("rollout_generation", "reward_model_scoring", "policy_training", "evaluation"):
+                with stepalloc.step(phase):
+                    pass
+            widths = {len(line) for line in stepalloc.memory_summary(0).splitlines()}
+            print(sorted(widths))
+            stepalloc.raw_free(p)
+            """
+        )
+    )
+    assert out.split() == ["[80]"]

@@ -88,3 +88,115 @@ def test_steps_do_not_nest() -> None:
     assert steps("rollout") == rollouts + 1
     with stepalloc.step("train"):  # nothing is left open
         pass
+
+
+def test_step_name_with_nul_is_refused_not_truncated() -> None:
+    for call in (stepalloc.step, stepalloc.step_begin):
+        with pytest.raises(ValueError, match="NUL"):
+            call("ab\x00cd")
+    with stepalloc.step("train"):  # nothing was left open
+        pass
+
+
+def test_decorated_coroutine_and_generator_are_inside_their_step() -> None:
+    import asyncio
+
+    size = 40 * MIB
+
+    def body() -> None:
+        p = stepalloc.raw_alloc(size)
+        stepalloc.raw_free(p, size)
+
+    @stepalloc.step("eval")
+    async def coroutine() -> int:
+        await asyncio.sleep(0)
+        body()
+        return 7
+
+    @stepalloc.step("eval")
+    def generator():  # type: ignore[no-untyped-def]
+        yield 1
+        body()
+        yield 2
+
+    @stepalloc.step("eval")
+    async def async_generator():  # type: ignore[no-untyped-def]
+        yield 1
+        await asyncio.sleep(0)
+        body()
+        yield 2
+
+    async def consume() -> list[int]:
+        return [x async for x in async_generator()]
+
+    for run in (lambda: asyncio.run(coroutine()), lambda: list(generator()), lambda: asyncio.run(consume())):
+        evals = steps("eval")
+        run()
+        assert steps("eval") == evals + 1
+        assert stepalloc.stepalloc_stats(0)["last_step.peak_allocated_bytes"] >= size
+
+
+def test_steps_are_per_process_threads_in_the_same_phase_share_one() -> None:
+    import threading
+
+    trains = steps("train")
+    inside = threading.Barrier(2)
+    errors: list[BaseException] = []
+
+    def worker() -> None:
+        try:
+            with stepalloc.step("train"):
+                inside.wait(timeout=10)
+                p = stepalloc.raw_alloc(MIB)
+                stepalloc.raw_free(p, MIB)
+                inside.wait(timeout=10)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert steps("train") == trains + 1  # one process-wide step, entered by both threads
+
+
+def test_another_phase_on_another_thread_is_refused_clearly() -> None:
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+
+    def rollout() -> None:
+        with stepalloc.step("rollout"):
+            entered.set()
+            release.wait(timeout=10)
+
+    t = threading.Thread(target=rollout)
+    t.start()
+    try:
+        assert entered.wait(timeout=10)
+        with pytest.raises(RuntimeError, match="process-wide") as e, stepalloc.step("train"):
+            pass
+        assert "rollout" in str(e.value) and "nest" not in str(e.value)
+    finally:
+        release.set()
+        t.join()
+    with stepalloc.step("train"):  # nothing was left open
+        pass
+
+
+def test_concurrent_tasks_in_one_phase_share_the_step() -> None:
+    import asyncio
+
+    trains = steps("train")
+
+    @stepalloc.step("train")
+    async def task() -> None:
+        await asyncio.sleep(0.01)
+
+    async def main() -> None:
+        await asyncio.gather(task(), task(), task())
+
+    asyncio.run(main())
+    assert steps("train") == trains + 1

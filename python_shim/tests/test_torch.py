@@ -137,3 +137,120 @@ def test_install_rejects_a_bad_configuration_before_touching_torch() -> None:
         )
     )
     assert "ValueError:" in out and "max_split_size_mb" in out
+
+
+def test_configure_after_install_is_refused_also_from_racing_threads() -> None:
+    out = check_child(
+        run_python(
+            """
+            import threading
+            import torch, stepalloc
+            conf = "backend:sim,sim_capacity_mb:512,max_split_size_mb:64"
+            late = []
+
+            def racer():
+                # Keeps configuring until install() is done, then once more.
+                while True:
+                    done = stepalloc.is_installed()
+                    try:
+                        stepalloc.configure("backend:sim,sim_capacity_mb:256")
+                        if done:
+                            late.append("accepted after install")
+                    except ValueError as e:
+                        if not done and not stepalloc.is_installed():
+                            late.append(f"refused before install: {e}")
+                    if done:
+                        return
+
+            threads = [threading.Thread(target=racer) for _ in range(4)]
+            for t in threads:
+                t.start()
+            h = stepalloc.install(conf=conf)
+            for t in threads:
+                t.join()
+            assert not late, late
+            try:
+                stepalloc.configure("backend:sim")
+                raise SystemExit("configure() after install() was accepted")
+            except ValueError as e:
+                print("refused:", e)
+            assert h.conf == conf
+            p = stepalloc.raw_alloc(1 << 20)
+            stats = stepalloc.memory_stats(0, include_stepalloc=True)
+            assert stats["stepalloc.device_total_bytes"] == 512 << 20, stats["stepalloc.device_total_bytes"]
+            stepalloc.raw_free(p)
+            print("ok")
+            """
+        )
+    )
+    assert "ok" in out and "refused:" in out and "install()" in out
+
+
+def test_torch_calls_that_do_not_allocate_leave_install_open() -> None:
+    out = check_child(
+        run_python(
+            """
+            import torch, stepalloc
+            stepalloc.patch_torch()
+            torch.cuda.reset_peak_memory_stats()
+            torch.cuda.reset_accumulated_memory_stats()
+            stepalloc.empty_cache()
+            with stepalloc.step("train"):
+                pass
+            h = stepalloc.install(conf="backend:sim,sim_capacity_mb:128")
+            p = stepalloc.raw_alloc(1 << 20)
+            assert stepalloc.memory_stats(0, include_stepalloc=True)["stepalloc.device_total_bytes"] == 128 << 20
+            stepalloc.raw_free(p)
+            # After install() a step may create the allocator: the configuration is fixed anyway.
+            print("ok")
+            """
+        )
+    )
+    assert "ok" in out
+
+
+def test_install_rejects_a_bad_environment_configuration() -> None:
+    out = check_child(
+        run_python(
+            """
+            import torch, stepalloc
+            try:
+                stepalloc.install()
+                raise SystemExit("install() accepted a bad STEPALLOC_CONF")
+            except ValueError as e:
+                print("ValueError:", e)
+            assert not stepalloc.is_installed()
+            assert torch._C._cuda_getAllocatorBackend() == "native"
+            try:
+                stepalloc.mempool()
+                raise SystemExit("mempool() accepted a bad STEPALLOC_CONF")
+            except ValueError as e:
+                print("mempool ValueError:", e)
+            """,
+            env={"STEPALLOC_CONF": "backend:sim,sim_capacity_mb:lots"},
+        )
+    )
+    assert "ValueError:" in out and "STEPALLOC_CONF" in out and "sim_capacity_mb" in out
+    assert "mempool ValueError: STEPALLOC_CONF=" in out
+
+
+def test_install_fixes_a_good_environment_configuration() -> None:
+    out = check_child(
+        run_python(
+            """
+            import torch, stepalloc
+            h = stepalloc.install()
+            assert h.conf is None
+            try:
+                stepalloc.configure("backend:sim")  # install() fixed STEPALLOC_CONF's configuration
+                raise SystemExit("configure() after install() was accepted")
+            except ValueError:
+                pass
+            p = stepalloc.raw_alloc(1 << 20)
+            print(stepalloc.memory_stats(0, include_stepalloc=True)["stepalloc.device_total_bytes"])
+            stepalloc.raw_free(p)
+            """,
+            env={"STEPALLOC_CONF": "backend:sim,sim_capacity_mb:96"},
+        )
+    )
+    assert out.split() == [str(96 << 20)]
