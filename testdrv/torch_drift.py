@@ -10,11 +10,12 @@ Fails, listing each missing name, when:
 torch's imports change between releases (85 runtime functions in 2.5, 92 in 2.9, 113 in 2.15),
 so bumping the torch that CI pins without updating the stubs stops here, with the list.
 
-Usage: testdrv/torch_drift.py [HOSTCUDA_DIR]   (default target/hostcuda; needs readelf, strings)
+Usage: testdrv/torch_drift.py [HOSTCUDA_DIR]   (default target/hostcuda; needs readelf)
 """
 from __future__ import annotations
 
 import importlib.util
+import mmap
 import re
 import subprocess
 import sys
@@ -23,6 +24,20 @@ from pathlib import Path
 
 def run(*cmd: str) -> str:
     return subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+
+
+def names_in(lib: Path, prefix: bytes) -> set[str]:
+    """The printable strings of `lib` (as `strings` finds them) that are identifiers starting
+    with `prefix` and a capital: the names torch looks up with dlsym or the driver entry-point
+    query."""
+    with open(lib, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        found = set()
+        for m in re.finditer(prefix + rb"[A-Z]\w+", data):
+            before = data[m.start() - 1] if m.start() else 0
+            after = data[m.end()] if m.end() < len(data) else 0
+            if not (0x20 <= before <= 0x7E or 0x20 <= after <= 0x7E):
+                found.add(m.group().decode())
+        return found
 
 
 def exports(lib: Path) -> set[str]:
@@ -61,8 +76,7 @@ def main() -> int:
 
     driver = exports(stub_dir / "libcuda.so.1")
     c10 = torch_dir / "lib" / "libc10_cuda.so"
-    strings = run("strings", "-n", "4", str(c10)).split()
-    driver_names = {s for s in strings if re.fullmatch(r"cu[A-Z]\w+", s)}
+    driver_names = names_in(c10, b"cu")
     for name in sorted(driver_names):
         if name not in driver and f"{name}_v2" not in driver:
             problems.append(f"driver: {name} (c10 resolves it by name; add it to testdrv/hostcuda.c)")
@@ -71,7 +85,7 @@ def main() -> int:
     wanted_nvml: set[str] = set()
     for lib in (c10, torch_dir / "lib" / "libtorch_cuda.so"):
         if lib.exists():
-            wanted_nvml |= {s for s in run("strings", "-n", "4", str(lib)).split() if re.fullmatch(r"nvml[A-Z]\w+", s)}
+            wanted_nvml |= names_in(lib, b"nvml")
     # torch.cuda's device count asks NVML through ctypes.
     init_py = (torch_dir / "cuda" / "__init__.py").read_text()
     wanted_nvml |= set(re.findall(r"\b(nvml[A-Z]\w+)\(", init_py))
