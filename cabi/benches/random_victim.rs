@@ -1,0 +1,76 @@
+//! The hot path at scale, through the C ABI: each iteration frees a *random* live block and
+//! allocates the same size again (`victim/mod.rs`), at 1 k, 10 k and 100 k live blocks, and at
+//! 10 k again after the 100 k phase (the history case: a heap that once was large should not
+//! stay slower). One process, one allocator: the live set grows 1 k -> 10 k -> 100 k, then
+//! shrinks to 10 k. Run with `cargo bench -p stepalloc-cabi --bench random_victim`; after
+//! criterion's figures it prints each case's best of five medians and the two ratios the
+//! target is stated in (100 k / 10 k <= 1.5, 10 k after 100 k / 10 k before within 10%).
+//!
+//! With `STEPALLOC_BASELINE=/path/to/other/libstepalloc.so` the same churn also runs on that
+//! library (loaded beside this one, with its own allocator), interleaved, so both figures come
+//! from one run on the same machine state: how the README's before/after figures are taken.
+//!
+//! Instruction and cache-miss counts per pair, which a busy machine does not disturb, come
+//! from the `random_victim` example under cachegrind (see the README, "Figures").
+
+#[path = "../tests/common/mod.rs"]
+mod common;
+mod victim;
+
+use criterion::{BenchmarkId, Criterion};
+use std::time::Instant;
+use victim::Churn;
+
+/// Median nanoseconds per pair over 21 samples of 20 000 pairs.
+fn median_pair_ns(churn: &mut Churn) -> f64 {
+    let mut samples: Vec<f64> = (0..21)
+        .map(|_| {
+            let start = Instant::now();
+            churn.pairs(20_000);
+            start.elapsed().as_nanos() as f64 / 20_000.0
+        })
+        .collect();
+    samples.sort_by(f64::total_cmp);
+    samples[samples.len() / 2]
+}
+
+fn main() {
+    let mut criterion = Criterion::default().configure_from_args();
+    let mut churns = vec![("c_abi", Churn::load(common::library()))];
+    if let Some(baseline) = std::env::var_os("STEPALLOC_BASELINE") {
+        churns.push(("baseline", Churn::load(std::path::Path::new(&baseline))));
+    }
+    let mut figures = Vec::new();
+    for (live, case) in [(1_000, "1k_live"), (10_000, "10k_live"), (100_000, "100k_live"), (10_000, "10k_after_100k")] {
+        let mut group = criterion.benchmark_group("random_victim_pair");
+        for (name, churn) in &mut churns {
+            churn.resize(live);
+            // Settle: a churn reaches its steady mix of free and live blocks.
+            churn.pairs(live as u64 * 2);
+            group.bench_function(BenchmarkId::new(*name, case), |b| b.iter(|| churn.pair()));
+        }
+        group.finish();
+        // Interleaved, so every library sees the same machine state; best of five medians.
+        let mut best = vec![f64::INFINITY; churns.len()];
+        for _ in 0..5 {
+            for (b, (_, churn)) in best.iter_mut().zip(&mut churns) {
+                *b = b.min(median_pair_ns(churn));
+            }
+        }
+        for (b, (name, _)) in best.into_iter().zip(&churns) {
+            figures.push((*name, case, b));
+        }
+    }
+    criterion.final_summary();
+    for (name, case, ns) in &figures {
+        println!("random-victim malloc+free pair, {name}, {case}: {ns:.1} ns (best of 5 medians)");
+    }
+    for (name, _) in &churns {
+        let ns = |case: &str| figures.iter().find(|f| f.0 == *name && f.1 == case).map_or(f64::NAN, |f| f.2);
+        let scale = ns("100k_live") / ns("10k_live");
+        let history = ns("10k_after_100k") / ns("10k_live");
+        println!(
+            "{name}: 100k / 10k {scale:.2} (target <= 1.5); 10k after 100k / 10k before {history:.2} (target <= 1.10)"
+        );
+    }
+}

@@ -1,0 +1,107 @@
+//! The random-victim churn through the C ABI, shared by the `random_victim` bench and the
+//! `random_victim` example (the cachegrind driver): free a *random* live block and allocate
+//! the same size again, as a real heap does (the freed block's record is then rarely in cache,
+//! unlike a bench that frees the block it just allocated).
+//!
+//! Sizes: 70% up to 64 KiB, 25% above that up to 2 MiB, 5% above that up to 16 MiB.
+//! Everything is driven by one xorshift generator, so a run is the same sequence every time.
+
+#![allow(dead_code)] // the bench and the example each use a part
+
+use std::ffi::{c_char, c_int, c_void};
+use std::path::Path;
+
+/// 16 TiB simulated device, so 100 k live blocks fit whatever their sizes.
+pub const CONF: &str = "backend:sim,sim_capacity_mb:16777216";
+const KIB: u64 = 1024;
+
+type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
+type FreeFn = unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void);
+type ConfigureFn = unsafe extern "C" fn(*const c_char) -> c_int;
+
+/// libstepalloc.so loaded as PyTorch loads it, with the churn's live blocks.
+pub struct Churn {
+    malloc: MallocFn,
+    free: FreeFn,
+    _library: libloading::Library,
+    /// Live blocks: (pointer, size asked for).
+    pub live: Vec<(u64, u64)>,
+    state: u64,
+}
+
+impl Churn {
+    pub fn load(library: &Path) -> Churn {
+        // Safety: loading our own library runs no initialiser with preconditions.
+        let library = unsafe { libloading::Library::new(library) }.expect("dlopen libstepalloc.so");
+        // Safety: the symbol types are the header's declarations; the strings are NUL-terminated.
+        unsafe {
+            let configure = *library.get::<ConfigureFn>(b"stepalloc_configure\0").expect("dlsym");
+            let conf = std::ffi::CString::new(CONF).expect("no NUL");
+            assert_eq!(configure(conf.as_ptr()), 0, "configure");
+            let malloc = *library.get::<MallocFn>(b"stepalloc_malloc\0").expect("dlsym");
+            let free = *library.get::<FreeFn>(b"stepalloc_free\0").expect("dlsym");
+            Churn { malloc, free, _library: library, live: Vec::new(), state: 0x9E37_79B9_7F4A_7C15 }
+        }
+    }
+
+    #[inline]
+    fn next(&mut self) -> u64 {
+        self.state ^= self.state << 13;
+        self.state ^= self.state >> 7;
+        self.state ^= self.state << 17;
+        self.state
+    }
+
+    /// A request size of the mix.
+    fn size(&mut self) -> u64 {
+        let x = self.next();
+        match x % 100 {
+            0..=69 => 1 + (x >> 8) % (64 * KIB),
+            70..=94 => 64 * KIB + 1 + (x >> 8) % (2048 * KIB - 64 * KIB),
+            _ => 2048 * KIB + 1 + (x >> 8) % (16384 * KIB - 2048 * KIB),
+        }
+    }
+
+    #[inline]
+    fn malloc(&self, size: u64) -> u64 {
+        // Safety: the library's malloc with valid arguments; NULL is the default stream.
+        let p = unsafe { (self.malloc)(size as usize, 0, std::ptr::null_mut()) };
+        assert!(!p.is_null(), "malloc of {size} bytes failed");
+        p as u64
+    }
+
+    #[inline]
+    fn free(&self, ptr: u64, size: u64) {
+        // Safety: `ptr` came from this library's malloc with this size.
+        unsafe { (self.free)(ptr as *mut c_void, size as usize, 0, std::ptr::null_mut()) }
+    }
+
+    /// Allocates or frees random blocks until `count` are live.
+    pub fn resize(&mut self, count: usize) {
+        while self.live.len() < count {
+            let size = self.size();
+            let p = self.malloc(size);
+            self.live.push((p, size));
+        }
+        while self.live.len() > count {
+            let i = (self.next() % self.live.len() as u64) as usize;
+            let (p, size) = self.live.swap_remove(i);
+            self.free(p, size);
+        }
+    }
+
+    /// One pair: frees a random live block and allocates the same size again.
+    #[inline]
+    pub fn pair(&mut self) {
+        let i = (self.next() % self.live.len() as u64) as usize;
+        let (p, size) = self.live[i];
+        self.free(p, size);
+        self.live[i] = (self.malloc(size), size);
+    }
+
+    pub fn pairs(&mut self, n: u64) {
+        for _ in 0..n {
+            self.pair();
+        }
+    }
+}
