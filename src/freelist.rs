@@ -8,11 +8,11 @@
 
 use crate::backend::Stream;
 use crate::bitmap::BinBitmap;
-use crate::segment::{Block, BlockId, BlockState, NIL};
+use crate::segment::{Block, BlockId, NIL};
 use crate::sizeclass::{bin_down, bin_up, BIN_COUNT};
 use std::collections::BTreeSet;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ListKey {
     pub pool: u32,
     pub small: bool,
@@ -44,7 +44,6 @@ impl FreeList {
 
     pub fn insert(&mut self, blocks: &mut [Block], id: BlockId, oversize: bool) {
         let b = &mut blocks[id as usize];
-        debug_assert_eq!(b.state, BlockState::Free);
         self.bytes += b.size;
         self.count += 1;
         if oversize {

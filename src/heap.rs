@@ -24,7 +24,7 @@ use crate::backend::{Backend, Event, PhysHandle, Stream};
 use crate::config::Config;
 use crate::error::{Error, OomReport, Result};
 use crate::freelist::{FreeList, ListKey};
-use crate::segment::{Arena, Block, BlockId, BlockState, Segment, SegmentId, ANY_STREAM, NIL};
+use crate::segment::{Arena, Block, BlockClass, BlockId, BlockState, Segment, SegmentId, ANY_STREAM, NIL};
 use crate::sizeclass::{self, GRANULE, MAX_REQUEST, SMALL_REQUEST};
 use crate::stats::{DeviceStats, HeapStats, ReleaseReason};
 use crate::step::StepState;
@@ -35,7 +35,10 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 mod expandable;
+mod live;
 mod release;
+
+use live::LiveIndex;
 
 /// Exclusive upper bounds of the free-block size ranges of `Heap::free_block_ranges`:
 /// < 1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, and >= 1 GiB.
@@ -63,8 +66,10 @@ pub struct Heap {
     pub(crate) backend: Box<dyn Backend>,
     pub(crate) arena: Arena,
     lists: Vec<FreeList>,
+    /// Index in `lists` of each list's key.
+    list_of: FxHashMap<ListKey, u32>,
     /// Allocated blocks by address.
-    live: FxHashMap<u64, BlockId>,
+    live: LiveIndex,
     /// Events recorded at frees of blocks used by several streams, oldest first.
     pending: VecDeque<(Event, BlockId)>,
     /// Private pools; index `i` is pool number `i + 1` (0 is the general pool).
@@ -108,7 +113,8 @@ impl Heap {
             backend,
             arena: Arena::default(),
             lists: Vec::new(),
-            live: FxHashMap::default(),
+            list_of: FxHashMap::default(),
+            live: LiveIndex::default(),
             pending: VecDeque::new(),
             private_pools: Vec::new(),
             stats: HeapStats::default(),
@@ -216,7 +222,7 @@ impl Heap {
             return id; // no neighbour to load on the plain path
         }
         let next = self.arena.block(id).next;
-        if next == NIL || self.arena.block(next).state != BlockState::Unmapped || rounded >= self.config.max_split_size
+        if next == NIL || self.arena.state(next) != BlockState::Unmapped || rounded >= self.config.max_split_size
         {
             return id;
         }
@@ -234,8 +240,7 @@ impl Heap {
     fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64, stream: Stream) -> u64 {
         let (seg_id, small, expandable) = {
             let b = self.arena.block(id);
-            let seg = self.arena.segment(b.segment);
-            (b.segment, seg.small, seg.expandable())
+            (b.segment, b.class.small(), b.class.expandable())
         };
         self.split_stat_out(id);
         if self.should_split(self.arena.block(id).size, rounded, small || expandable) {
@@ -247,16 +252,16 @@ impl Heap {
         }
         let step = self.step.step;
         let phase_bit = self.step.phase_bit();
+        self.arena.set_state(id, BlockState::Allocated);
         let b = self.arena.block_mut(id);
-        b.state = BlockState::Allocated;
         b.requested = requested;
         b.stream = stream;
         let (addr, size) = (b.addr, b.size);
-        let seg = self.arena.segment_mut(seg_id);
-        seg.busy += 1;
-        seg.last_used_step = step;
-        seg.phase_mask |= phase_bit;
-        self.live.insert(addr, id);
+        let usage = self.arena.segment_use_mut(seg_id);
+        usage.busy += 1;
+        usage.last_used_step = step;
+        usage.phase_mask |= phase_bit;
+        self.live.insert(&self.arena.blocks, id);
         let s = &mut self.stats;
         s.num_mallocs += 1;
         s.allocation.increase(small, 1);
@@ -337,16 +342,13 @@ impl Heap {
             pool,
             stream,
             first: NIL,
-            busy: 0,
-            last_used_step: self.step.step,
-            phase_mask: 0,
             oversize,
             live: true,
             page: 0,
             mapped: size,
-        });
-        let block = Block::unlinked(addr, size, seg, stream, BlockState::Free, self.alloc_clock);
-        let id = self.arena.new_block(block);
+        }, self.step.step);
+        let block = Block::unlinked(addr, size, seg, BlockClass::new(pool, small, false), stream, self.alloc_clock);
+        let id = self.arena.new_block(block, BlockState::Free);
         self.arena.segment_mut(seg).first = id;
         if pool > 0 {
             if let Some(p) = self.private_pools[pool as usize - 1].as_mut() {
@@ -411,21 +413,15 @@ impl Heap {
         if self.deferred_work && self.captures_underway == 0 {
             self.run_deferred_work()?;
         }
-        // One hash lookup on the common path; a refused free puts the entry back.
-        let Some(id) = self.live.remove(&ptr) else {
-            return Err(Error::UnknownPointer { device: self.device, ptr });
+        // One hash lookup, verified against the block's own record, which the free needs anyway.
+        let id = match self.live.remove_if(&self.arena.blocks, ptr, |b| size == 0 || size == b.requested) {
+            Ok(id) => id,
+            Err(None) => return Err(Error::UnknownPointer { device: self.device, ptr }),
+            Err(Some(id)) => return Err(self.wrong_free_size(id, ptr, size)),
         };
-        let requested = self.arena.block(id).requested;
-        if size != 0 && size != requested {
-            self.live.insert(ptr, id);
-            return Err(Error::InvalidArgument(format!(
-                "free of {ptr:#x} on device {} with size {size}, but {requested} bytes were allocated there",
-                self.device
-            )));
-        }
-        let (block_size, stream, small) = {
+        let (block_size, stream, small, requested) = {
             let b = self.arena.block(id);
-            (b.size, b.stream, self.arena.segment(b.segment).small)
+            (b.size, b.stream, b.class.small(), b.requested)
         };
         let s = &mut self.stats;
         s.num_frees += 1;
@@ -436,46 +432,57 @@ impl Heap {
             s.oversize_allocations.decrease(1);
         }
         self.trace.record(TraceAction::FreeRequested, ptr, block_size, requested, stream.0, 0);
-        if self.captures_underway > 0 && self.arena.block(id).extra_streams.is_some() {
+        if !self.arena.has_extra_streams(id) {
+            return self.finish_free(id);
+        }
+        if self.captures_underway > 0 {
             self.defer_free_events(id);
             return Ok(());
         }
-        if self.arena.block(id).extra_streams.is_none() {
-            return self.finish_free(id);
-        }
-        self.arena.block_mut(id).state = BlockState::Pending;
+        self.arena.set_state(id, BlockState::Pending);
         self.record_free_events(id)
+    }
+
+    #[cold]
+    fn wrong_free_size(&self, id: BlockId, ptr: u64, size: u64) -> Error {
+        let requested = self.arena.block(id).requested;
+        Error::InvalidArgument(format!(
+            "free of {ptr:#x} on device {} with size {size}, but {requested} bytes were allocated there",
+            self.device
+        ))
     }
 
     /// A block becomes free: merge it with free neighbours and file it.
     fn finish_free(&mut self, id: BlockId) -> Result<()> {
-        let (seg_id, size, stream, addr, requested) = {
+        self.arena.set_state(id, BlockState::Free);
+        let (seg_id, size, stream, addr, requested, class) = {
             let b = self.arena.block_mut(id);
-            b.state = BlockState::Free;
             b.freed_at = self.alloc_clock;
             // `requested` stays set while a free is pending, for snapshots and this trace entry.
             let requested = std::mem::take(&mut b.requested);
-            (b.segment, b.size, b.stream, b.addr, requested)
+            (b.segment, b.size, b.stream, b.addr, requested, b.class)
         };
-        let small = self.arena.segment(seg_id).small;
+        let small = class.small();
         self.stats.active.decrease(small, 1);
         self.stats.active_bytes.decrease(small, size);
         self.trace.record(TraceAction::FreeCompleted, addr, size, requested, stream.0, 0);
-        self.arena.segment_mut(seg_id).busy -= 1;
+        self.arena.segment_use_mut(seg_id).busy -= 1;
         let id = self.merge_neighbours(id);
         self.enlist(id);
         self.split_stat_in(id);
-        // Free neighbours of different streams do not merge, so check the merged result.
-        let whole_segment_free = self.segment_is_free(seg_id);
+        // Free neighbours of different streams do not merge, so check the merged result: the
+        // segment is free when this block is all of it (what `segment_is_free` tests, without
+        // loading the segment).
+        let whole_segment_free = !class.expandable() && !self.arena.block(id).is_split();
+        debug_assert_eq!(whole_segment_free, self.segment_is_free(seg_id));
         if whole_segment_free && self.captures_underway > 0 {
             // No device free during a capture: `run_deferred_work` releases it afterwards.
             self.deferred_work = true;
             return Ok(());
         }
-        let seg = self.arena.segment(seg_id);
-        if whole_segment_free && seg.pool > 0 {
+        if whole_segment_free && class.pool() > 0 {
             // A released graph pool gives its memory back as soon as it is free.
-            let pool = &self.private_pools[seg.pool as usize - 1];
+            let pool = &self.private_pools[class.pool() as usize - 1];
             if pool.as_ref().is_some_and(|p| p.use_count == 0) {
                 self.release_segment(seg_id, ReleaseReason::EmptyCache)?;
                 return Ok(());
@@ -483,9 +490,9 @@ impl Heap {
         }
         if whole_segment_free && self.over_cache_limit() {
             self.release_segment(seg_id, ReleaseReason::Limit)?;
-        } else if whole_segment_free && self.mempool_mode && self.arena.segment(seg_id).pool == 0 {
+        } else if whole_segment_free && self.mempool_mode && class.pool() == 0 {
             self.release_segment(seg_id, ReleaseReason::EmptyCache)?;
-        } else if self.config.page_release && self.arena.segment(seg_id).expandable() && self.over_cache_limit() {
+        } else if self.config.page_release && class.expandable() && self.over_cache_limit() {
             let limit = self.cache_limit();
             self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
         }
@@ -497,11 +504,11 @@ impl Heap {
     pub(super) fn split_block(&mut self, id: BlockId, offset: u64) -> BlockId {
         let b = self.arena.block(id);
         debug_assert!(offset > 0 && offset < b.size);
-        let mut rest = Block::unlinked(b.addr + offset, b.size - offset, b.segment, b.stream, b.state, b.freed_at);
+        let mut rest = Block::unlinked(b.addr + offset, b.size - offset, b.segment, b.class, b.stream, b.freed_at);
         rest.prev = id;
         rest.next = b.next;
         let next = b.next;
-        let rest = self.arena.new_block(rest);
+        let rest = self.arena.new_block(rest, self.arena.state(id));
         if next != NIL {
             self.split_stat_out(next);
             self.arena.block_mut(next).prev = rest;
@@ -520,7 +527,8 @@ impl Heap {
             loop {
                 let b = self.arena.block(id);
                 let other = if forward { b.next } else { b.prev };
-                if other == NIL || self.arena.block(other).state != BlockState::Free {
+                // The dense state array: an allocated neighbour's record is not loaded.
+                if other == NIL || self.arena.state(other) != BlockState::Free {
                     break;
                 }
                 let Some(stream) = merged_stream(b.stream, self.arena.block(other).stream) else { break };
@@ -533,7 +541,7 @@ impl Heap {
     /// Block `id` takes over its free neighbour `other` (after it when `forward`).
     /// An unmapped `other` merges with an unmapped `id` (no list, no split statistics).
     fn absorb(&mut self, id: BlockId, other: BlockId, forward: bool, stream: Stream) {
-        if self.arena.block(other).state == BlockState::Free {
+        if self.arena.state(other) == BlockState::Free {
             self.unlist(other);
             self.split_stat_out(other);
         }
@@ -566,16 +574,11 @@ impl Heap {
     /// `Tensor.record_stream`: the block's reuse will wait for `stream`'s work queued before
     /// its free.
     pub fn record_stream(&mut self, ptr: u64, stream: Stream) -> Result<()> {
-        let Some(&id) = self.live.get(&ptr) else {
+        let Some(id) = self.live.get(&self.arena.blocks, ptr) else {
             return Err(Error::UnknownPointer { device: self.device, ptr });
         };
-        let b = self.arena.block_mut(id);
-        if b.stream == stream {
-            return Ok(());
-        }
-        let streams = b.extra_streams.get_or_insert_with(Default::default);
-        if !streams.contains(&stream) {
-            streams.push(stream);
+        if self.arena.block(id).stream != stream {
+            self.arena.add_extra_stream(id, stream);
         }
         Ok(())
     }
@@ -594,9 +597,7 @@ impl Heap {
 
     fn event_completed(&mut self, event: Event, id: BlockId) -> Result<()> {
         self.backend.free_event(event);
-        let b = self.arena.block_mut(id);
-        b.pending_events -= 1;
-        if b.pending_events == 0 {
+        if self.arena.complete_pending_event(id) == 0 {
             self.finish_free(id)?;
         }
         Ok(())
@@ -625,7 +626,7 @@ impl Heap {
     /// A free during a capture of a block used by several streams: it stays pending, and its
     /// events are recorded when no capture is underway.
     fn defer_free_events(&mut self, id: BlockId) {
-        self.arena.block_mut(id).state = BlockState::Pending;
+        self.arena.set_state(id, BlockState::Pending);
         self.deferred_frees.push(id);
         self.deferred_work = true;
     }
@@ -635,19 +636,19 @@ impl Heap {
     /// events (at the free, or when a capture that deferred it has ended).
     fn record_free_events(&mut self, id: BlockId) -> Result<()> {
         let stream = self.arena.block(id).stream;
-        let Some(streams) = self.arena.block_mut(id).extra_streams.take() else {
+        let Some(streams) = self.arena.take_extra_streams(id) else {
             return self.finish_free(id);
         };
         for s in streams.iter().copied().chain(std::iter::once(stream)) {
             match self.backend.record_event(s) {
                 Ok(event) => {
-                    self.arena.block_mut(id).pending_events += 1;
+                    self.arena.add_pending_event(id);
                     self.pending.push_back((event, id));
                 }
                 Err(e) => {
                     // Cannot order the reuse: wait for the device instead.
                     self.backend.synchronize()?;
-                    if self.arena.block(id).pending_events == 0 {
+                    if self.arena.pending_events(id) == 0 {
                         self.arena.block_mut(id).stream = ANY_STREAM;
                         self.finish_free(id)?;
                     }
@@ -715,38 +716,50 @@ impl Heap {
 
     // ----- free lists ----------------------------------------------------------------------
 
+    /// One hash lookup however many streams have lists.
+    #[inline]
     fn list_index(&self, key: ListKey) -> Option<usize> {
-        self.lists.iter().position(|l| l.key == key)
+        self.list_of.get(&key).map(|&li| li as usize)
+    }
+
+    /// The key of the list a free block belongs in: (its pool, its size class, its stream).
+    fn list_key(b: &Block) -> ListKey {
+        ListKey { pool: b.class.pool(), small: b.class.small(), stream: b.stream }
     }
 
     /// Files a free block in the list of its (pool, size class, stream).
     fn enlist(&mut self, id: BlockId) {
         let b = self.arena.block(id);
-        let seg = self.arena.segment(b.segment);
-        let key = ListKey { pool: seg.pool, small: seg.small, stream: b.stream };
+        let key = Self::list_key(b);
         let oversize = b.size >= self.config.max_split_size;
         let li = match self.list_index(key) {
             Some(li) => li,
             None => {
                 self.lists.push(FreeList::new(key));
+                self.list_of.insert(key, (self.lists.len() - 1) as u32);
                 self.lists.len() - 1
             }
         };
-        self.arena.block_mut(id).list = li as u16;
         self.lists[li].insert(&mut self.arena.blocks, id, oversize);
     }
 
+    /// Takes a free block out of its list (the one its key names: a listed block's stream,
+    /// pool and size class do not change).
     fn unlist(&mut self, id: BlockId) {
         let b = self.arena.block(id);
-        let (li, oversize) = (b.list as usize, b.size >= self.config.max_split_size);
-        self.lists[li].remove(&mut self.arena.blocks, id, oversize);
+        let oversize = b.size >= self.config.max_split_size;
+        let li = self.list_index(Self::list_key(b));
+        debug_assert!(li.is_some(), "free block {id} has no list");
+        if let Some(li) = li {
+            self.lists[li].remove(&mut self.arena.blocks, id, oversize);
+        }
     }
 
     /// Inactive-split accounting: a free block counts while its segment is split.
     fn split_stat_out(&mut self, id: BlockId) {
         let b = self.arena.block(id);
-        if b.state == BlockState::Free && b.is_split() {
-            let small = self.arena.segment(b.segment).small;
+        if self.arena.state(id) == BlockState::Free && b.is_split() {
+            let small = b.class.small();
             self.stats.inactive_split.decrease(small, 1);
             self.stats.inactive_split_bytes.decrease(small, b.size);
         }
@@ -754,8 +767,8 @@ impl Heap {
 
     fn split_stat_in(&mut self, id: BlockId) {
         let b = self.arena.block(id);
-        if b.state == BlockState::Free && b.is_split() {
-            let small = self.arena.segment(b.segment).small;
+        if self.arena.state(id) == BlockState::Free && b.is_split() {
+            let small = b.class.small();
             self.stats.inactive_split.increase(small, 1);
             self.stats.inactive_split_bytes.increase(small, b.size);
         }
@@ -768,7 +781,7 @@ impl Heap {
     /// A linear scan of the block slots: for scrapes and reports, never the hot path.
     pub fn free_block_ranges(&self) -> [(u64, u64); FREE_BLOCK_RANGES] {
         let mut ranges = [(0u64, 0u64); FREE_BLOCK_RANGES];
-        for b in self.arena.blocks.iter().filter(|b| b.state == BlockState::Free) {
+        for b in self.arena.blocks_in_state(BlockState::Free).map(|id| self.arena.block(id)) {
             let i = FREE_BLOCK_RANGE_BOUNDS.iter().position(|&upper| b.size < upper).unwrap_or(FREE_BLOCK_RANGES - 1);
             ranges[i].0 += 1;
             ranges[i].1 += b.size;
@@ -807,14 +820,14 @@ impl Heap {
 
     /// Whether `ptr` is the start of a live allocation of this heap.
     pub fn is_live(&self, ptr: u64) -> bool {
-        self.live.contains_key(&ptr)
+        self.live.get(&self.arena.blocks, ptr).is_some()
     }
 
     /// Allocated blocks: (address, block size, requested size, stream).
     pub fn live_blocks(&self) -> Vec<(u64, u64, u64, Stream)> {
         self.live
-            .values()
-            .map(|&id| {
+            .ids()
+            .map(|id| {
                 let b = self.arena.block(id);
                 (b.addr, b.size, b.requested, b.stream)
             })
@@ -834,7 +847,7 @@ impl Heap {
             let mut run: Option<(u64, u64)> = None;
             for id in self.arena.segment_blocks(seg_id) {
                 let b = self.arena.block(id);
-                match (b.state == BlockState::Unmapped, run) {
+                match (self.arena.state(id) == BlockState::Unmapped, run) {
                     (false, Some((start, size))) => run = Some((start, size + b.size)),
                     (false, None) => run = Some((b.addr, b.size)),
                     (true, Some((start, size))) => {
@@ -890,19 +903,23 @@ impl Heap {
                 }
                 expect += b.size;
                 prev = id;
-                if b.state != BlockState::Unmapped {
+                let state = self.arena.state(id);
+                if state != BlockState::Unmapped {
                     mapped += b.size;
                 } else if (b.addr - seg.addr) % seg.page != 0 || b.size % seg.page != 0 {
                     return Err(format!("unmapped block {:#x} is not page-aligned", b.addr));
                 }
-                match b.state {
+                if b.class != BlockClass::of(seg) {
+                    return Err(format!("block {:#x}: class {:?} differs from its segment's", b.addr, b.class));
+                }
+                match state {
                     BlockState::Allocated => {
                         busy += 1;
                         allocated[p] += b.size;
                         requested[p] += b.requested;
                         active[p] += b.size;
                         live_count += 1;
-                        if self.live.get(&b.addr) != Some(&id) {
+                        if self.live.get(&self.arena.blocks, b.addr) != Some(id) {
                             return Err(format!("allocated block {:#x} missing from the live map", b.addr));
                         }
                     }
@@ -923,10 +940,10 @@ impl Heap {
                     }
                     BlockState::Unmapped if seg.expandable() => {}
                     BlockState::Unmapped | BlockState::Vacant => {
-                        return Err(format!("{:?} block {id} linked in a segment", b.state))
+                        return Err(format!("{state:?} block {id} linked in a segment"))
                     }
                 }
-                prev_free_stream = (b.state == BlockState::Free).then_some(b.stream);
+                prev_free_stream = (state == BlockState::Free).then_some(b.stream);
             }
             if expect != seg.addr + seg.size {
                 return Err(format!("segment {:#x}: blocks do not reach its end", seg.addr));
@@ -943,8 +960,9 @@ impl Heap {
                     return Err(format!("segment {:#x}: {pages} pages mapped for {} bytes", seg.addr, seg.mapped));
                 }
             }
-            if busy != seg.busy {
-                return Err(format!("segment {:#x}: busy {} but counted {busy}", seg.addr, seg.busy));
+            let counted = self.arena.segment_use(seg_id).busy;
+            if busy != counted {
+                return Err(format!("segment {:#x}: busy {counted} but counted {busy}", seg.addr));
             }
         }
         if live_count != self.live.len() {

@@ -19,6 +19,7 @@
 //! that are allocated or pending.
 
 use crate::backend::Stream;
+use rustc_hash::FxHashMap;
 
 pub type BlockId = u32;
 pub type SegmentId = u32;
@@ -41,31 +42,65 @@ pub enum BlockState {
     Vacant,
 }
 
+/// What a block inherits from its segment and the free path needs: the pool, the size class
+/// and whether the segment is expandable, packed in one word (`pool << 2 | expandable << 1 |
+/// small`), so that `free` never loads the segment record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockClass(u32);
+
+impl BlockClass {
+    /// Pool numbers are indices into the heap's private pools plus one; 2^30 of them would take
+    /// far more memory than any process has.
+    pub const MAX_POOL: u32 = u32::MAX >> 2;
+
+    pub fn new(pool: u32, small: bool, expandable: bool) -> BlockClass {
+        debug_assert!(pool <= Self::MAX_POOL);
+        BlockClass((pool.min(Self::MAX_POOL) << 2) | (u32::from(expandable) << 1) | u32::from(small))
+    }
+
+    pub fn of(segment: &Segment) -> BlockClass {
+        BlockClass::new(segment.pool, segment.small, segment.expandable())
+    }
+
+    pub fn pool(self) -> u32 {
+        self.0 >> 2
+    }
+
+    pub fn small(self) -> bool {
+        self.0 & 1 != 0
+    }
+
+    pub fn expandable(self) -> bool {
+        self.0 & 2 != 0
+    }
+}
+
+/// A block record: what `malloc`, `free` and the merge of neighbours read, in one 64-byte cache
+/// line. Its state is in the arena's dense state array (so a merge tests neighbours without
+/// loading their records); the rare fields (extra streams, pending events) are in side tables.
 #[derive(Clone, Debug)]
+#[repr(C, align(64))]
 pub struct Block {
     pub addr: u64,
     pub size: u64,
     /// Bytes the caller asked for (0 while free).
     pub requested: u64,
+    /// The stream the block was allocated on; for a free block, the stream that may reuse it
+    /// (`ANY_STREAM` once nothing can be in flight). A free block sits in the list of
+    /// (its pool, its size class, this stream).
+    pub stream: Stream,
+    /// The allocation counter when the block was last freed (garbage-collection age).
+    pub freed_at: u64,
     pub segment: SegmentId,
     pub prev: BlockId,
     pub next: BlockId,
     /// Links in the free list's bin (valid while `Free` and not oversize).
     pub link_prev: BlockId,
     pub link_next: BlockId,
-    /// Index of the free list holding the block (valid while `Free`).
-    pub list: u16,
-    /// The stream the block was allocated on; for a free block, the stream that may reuse it
-    /// (`ANY_STREAM` once nothing can be in flight).
-    pub stream: Stream,
-    pub state: BlockState,
-    /// Other streams that used the block (`record_stream`); allocated only when there are any.
-    pub extra_streams: Option<Box<Vec<Stream>>>,
-    /// Events still to complete before a pending block is free.
-    pub pending_events: u32,
-    /// The allocation counter when the block was last freed (garbage-collection age).
-    pub freed_at: u64,
+    pub class: BlockClass,
 }
+
+const _: () = assert!(std::mem::size_of::<Block>() == 64);
 
 impl Block {
     /// A block not linked to neighbours or a list, with nothing requested.
@@ -73,25 +108,22 @@ impl Block {
         addr: u64,
         size: u64,
         segment: SegmentId,
+        class: BlockClass,
         stream: Stream,
-        state: BlockState,
         freed_at: u64,
     ) -> Block {
         Block {
             addr,
             size,
             requested: 0,
+            stream,
+            freed_at,
             segment,
             prev: NIL,
             next: NIL,
             link_prev: NIL,
             link_next: NIL,
-            list: 0,
-            stream,
-            state,
-            extra_streams: None,
-            pending_events: 0,
-            freed_at,
+            class,
         }
     }
 
@@ -110,12 +142,6 @@ pub struct Segment {
     /// Stream of the allocation that created the segment.
     pub stream: Stream,
     pub first: BlockId,
-    /// Blocks that are allocated or pending.
-    pub busy: u32,
-    /// Step number of the last allocation from this segment.
-    pub last_used_step: u64,
-    /// Bit per phase (phase index mod 64) that allocated from this segment.
-    pub phase_mask: u64,
     /// The reserve was at or above `max_split_size`.
     pub oversize: bool,
     pub live: bool,
@@ -131,46 +157,137 @@ impl Segment {
     }
 }
 
+/// What every allocation from a segment updates, kept densely beside the segment records (which
+/// `malloc` and `free` then do not load).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SegmentUse {
+    /// Blocks that are allocated or pending.
+    pub busy: u32,
+    /// Step number of the last allocation from this segment.
+    pub last_used_step: u64,
+    /// Bit per phase (phase index mod 64) that allocated from this segment.
+    pub phase_mask: u64,
+}
+
 /// Slot storage for blocks and segments, with reuse of vacant slots.
+///
+/// A new block takes the lowest vacant slot, so live records stay packed at the front of
+/// `blocks` even after the heap shrinks (a heap that once held many blocks does not keep its
+/// few live ones spread over a large array).
 #[derive(Default)]
 pub struct Arena {
     pub blocks: Vec<Block>,
-    vacant_blocks: Vec<BlockId>,
+    /// The state of each block slot, densely: one byte per slot (`Vacant` for vacant slots).
+    states: Vec<BlockState>,
+    vacant_blocks: VacantSet,
+    /// Other streams that used a block (`record_stream`); entries only for blocks that have any.
+    extra_streams: FxHashMap<BlockId, Vec<Stream>>,
+    /// Events still to complete before a pending block is free; entries only while non-zero.
+    pending_events: FxHashMap<BlockId, u32>,
     pub segments: Vec<Segment>,
+    /// Per segment slot, what allocations update (see `SegmentUse`).
+    uses: Vec<SegmentUse>,
     vacant_segments: Vec<SegmentId>,
     pub live_segments: usize,
 }
 
 impl Arena {
-    pub fn new_block(&mut self, block: Block) -> BlockId {
-        match self.vacant_blocks.pop() {
+    pub fn new_block(&mut self, block: Block, state: BlockState) -> BlockId {
+        match self.vacant_blocks.pop_lowest() {
             Some(id) => {
                 self.blocks[id as usize] = block;
+                self.states[id as usize] = state;
                 id
             }
             None => {
                 self.blocks.push(block);
+                self.states.push(state);
                 (self.blocks.len() - 1) as BlockId
             }
         }
     }
 
     pub fn drop_block(&mut self, id: BlockId) {
-        let b = &mut self.blocks[id as usize];
-        b.state = BlockState::Vacant;
-        b.extra_streams = None;
-        self.vacant_blocks.push(id);
+        self.states[id as usize] = BlockState::Vacant;
+        if !self.extra_streams.is_empty() {
+            self.extra_streams.remove(&id);
+        }
+        if !self.pending_events.is_empty() {
+            self.pending_events.remove(&id);
+        }
+        self.vacant_blocks.insert(id);
     }
 
-    pub fn new_segment(&mut self, segment: Segment) -> SegmentId {
+    #[inline]
+    pub fn state(&self, id: BlockId) -> BlockState {
+        self.states[id as usize]
+    }
+
+    #[inline]
+    pub fn set_state(&mut self, id: BlockId, state: BlockState) {
+        self.states[id as usize] = state;
+    }
+
+    /// Ids of the block slots in `state` (a scan of the dense state array).
+    pub fn blocks_in_state(&self, state: BlockState) -> impl Iterator<Item = BlockId> + '_ {
+        self.states.iter().enumerate().filter(move |(_, &s)| s == state).map(|(i, _)| i as BlockId)
+    }
+
+    /// Whether the block has streams recorded by `record_stream`.
+    #[inline]
+    pub fn has_extra_streams(&self, id: BlockId) -> bool {
+        !self.extra_streams.is_empty() && self.extra_streams.contains_key(&id)
+    }
+
+    /// Records that `stream` used block `id` (no-op when already recorded).
+    pub fn add_extra_stream(&mut self, id: BlockId, stream: Stream) {
+        let streams = self.extra_streams.entry(id).or_default();
+        if !streams.contains(&stream) {
+            streams.push(stream);
+        }
+    }
+
+    pub fn take_extra_streams(&mut self, id: BlockId) -> Option<Vec<Stream>> {
+        if self.extra_streams.is_empty() {
+            return None;
+        }
+        self.extra_streams.remove(&id)
+    }
+
+    pub fn pending_events(&self, id: BlockId) -> u32 {
+        self.pending_events.get(&id).copied().unwrap_or(0)
+    }
+
+    pub fn add_pending_event(&mut self, id: BlockId) {
+        *self.pending_events.entry(id).or_insert(0) += 1;
+    }
+
+    /// One pending event of block `id` completed; returns how many remain.
+    pub fn complete_pending_event(&mut self, id: BlockId) -> u32 {
+        match self.pending_events.get_mut(&id) {
+            Some(n) if *n > 1 => {
+                *n -= 1;
+                *n
+            }
+            _ => {
+                self.pending_events.remove(&id);
+                0
+            }
+        }
+    }
+
+    pub fn new_segment(&mut self, segment: Segment, last_used_step: u64) -> SegmentId {
         self.live_segments += 1;
+        let usage = SegmentUse { busy: 0, last_used_step, phase_mask: 0 };
         match self.vacant_segments.pop() {
             Some(id) => {
                 self.segments[id as usize] = segment;
+                self.uses[id as usize] = usage;
                 id
             }
             None => {
                 self.segments.push(segment);
+                self.uses.push(usage);
                 (self.segments.len() - 1) as SegmentId
             }
         }
@@ -182,10 +299,12 @@ impl Arena {
         self.vacant_segments.push(id);
     }
 
+    #[inline]
     pub fn block(&self, id: BlockId) -> &Block {
         &self.blocks[id as usize]
     }
 
+    #[inline]
     pub fn block_mut(&mut self, id: BlockId) -> &mut Block {
         &mut self.blocks[id as usize]
     }
@@ -196,6 +315,16 @@ impl Arena {
 
     pub fn segment_mut(&mut self, id: SegmentId) -> &mut Segment {
         &mut self.segments[id as usize]
+    }
+
+    #[inline]
+    pub fn segment_use(&self, id: SegmentId) -> &SegmentUse {
+        &self.uses[id as usize]
+    }
+
+    #[inline]
+    pub fn segment_use_mut(&mut self, id: SegmentId) -> &mut SegmentUse {
+        &mut self.uses[id as usize]
     }
 
     /// Block ids of a segment in address order.
@@ -213,5 +342,69 @@ impl Arena {
 
     pub fn live_segment_ids(&self) -> impl Iterator<Item = SegmentId> + '_ {
         self.segments.iter().enumerate().filter(|(_, s)| s.live).map(|(i, _)| i as SegmentId)
+    }
+}
+
+/// The vacant block slots, as a three-level bitmap: a bit per slot, a bit per non-zero word of
+/// slots, a bit per non-zero word of those. Finding the lowest vacant slot is a short scan of
+/// the top level (one word per 262 144 slots) and two `trailing_zeros`.
+#[derive(Default)]
+struct VacantSet {
+    slots: Vec<u64>,
+    mid: Vec<u64>,
+    top: Vec<u64>,
+}
+
+impl VacantSet {
+    fn insert(&mut self, id: BlockId) {
+        let i = id as usize;
+        let (w, m, t) = (i / 64, i / 4096, i / 262_144);
+        if self.slots.len() <= w {
+            self.slots.resize(w + 1, 0);
+            self.mid.resize(m + 1, 0);
+            self.top.resize(t + 1, 0);
+        }
+        self.slots[w] |= 1 << (i % 64);
+        self.mid[m] |= 1 << (w % 64);
+        self.top[t] |= 1 << (m % 64);
+    }
+
+    fn pop_lowest(&mut self) -> Option<BlockId> {
+        let t = self.top.iter().position(|&x| x != 0)?;
+        let m = t * 64 + self.top[t].trailing_zeros() as usize;
+        let w = m * 64 + self.mid[m].trailing_zeros() as usize;
+        let bit = self.slots[w].trailing_zeros() as usize;
+        self.slots[w] &= !(1 << bit);
+        if self.slots[w] == 0 {
+            self.mid[m] &= !(1 << (w % 64));
+            if self.mid[m] == 0 {
+                self.top[t] &= !(1 << (m % 64));
+            }
+        }
+        Some((w * 64 + bit) as BlockId)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn vacant_slots_are_reused_lowest_first() {
+        let mut set = VacantSet::default();
+        for id in [300_000, 5, 4_100, 70, 64] {
+            set.insert(id);
+        }
+        let order: Vec<_> = std::iter::from_fn(|| set.pop_lowest()).collect();
+        assert_eq!(order, [5, 64, 70, 4_100, 300_000]);
+        set.insert(9);
+        assert_eq!(set.pop_lowest(), Some(9));
+        assert_eq!(set.pop_lowest(), None);
+    }
+
+    #[test]
+    fn block_record_is_one_cache_line() {
+        assert_eq!(std::mem::size_of::<Block>(), 64);
+        assert_eq!(std::mem::align_of::<Block>(), 64);
     }
 }

@@ -38,7 +38,7 @@ impl Heap {
             };
             for id in self.arena.segment_blocks(seg_id) {
                 let b = self.arena.block(id);
-                let state = match b.state {
+                let state = match self.arena.state(id) {
                     BlockState::Unmapped => {
                         close(&mut run, start, total, (allocated, active, requested));
                         (total, allocated, active, requested) = (0, 0, 0, 0);

@@ -151,7 +151,7 @@ impl Heap {
             let order: Vec<SegmentId> = self
                 .releasable_segments()
                 .into_iter()
-                .filter(|&s| now.saturating_sub(self.arena.segment(s).last_used_step) >= idle)
+                .filter(|&s| now.saturating_sub(self.arena.segment_use(s).last_used_step) >= idle)
                 .collect();
             self.release_in_order(order, ReleaseReason::Step, |_| false)?;
         }
@@ -185,7 +185,7 @@ impl Heap {
             return Ok(0);
         }
         let mut order = self.releasable_segments();
-        order.sort_by_key(|&s| self.arena.segment(s).last_used_step);
+        order.sort_by_key(|&s| self.arena.segment_use(s).last_used_step);
         let mut released = self.release_in_order(order, ReleaseReason::Limit, |h| h.cached_free() <= limit)?;
         if self.config.page_release {
             released += self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
@@ -208,8 +208,8 @@ impl Heap {
         let mut order = self.releasable_segments();
         // Not used by the next phase first, then least recently used.
         order.sort_by_key(|&s| {
-            let seg = self.arena.segment(s);
-            (seg.phase_mask & bit != 0, seg.last_used_step)
+            let usage = self.arena.segment_use(s);
+            (usage.phase_mask & bit != 0, usage.last_used_step)
         });
         self.release_in_order(order, ReleaseReason::PhaseSwitch, |h| h.stats.reserved_bytes.all.current <= target)
     }

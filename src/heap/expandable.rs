@@ -28,7 +28,7 @@
 use super::Heap;
 use crate::backend::{PhysHandle, Stream};
 use crate::error::Result;
-use crate::segment::{Block, BlockId, BlockState, Segment, SegmentId, ANY_STREAM, NIL};
+use crate::segment::{Block, BlockClass, BlockId, BlockState, Segment, SegmentId, ANY_STREAM, NIL};
 use crate::sizeclass::SMALL_SEGMENT;
 use crate::stats::ReleaseReason;
 use crate::trace::TraceAction;
@@ -141,7 +141,7 @@ impl Heap {
         segments.sort_unstable();
         for (_, seg_id) in segments {
             for id in self.arena.segment_blocks(seg_id).collect::<Vec<_>>() {
-                if self.arena.block(id).state != BlockState::Unmapped {
+                if self.arena.state(id) != BlockState::Unmapped {
                     continue;
                 }
                 let prev = self.arena.block(id).prev;
@@ -170,16 +170,14 @@ impl Heap {
             pool: 0,
             stream,
             first: NIL,
-            busy: 0,
-            last_used_step: self.step.step,
-            phase_mask: 0,
             oversize: false,
             live: true,
             page,
             mapped: 0,
-        });
-        let block = Block::unlinked(addr, bytes, seg, stream, BlockState::Unmapped, self.alloc_clock);
-        let id = self.arena.new_block(block);
+        }, self.step.step);
+        let class = BlockClass::new(0, small, true);
+        let block = Block::unlinked(addr, bytes, seg, class, stream, self.alloc_clock);
+        let id = self.arena.new_block(block, BlockState::Unmapped);
         self.arena.segment_mut(seg).first = id;
         self.pages.insert(seg, vec![None; pages]);
         self.stats.segment.increase(small, 1);
@@ -190,7 +188,7 @@ impl Heap {
     /// Whether `stream` may use the free block `id` (PyTorch's "allocatable").
     fn reusable_by(&self, id: BlockId, stream: Stream) -> bool {
         let b = self.arena.block(id);
-        b.state == BlockState::Free && (b.stream == stream || b.stream == ANY_STREAM)
+        self.arena.state(id) == BlockState::Free && (b.stream == stream || b.stream == ANY_STREAM)
     }
 
     /// Whether the blocks from `start` on, free or unmapped, hold `rounded` bytes.
@@ -199,7 +197,7 @@ impl Heap {
         let mut id = start;
         while bytes < rounded && id != NIL {
             let b = self.arena.block(id);
-            if !(b.state == BlockState::Unmapped || self.reusable_by(id, stream)) {
+            if !(self.arena.state(id) == BlockState::Unmapped || self.reusable_by(id, stream)) {
                 break;
             }
             bytes += b.size;
@@ -215,7 +213,7 @@ impl Heap {
         while need > 0 && id != NIL {
             let b = self.arena.block(id);
             chain.push(id);
-            let used = if b.state == BlockState::Unmapped {
+            let used = if self.arena.state(id) == BlockState::Unmapped {
                 let mapped = need.div_ceil(page).saturating_mul(page).min(b.size);
                 pages += mapped / page;
                 mapped
@@ -232,7 +230,7 @@ impl Heap {
     /// the chain from `head` until it holds `rounded` bytes; returns the block, out of its list.
     fn map_chain(&mut self, head: BlockId, rounded: u64) -> Result<Option<BlockId>> {
         let mut candidate = head;
-        if self.arena.block(candidate).state == BlockState::Unmapped {
+        if self.arena.state(candidate) == BlockState::Unmapped {
             let bytes = self.arena.block(candidate).size.min(rounded);
             match self.map_block(candidate, bytes)? {
                 Some(id) => candidate = id,
@@ -241,7 +239,7 @@ impl Heap {
         }
         while self.arena.block(candidate).size < rounded {
             let next = self.arena.block(candidate).next;
-            if next == NIL || self.arena.block(next).state != BlockState::Unmapped {
+            if next == NIL || self.arena.state(next) != BlockState::Unmapped {
                 // `room_from` saw enough room: a different layout here is a heap bug.
                 return Err(crate::Error::InvalidArgument("expandable segment: the chain lost its room".into()));
             }
@@ -303,11 +301,11 @@ impl Heap {
         }
         if map_bytes < size {
             let rest = self.split_block(id, map_bytes);
-            debug_assert_eq!(self.arena.block(rest).state, BlockState::Unmapped);
+            debug_assert_eq!(self.arena.state(rest), BlockState::Unmapped);
         }
         let clock = self.alloc_clock;
+        self.arena.set_state(id, BlockState::Free);
         let b = self.arena.block_mut(id);
-        b.state = BlockState::Free;
         b.stream = seg_stream;
         b.freed_at = clock;
         self.arena.segment_mut(seg_id).mapped += map_bytes;
@@ -399,10 +397,10 @@ impl Heap {
 
     /// The whole pages inside the free block `id` of an expandable segment, as `[lo, hi)`.
     fn whole_pages(&self, id: BlockId) -> Option<(u64, u64)> {
-        let b = self.arena.block(id);
-        if b.state != BlockState::Free {
+        if self.arena.state(id) != BlockState::Free {
             return None;
         }
+        let b = self.arena.block(id);
         let seg = self.arena.segment(b.segment);
         if !seg.expandable() {
             return None;
@@ -461,7 +459,7 @@ impl Heap {
             self.split_stat_in(after);
         }
         let bytes = end - start;
-        self.arena.block_mut(middle).state = BlockState::Unmapped;
+        self.arena.set_state(middle, BlockState::Unmapped);
         self.arena.segment_mut(seg_id).mapped -= bytes;
         let s = &mut self.stats;
         s.reserved_bytes.decrease(small, bytes);
@@ -479,7 +477,7 @@ impl Heap {
         for forward in [false, true] {
             let b = self.arena.block(id);
             let other = if forward { b.next } else { b.prev };
-            if other != NIL && self.arena.block(other).state == BlockState::Unmapped {
+            if other != NIL && self.arena.state(other) == BlockState::Unmapped {
                 let stream = self.arena.block(id).stream;
                 self.absorb(id, other, forward, stream);
             }

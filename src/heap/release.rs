@@ -17,7 +17,9 @@ impl Heap {
         let seg = self.arena.segment(seg_id).clone();
         let id = seg.first;
         debug_assert!(
-            seg.busy == 0 && self.arena.block(id).next == NIL && self.arena.block(id).state == BlockState::Free
+            self.arena.segment_use(seg_id).busy == 0
+                && self.arena.block(id).next == NIL
+                && self.arena.state(id) == BlockState::Free
         );
         self.wait_for_last_use(id)?;
         self.backend.release(seg.addr, seg.size)?;
@@ -59,9 +61,9 @@ impl Heap {
     /// Whether a plain segment is entirely one free block (expandable ones give back pages).
     pub(crate) fn segment_is_free(&self, seg_id: SegmentId) -> bool {
         let seg = self.arena.segment(seg_id);
-        !seg.expandable() && seg.busy == 0 && {
+        !seg.expandable() && self.arena.segment_use(seg_id).busy == 0 && {
             let b = self.arena.block(seg.first);
-            b.next == NIL && b.state == BlockState::Free
+            b.next == NIL && self.arena.state(seg.first) == BlockState::Free
         }
     }
 
@@ -126,10 +128,10 @@ impl Heap {
     /// Whether some segment holds adjacent free blocks of different streams, which cannot merge
     /// (and so cannot be released) while either stream may still have work queued.
     pub(super) fn has_stranded_free_blocks(&self) -> bool {
-        self.arena.blocks.iter().any(|b| {
-            b.state == BlockState::Free
-                && b.next != NIL
-                && self.arena.block(b.next).state == BlockState::Free
+        self.arena.blocks_in_state(BlockState::Free).any(|id| {
+            let b = self.arena.block(id);
+            b.next != NIL
+                && self.arena.state(b.next) == BlockState::Free
                 && merged_stream(b.stream, self.arena.block(b.next).stream).is_none()
         })
     }
@@ -141,9 +143,7 @@ impl Heap {
         self.stats.num_device_synchronize += 1;
         // All free blocks, ANY ones too: a merge reaches one neighbour each way, so a chain of
         // free blocks merges fully only if each of its blocks gets its turn.
-        let free: Vec<BlockId> = (0..self.arena.blocks.len() as BlockId)
-            .filter(|&id| self.arena.block(id).state == BlockState::Free)
-            .collect();
+        let free: Vec<BlockId> = self.arena.blocks_in_state(BlockState::Free).collect();
         // First every free block becomes ANY, so that each merge below yields ANY again.
         for &id in &free {
             self.unlist(id);
@@ -152,7 +152,7 @@ impl Heap {
         }
         for id in free {
             // An earlier merge in this loop may have absorbed this block already.
-            if self.arena.block(id).state != BlockState::Free {
+            if self.arena.state(id) != BlockState::Free {
                 continue;
             }
             self.unlist(id);
