@@ -31,6 +31,7 @@ use crate::step::StepState;
 use crate::trace::{TraceAction, TraceRing};
 use crate::units::{format_bytes, MIB};
 use rustc_hash::FxHashMap;
+use std::cell::Cell;
 use std::collections::VecDeque;
 use std::time::Instant;
 
@@ -66,8 +67,10 @@ pub struct Heap {
     pub(crate) backend: Box<dyn Backend>,
     pub(crate) arena: Arena,
     lists: Vec<FreeList>,
-    /// Index in `lists` of each list's key.
+    /// Index in `lists` of each list's key (lists are never removed, so indices are stable).
     list_of: FxHashMap<ListKey, u32>,
+    /// The last list found for each size class (large, small): most lookups repeat one.
+    list_cache: [Cell<Option<(ListKey, u32)>>; 2],
     /// Allocated blocks by address.
     live: LiveIndex,
     /// Events recorded at frees of blocks used by several streams, oldest first.
@@ -114,6 +117,7 @@ impl Heap {
             arena: Arena::default(),
             lists: Vec::new(),
             list_of: FxHashMap::default(),
+            list_cache: Default::default(),
             live: LiveIndex::default(),
             pending: VecDeque::new(),
             private_pools: Vec::new(),
@@ -510,9 +514,8 @@ impl Heap {
         let next = b.next;
         let rest = self.arena.new_block(rest, self.arena.state(id));
         if next != NIL {
-            self.split_stat_out(next);
+            // `next` was split before (its prev was `id`) and still is: no statistic changes.
             self.arena.block_mut(next).prev = rest;
-            self.split_stat_in(next);
         }
         let b = self.arena.block_mut(id);
         b.next = rest;
@@ -716,10 +719,19 @@ impl Heap {
 
     // ----- free lists ----------------------------------------------------------------------
 
-    /// One hash lookup however many streams have lists.
+    /// A comparison with the size class's last list, else one hash lookup however many
+    /// streams have lists.
     #[inline]
     fn list_index(&self, key: ListKey) -> Option<usize> {
-        self.list_of.get(&key).map(|&li| li as usize)
+        let cached = &self.list_cache[usize::from(key.small)];
+        if let Some((k, li)) = cached.get() {
+            if k == key {
+                return Some(li as usize);
+            }
+        }
+        let li = *self.list_of.get(&key)?;
+        cached.set(Some((key, li)));
+        Some(li as usize)
     }
 
     /// The key of the list a free block belongs in: (its pool, its size class, its stream).

@@ -8,6 +8,13 @@
 use crate::status::STEPALLOC_OK;
 use std::cell::{Cell, RefCell};
 use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+/// Set once any thread records a failure. Until then every thread's status is still the initial
+/// `STEPALLOC_OK`, so recording a success need not look up the thread-local at all (a call to
+/// `__tls_get_addr` in a shared library). A thread's own failure sets it before its status, so
+/// that thread's later successes always see it.
+static ANY_FAILURE: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     static LAST_STATUS: Cell<c_int> = const { Cell::new(STEPALLOC_OK) };
@@ -17,11 +24,14 @@ thread_local! {
 /// Records a successful call.
 #[inline]
 pub fn set_ok() {
-    LAST_STATUS.with(|s| s.set(STEPALLOC_OK));
+    if ANY_FAILURE.load(Ordering::Relaxed) {
+        LAST_STATUS.with(|s| s.set(STEPALLOC_OK));
+    }
 }
 
 /// Records a failed call with its status and message.
 pub fn set_error(status: c_int, message: String) {
+    ANY_FAILURE.store(true, Ordering::Relaxed);
     LAST_STATUS.with(|s| s.set(status));
     // try_borrow_mut: never panic here, even if a caller re-entered during a read.
     LAST_MESSAGE.with(|m| {

@@ -65,6 +65,7 @@ impl LiveIndex {
         self.table.len()
     }
 
+    #[cfg(test)]
     pub fn capacity(&self) -> usize {
         self.table.capacity()
     }
