@@ -1021,3 +1021,51 @@ fn merged_stream(a: Stream, b: Stream) -> Option<Stream> {
         None
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::sim::SimDevice;
+
+    fn heap() -> Heap {
+        let config = Config::parse("backend:sim,sim_capacity_mb:1048576").expect("config");
+        Heap::new(0, &config, Box::new(SimDevice::new(0, &config.sim)))
+    }
+
+    /// After a large phase the heap keeps its few live block records at the front of the
+    /// arena and its live index small: the history of a heap does not slow it down.
+    #[test]
+    fn a_heap_that_shrank_reuses_low_slots_and_a_small_live_index() {
+        let mut heap = heap();
+        let mut state = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = move || {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            state
+        };
+        let mut live: Vec<(u64, u64)> = (0..20_000)
+            .map(|_| {
+                let size = 1 + next() % (256 << 10);
+                (heap.malloc(size, Stream(0), None).expect("malloc"), size)
+            })
+            .collect();
+        let large = heap.live.capacity();
+        while live.len() > 200 {
+            let (p, size) = live.swap_remove((next() % live.len() as u64) as usize);
+            heap.free(p, size).expect("free");
+        }
+        assert!(heap.live.capacity() * 8 <= large, "live index {} of {large} after shrinking", heap.live.capacity());
+        let vacant = |heap: &Heap| -> Vec<BlockId> { heap.arena.blocks_in_state(BlockState::Vacant).collect() };
+        for _ in 0..200 {
+            let before = vacant(&heap);
+            let size = 1 + next() % (256 << 10);
+            live.push((heap.malloc(size, Stream(0), None).expect("malloc"), size));
+            // New records (the remainder of a split) took the lowest vacant slots.
+            let after = vacant(&heap);
+            let taken = before.len() - after.len();
+            assert_eq!(after, before[taken..], "a malloc took {taken} slots, not the lowest ones");
+        }
+        heap.check_invariants().expect("invariants");
+    }
+}
