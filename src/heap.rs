@@ -226,8 +226,7 @@ impl Heap {
             return id; // no neighbour to load on the plain path
         }
         let next = self.arena.block(id).next;
-        if next == NIL || self.arena.state(next) != BlockState::Unmapped || rounded >= self.config.max_split_size
-        {
+        if next == NIL || self.arena.state(next) != BlockState::Unmapped || rounded >= self.config.max_split_size {
             return id;
         }
         match self.find_in(li, rounded) {
@@ -339,18 +338,10 @@ impl Heap {
 
     fn new_segment(&mut self, addr: u64, size: u64, small: bool, pool: u32, stream: Stream) -> BlockId {
         let oversize = size >= self.config.max_split_size;
-        let seg = self.arena.new_segment(Segment {
-            addr,
-            size,
-            small,
-            pool,
-            stream,
-            first: NIL,
-            oversize,
-            live: true,
-            page: 0,
-            mapped: size,
-        }, self.step.step);
+        let seg = self.arena.new_segment(
+            Segment { addr, size, small, pool, stream, first: NIL, oversize, live: true, page: 0, mapped: size },
+            self.step.step,
+        );
         let block = Block::unlinked(addr, size, seg, BlockClass::new(pool, small, false), stream, self.alloc_clock);
         let id = self.arena.new_block(block, BlockState::Free);
         self.arena.segment_mut(seg).first = id;

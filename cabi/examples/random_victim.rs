@@ -29,7 +29,9 @@ fn main() -> ExitCode {
     let (live, pairs) = match (live.parse::<usize>(), pairs.parse::<u64>()) {
         (Ok(l), Ok(p)) if l > 0 => (l, p),
         _ => {
-            eprintln!("random_victim: LIVE ({live}) must be a positive integer and PAIRS ({pairs}) an integer; {usage}");
+            eprintln!(
+                "random_victim: LIVE ({live}) must be a positive integer and PAIRS ({pairs}) an integer; {usage}"
+            );
             return ExitCode::from(2);
         }
     };

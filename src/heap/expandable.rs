@@ -163,18 +163,21 @@ impl Heap {
             Err(e) => return Err(e),
         };
         let pages = (bytes / page) as usize;
-        let seg = self.arena.new_segment(Segment {
-            addr,
-            size: bytes,
-            small,
-            pool: 0,
-            stream,
-            first: NIL,
-            oversize: false,
-            live: true,
-            page,
-            mapped: 0,
-        }, self.step.step);
+        let seg = self.arena.new_segment(
+            Segment {
+                addr,
+                size: bytes,
+                small,
+                pool: 0,
+                stream,
+                first: NIL,
+                oversize: false,
+                live: true,
+                page,
+                mapped: 0,
+            },
+            self.step.step,
+        );
         let class = BlockClass::new(0, small, true);
         let block = Block::unlinked(addr, bytes, seg, class, stream, self.alloc_clock);
         let id = self.arena.new_block(block, BlockState::Unmapped);

@@ -83,7 +83,9 @@ mod tests {
     use crate::segment::BlockClass;
 
     fn blocks(n: u32) -> Vec<Block> {
-        (0..n).map(|i| Block::unlinked(u64::from(i) * 512, 512, 0, BlockClass::new(0, true, false), Stream(0), 0)).collect()
+        (0..n)
+            .map(|i| Block::unlinked(u64::from(i) * 512, 512, 0, BlockClass::new(0, true, false), Stream(0), 0))
+            .collect()
     }
 
     #[test]
