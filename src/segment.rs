@@ -200,8 +200,12 @@ impl Arena {
                 id
             }
             None => {
+                let capacity = self.blocks.capacity();
                 self.blocks.push(block);
                 self.states.push(state);
+                if self.blocks.capacity() != capacity {
+                    advise_huge_pages(&self.blocks);
+                }
                 (self.blocks.len() - 1) as BlockId
             }
         }
@@ -344,6 +348,27 @@ impl Arena {
         self.segments.iter().enumerate().filter(|(_, s)| s.live).map(|(i, _)| i as SegmentId)
     }
 }
+
+/// Asks the kernel to back the whole 2 MiB pages of a large array with huge pages (Linux
+/// transparent huge pages in `madvise` mode): at 100 k blocks the records span 6.4 MB, and a
+/// random free then costs an address-translation miss as well as a cache miss. Called when the
+/// array grows (once per doubling); a refusal changes nothing.
+#[cfg(target_os = "linux")]
+#[allow(unsafe_code)] // one madvise call; the block says why it is sound
+fn advise_huge_pages<T>(array: &Vec<T>) {
+    const HUGE: usize = 2 << 20;
+    let start = array.as_ptr() as usize;
+    let end = start.saturating_add(array.capacity().saturating_mul(std::mem::size_of::<T>()));
+    let (lo, hi) = (start.next_multiple_of(HUGE), end / HUGE * HUGE);
+    if hi > lo {
+        // Safety: [lo, hi) lies inside the vector's own allocation, and MADV_HUGEPAGE changes
+        // how its pages are backed, never their contents.
+        unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE) };
+    }
+}
+
+#[cfg(not(target_os = "linux"))]
+fn advise_huge_pages<T>(_: &Vec<T>) {}
 
 /// The vacant block slots, as a three-level bitmap: a bit per slot, a bit per non-zero word of
 /// slots, a bit per non-zero word of those. Finding the lowest vacant slot is a short scan of
