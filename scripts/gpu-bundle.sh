@@ -60,7 +60,7 @@ echo "== Python package, gpu/ scripts, trace"
 mkdir -p "$OUT/python/stepalloc"
 cp python_shim/stepalloc/*.py python_shim/stepalloc/py.typed "$OUT/python/stepalloc/"
 cp gpu/*.py gpu/*.sh "$OUT/gpu/"
-cp scripts/cuda_matches_sim.py "$OUT/scripts/"
+cp scripts/cuda_matches_sim.py scripts/gpu_manifest.py "$OUT/scripts/"
 cp stress/tests/data/model_vlm_agent.jsonl "$OUT/traces/"
 cat > "$OUT/README.txt" <<'EOF'
 stepalloc GPU bundle (built by scripts/gpu-bundle.sh; see MANIFEST.json).
