@@ -699,8 +699,9 @@ def orchestrate(a: argparse.Namespace) -> int:
         order_left: list[str] = []
     else:
         order_left = order
-    # The recording run has no headroom search: it gets a smaller share of what is left.
-    weight = {name: 0.7 if name == "native_record" else 1.0 for name in order}
+    # The recording run has no headroom search but must not fail (the cap and the replay
+    # depend on it): the same share as the others.
+    weight = {name: 1.0 for name in order}
     order = order_left
     for i, name in enumerate(order):
         left = a.budget - (time.time() - t0) - replay_budget - 5

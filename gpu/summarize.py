@@ -54,7 +54,7 @@ def main() -> int:
     source = None
     if a.bundle and (a.bundle / "MANIFEST.json").is_file():
         source = json.loads((a.bundle / "MANIFEST.json").read_text()).get("source")
-    every = checks + validate
+    every = validate + checks
     counts = {k: sum(1 for c in every if c["status"] == k) for k in ("PASS", "FAIL", "SKIP")}
     ok = counts["FAIL"] == 0 and e2e is not None and not e2e.get("failed")
     doc = {

@@ -26,20 +26,26 @@ echo "== release library and stepalloc-stress"
 cargo build --release -p stepalloc-cabi -p stepalloc-stress
 
 echo "== Rust test binaries that exercise the CUDA backend"
-# `cargo test --no-run --message-format=json` names each test executable it built.
-test_executable() { # PACKAGE TARGET-ARGS... -> the path of the one test executable built
-    local pkg=$1
-    shift
-    cargo test --no-run --message-format=json -p "$pkg" "$@" 2> /dev/null | python3 -c '
+# `cargo test --no-run --message-format=json` names each test executable it built; --workspace,
+# as scripts/test.sh builds them, so nothing is compiled twice.
+TESTS_JSON=$(cargo test --workspace --no-run --message-format=json)
+test_executable() { # TARGET-NAME KIND -> the path of that test executable
+    python3 -c '
 import json, sys
-paths = [m["executable"] for m in map(json.loads, sys.stdin)
-         if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable")]
+name, kind = sys.argv[1], sys.argv[2]
+paths = set()
+for line in sys.stdin:
+    m = json.loads(line)
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable") \
+            and t.get("name") == name and kind in t.get("kind", []):
+        paths.add(m["executable"])
 if len(paths) != 1:
-    sys.exit(f"expected one test executable, cargo built {paths}")
-print(paths[0])'
+    sys.exit(f"gpu-bundle.sh: expected one test executable for {kind} target {name}, cargo built {sorted(paths)}")
+print(paths.pop())' "$1" "$2" <<< "$TESTS_JSON"
 }
-LIB_TESTS=$(test_executable stepalloc --lib)
-RANDOM_CUDA=$(test_executable stepalloc-stress --test random_cuda)
+LIB_TESTS=$(test_executable stepalloc lib)
+RANDOM_CUDA=$(test_executable random_cuda test)
 
 rm -rf "$OUT"
 mkdir -p "$OUT"/{lib,bin,testbin,python,gpu,scripts,traces,cabi/include,cabi/tests/c}

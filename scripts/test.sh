@@ -38,3 +38,16 @@ testdrv/build.sh
     tail -n 1 target/hostcuda-validate/validate/summary.txt
 )
 python3 -m pytest python_shim/tests -q
+# The GPU run kit (issue 11): the bundle a GPU machine runs without Rust (size limit, manifest,
+# glibc needs: gpu/tests), then the whole run from it over the host-memory driver (validation,
+# CUDA backend checks, the end-to-end comparison as a CPU dry run) with its JSON summary.
+scripts/gpu-bundle.sh target/gpu-bundle > /dev/null
+STEPALLOC_GPU_BUNDLE=target/gpu-bundle python3 -m pytest gpu/tests -q
+(
+    export LD_LIBRARY_PATH="$PWD/target/hostcuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    export STEPALLOC_HOSTCUDA=1 HOSTCUDA_DEVICES=2 HOSTCUDA_CAPACITY_MB=4096 HOSTCUDA_DELAY_US=2000
+    rm -rf target/gpu-run
+    target/gpu-bundle/gpu/run_all.sh target/gpu-bundle target/gpu-run > target/gpu-run.log 2>&1 \
+        || { tail -n 80 target/gpu-run.log; exit 1; }
+    python3 scripts/check_gpu_run.py target/gpu-run
+)
