@@ -201,7 +201,9 @@ class Loop:
         self.model.eval()
         with self.step_marker("rollout"), torch.no_grad():
             cache = self.cache_cls()
-            out = self.model(input_ids=ids, pixel_values=pixels, use_cache=True, logits_to_keep=1, **{self.cache_kw: cache})
+            out = self.model(
+                input_ids=ids, pixel_values=pixels, use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}
+            )
             tokens = [out.logits[:, -1].argmax(-1, keepdim=True)]
             del out
             for _ in range(shape["new"] - 1):
@@ -284,8 +286,34 @@ def is_oom(e: BaseException) -> bool:
     return "out of memory" in str(e).lower()
 
 
+def search(fits, base: int, probes: int, time_left) -> tuple[int, int | None, bool]:
+    """The largest batch that fits: doubling from `base` until one fails, then bisection, at
+    most `probes` tries while `time_left()` holds. Returns (largest fitting batch, 0 when not
+    even `base` fits; the smallest failing batch tried, None when none failed; whether the
+    search finished, i.e. they are adjacent or `base` failed)."""
+    lo, hi, tries = 0, None, 0
+    b = base
+    while tries < probes and time_left():
+        if hi is None:
+            tries += 1
+            if fits(b):
+                lo, b = b, b * 2
+            else:
+                hi = b
+        elif hi - lo > 1 and lo > 0:
+            tries += 1
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        else:
+            break
+    return lo, hi, hi is not None and (lo == 0 or hi - lo <= 1)
+
+
 def headroom(torch, loop: Loop, size: Size, cap: int, probes: int, deadline: float, per_probe_s: float) -> dict:
-    """The largest batch whose largest iteration fits under the cap: doubling, then bisection."""
+    """The largest batch whose largest iteration fits under the cap (see `search`)."""
     total = torch.cuda.mem_get_info()[1]
     fraction = min(1.0, cap / total)
     torch.cuda.set_per_process_memory_fraction(fraction)
@@ -308,27 +336,12 @@ def headroom(torch, loop: Loop, size: Size, cap: int, probes: int, deadline: flo
         log(f"headroom probe: batch {batch}: {'fits' if ok else 'out of memory'}")
         return ok
 
-    lo, hi = 0, None
-    b = size.batch
-    while len(tried) < probes and time.time() + per_probe_s < deadline:
-        if hi is None:
-            if fits(b):
-                lo, b = b, b * 2
-            else:
-                hi = b
-                if lo == 0:
-                    break  # not even the base batch fits
-        else:
-            if hi - lo <= 1:
-                break
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-    if len(tried) < probes and hi is not None and hi - lo > 1 and time.time() + per_probe_s >= deadline:
-        log("headroom search stopped early: the time budget is spent")
+    lo, hi, exact = search(fits, size.batch, probes, lambda: time.time() + per_probe_s < deadline)
+    if not exact:
+        log(f"headroom search stopped after {len(tried)} probes (limit {probes} or the time budget)")
     torch.cuda.set_per_process_memory_fraction(1.0)
+    gc.collect()
+    torch.cuda.empty_cache()
     return {
         "cap_bytes": cap,
         "fraction": round(fraction, 5),
@@ -336,7 +349,7 @@ def headroom(torch, loop: Loop, size: Size, cap: int, probes: int, deadline: flo
         "largest_batch": lo,
         "first_failing_batch": hi,
         "scale": lo / size.batch,
-        "exact": hi is not None and hi - lo <= 1,
+        "exact": exact,
     }
 
 
@@ -383,16 +396,22 @@ def worker(a: argparse.Namespace) -> int:
             else:
                 pool = stepalloc.mempool()
                 pool_ctx = torch.cuda.use_mem_pool(pool)
-                notes.append("MemPool mode: backward's allocations (the autograd thread) stay in PyTorch's default pool")
+                notes.append(
+                    "MemPool mode: backward's allocations (the autograd thread) stay in PyTorch's default pool"
+                )
             result["stepalloc_library"] = stepalloc.library_path()
         else:
             result["conf"] = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
         if spec.get("record"):
-            torch.cuda.memory._record_memory_history(enabled="all", context=None, stacks="python", max_entries=4_000_000)
+            torch.cuda.memory._record_memory_history(
+                enabled="all", context=None, stacks="python", max_entries=4_000_000
+            )
         result["device_name"] = torch.cuda.get_device_name(0)
         result["total_bytes"] = torch.cuda.mem_get_info()[1]
     else:
-        log(f"SKIP allocator set-up for {a.worker}: no CUDA device (CPU dry run); the loop runs on PyTorch's CPU allocator")
+        log(
+            f"SKIP allocator set-up for {a.worker}: no CUDA device (CPU dry run); PyTorch's CPU allocator runs the loop"
+        )
         notes.append("CPU dry run: allocator set-up, statistics and headroom skipped")
 
     import transformers
@@ -423,7 +442,9 @@ def worker(a: argparse.Namespace) -> int:
         model = build_model(torch, size, device)
         result["params"] = sum(p.numel() for p in model.parameters())
         result["build_s"] = round(time.time() - t, 2)
-        log(f"{a.worker}: model of {result['params'] / 1e9:.3f} B parameters built in {result['build_s']} s on {device}")
+        log(
+            f"{a.worker}: model of {result['params'] / 1e9:.3f} B parameters built in {result['build_s']} s on {device}"
+        )
         loop = Loop(torch, model, size, device, marker)
         plan = iteration_plan(size, a.seed, size.warmup + size.iters)
         its = []
@@ -431,11 +452,19 @@ def worker(a: argparse.Namespace) -> int:
         for i, shape in enumerate(plan):
             if i == size.warmup:
                 before = stats.read()
+            # Near the deadline, stop early (with at least two measured iterations) rather than
+            # be killed with nothing written: the time left is kept for the snapshot.
+            slowest = max((r["step_s"] for r in its), default=0.0)
+            if a.deadline and i >= size.warmup + 2 and time.time() + 3 * slowest + 10 > a.deadline:
+                notes.append(f"stopped after {i - size.warmup} measured iterations of {size.iters}: time budget")
+                log(f"{a.worker}: {notes[-1]}")
+                break
             r = loop.iteration(shape, size.batch)
             stats.sample_device()
             r["i"] = i
             its.append(r)
-            log(f"{a.worker}: iteration {i}: {json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})}")
+            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+            log(f"{a.worker}: iteration {i}: {json.dumps(shown)}")
         after = stats.read()
         steady = its[size.warmup :]
         result["iterations"] = its
@@ -446,7 +475,9 @@ def worker(a: argparse.Namespace) -> int:
             result["stats"] = after
             result["peak_reserved"] = after["reserved_bytes.all.peak"]
             result["peak_allocated"] = after["allocated_bytes.all.peak"]
-            result["reserved_over_allocated"] = after["reserved_bytes.all.peak"] / max(1, after["allocated_bytes.all.peak"])
+            result["reserved_over_allocated"] = after["reserved_bytes.all.peak"] / max(
+                1, after["allocated_bytes.all.peak"]
+            )
             result["peak_device_used"] = stats.device_used_peak
             n = max(1, len(steady))
             result["device_allocs_per_step"] = (after["num_device_alloc"] - before["num_device_alloc"]) / n
@@ -491,8 +522,12 @@ def worker(a: argparse.Namespace) -> int:
 
 
 def find_stress(given: str | None) -> str | None:
-    for c in [given, os.environ.get("STEPALLOC_STRESS"), HERE.parent / "bin" / "stepalloc-stress",
-              HERE.parent / "target" / "release" / "stepalloc-stress"]:
+    for c in [
+        given,
+        os.environ.get("STEPALLOC_STRESS"),
+        HERE.parent / "bin" / "stepalloc-stress",
+        HERE.parent / "target" / "release" / "stepalloc-stress",
+    ]:
         if c and Path(c).is_file() and os.access(c, os.X_OK):
             return str(Path(c).resolve())
     return None
@@ -512,15 +547,37 @@ def run_worker(name: str, a: argparse.Namespace, out: Path, work: Path, timeout:
     env["PYTHONPATH"] = str(python_dir) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     result = out / f"{name}.json"
     result.unlink(missing_ok=True)
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", name, "--out", str(out), "--result", str(result),
-           "--device", a.device, "--size", a.size, "--seed", str(a.seed), "--cap-bytes", str(cap),
-           "--probes", str(a.probes), "--deadline", str(time.time() + timeout - 5),
-           "--snapshot", str(work / "native_snapshot.pickle")]
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        name,
+        "--out",
+        str(out),
+        "--result",
+        str(result),
+        "--device",
+        a.device,
+        "--size",
+        a.size,
+        "--seed",
+        str(a.seed),
+        "--cap-bytes",
+        str(cap),
+        "--probes",
+        str(a.probes),
+        "--deadline",
+        str(time.time() + timeout - 5),
+        "--snapshot",
+        str(work / "native_snapshot.pickle"),
+    ]
     log(f"--- {name} (timeout {timeout:.0f} s)")
     t = time.time()
     with open(out / f"{name}.log", "w") as logf:
         try:
-            rc = subprocess.run(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout).returncode
+            rc = subprocess.run(
+                cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, timeout=timeout, check=False
+            ).returncode
             why = f"exited with status {rc}" if rc else ""
         except subprocess.TimeoutExpired:
             why = f"timed out after {timeout:.0f} s"
@@ -545,14 +602,21 @@ def replay(stress: str | None, snapshot: Path, capacity_mb: int, timeout: float)
         cmd += ["--capacity-mb", str(capacity_mb)]
     log(f"--- replay: {' '.join(cmd)}")
     try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     except subprocess.TimeoutExpired:
         return {"failed": f"timed out after {timeout:.0f} s"}
     if p.returncode != 0:
         return {"failed": f"status {p.returncode}: {p.stderr.strip()[-500:]}"}
     report = json.loads(p.stdout)
-    runs = {r["name"]: {"peak_reserved": r["peak_reserved"], "peak_allocated": r["peak_allocated"],
-                        "floor": r["floor"], "ooms": r["ooms"]} for r in report["runs"]}
+    runs = {
+        r["name"]: {
+            "peak_reserved": r["peak_reserved"],
+            "peak_allocated": r["peak_allocated"],
+            "floor": r["floor"],
+            "ooms": r["ooms"],
+        }
+        for r in report["runs"]
+    }
     return {"command": " ".join(cmd), "runs": runs, "source": report.get("source")}
 
 
@@ -581,14 +645,26 @@ def evaluate(res: dict) -> list[dict]:
     tn, ts = n.get("median_step_s"), s.get("median_step_s")
     hn, hx, hs = (r.get("headroom", {}).get("largest_batch") for r in (n, x, s))
     return [
-        target("peak reserved >= 15% below native", ps <= 0.85 * pr if both(pr, ps) else None,
-               f"stepalloc {gib(ps)} vs native {gib(pr)}"),
-        target("peak reserved not above native expandable", ps <= px if both(px, ps) else None,
-               f"stepalloc {gib(ps)} vs expandable {gib(px)}"),
-        target("median step time within 2% of native", ts <= 1.02 * tn if both(tn, ts) else None,
-               f"stepalloc {fmt(ts, '.3f')} s vs native {fmt(tn, '.3f')} s"),
-        target("headroom above both native configurations", hs > max(hn, hx) if both(hn, hx, hs) else None,
-               f"largest batch: stepalloc {hs}, native {hn}, expandable {hx}"),
+        target(
+            "peak reserved >= 15% below native",
+            ps <= 0.85 * pr if both(pr, ps) else None,
+            f"stepalloc {gib(ps)} vs native {gib(pr)}",
+        ),
+        target(
+            "peak reserved not above native expandable",
+            ps <= px if both(px, ps) else None,
+            f"stepalloc {gib(ps)} vs expandable {gib(px)}",
+        ),
+        target(
+            "median step time within 2% of native",
+            ts <= 1.02 * tn if both(tn, ts) else None,
+            f"stepalloc {fmt(ts, '.3f')} s vs native {fmt(tn, '.3f')} s",
+        ),
+        target(
+            "headroom above both native configurations",
+            hs > max(hn, hx) if both(hn, hx, hs) else None,
+            f"largest batch: stepalloc {hs}, native {hn}, expandable {hx}",
+        ),
     ]
 
 
@@ -597,9 +673,11 @@ def text_report(doc: dict) -> str:
     names = [c for c in doc["order"] if c != "native_record"]
     first = next((r for r in res.values() if "params" in r), {})
     lines.append(f"stepalloc end-to-end comparison, {doc['date']}, device: {doc['device_name']}")
-    lines.append(f"model: LLaVA-style (CLIP vision tower + Llama), {first.get('params', 0) / 1e9:.3g} B params, bf16, "
-                 f"random weights; size '{doc['size']}'; torch {first.get('torch', '?')}, transformers "
-                 f"{first.get('transformers', '?')}")
+    lines.append(
+        f"model: LLaVA-style (CLIP vision tower + Llama), {first.get('params', 0) / 1e9:.3g} B params, bf16, "
+        f"random weights; size '{doc['size']}'; torch {first.get('torch', '?')}, transformers "
+        f"{first.get('transformers', '?')}"
+    )
     lines.append("")
     rows = [
         ("peak reserved", lambda r: gib(r.get("peak_reserved"))),
@@ -607,7 +685,10 @@ def text_report(doc: dict) -> str:
         ("reserved / allocated", lambda r: fmt(r.get("reserved_over_allocated"), ".3f")),
         ("driver peak used", lambda r: gib(r.get("peak_device_used"))),
         ("median step, s", lambda r: fmt(r.get("median_step_s"), ".3f")),
-        ("step vs native", lambda r: fmt(ratio(r.get("median_step_s"), res.get("native", {}).get("median_step_s")), ".3f")),
+        (
+            "step vs native",
+            lambda r: fmt(ratio(r.get("median_step_s"), res.get("native", {}).get("median_step_s")), ".3f"),
+        ),
         ("device mallocs / steady step", lambda r: fmt(r.get("device_allocs_per_step"), ".1f")),
         ("maps + creates / steady step", lambda r: fmt(add(r.get("maps_per_step"), r.get("creates_per_step")), ".1f")),
         ("headroom: largest batch", lambda r: headroom_text(r)),
@@ -623,23 +704,31 @@ def text_report(doc: dict) -> str:
         lines.append(label.ljust(width) + "".join(cells))
     cap = next((r["headroom"]["cap_bytes"] for r in res.values() if "headroom" in r), None)
     if cap:
-        lines.append(f"(headroom: base batch {SIZES[doc['size']].batch}, the largest iteration, under a cap of "
-                     f"{gib(cap)} = native peak x {doc['headroom_factor']})")
+        lines.append(
+            f"(headroom: base batch {SIZES[doc['size']].batch}, the largest iteration, under a cap of "
+            f"{gib(cap)} = native peak x {doc['headroom_factor']})"
+        )
     lines.append("")
     lines.append("replay of the native run's snapshot (stepalloc-stress) beside the measured peaks:")
     rp = doc.get("replay", {})
     if "runs" in rp:
         src = (rp.get("source") or {}).get("native") or {}
-        pairs = [("native (pytorch)", "pytorch", res.get("native_record", {}), src.get("peak_reserved")),
-                 ("stepalloc", "stepalloc", res.get("stepalloc", {}), None)]
+        pairs = [
+            ("native (pytorch)", "pytorch", res.get("native_record", {}), src.get("peak_reserved")),
+            ("stepalloc", "stepalloc", res.get("stepalloc", {}), None),
+        ]
         lines.append(f"{'':22}{'measured':>14}{'predicted':>15}{'predicted/measured':>20}")
         for label, key, measured, _ in pairs:
             m, p = measured.get("peak_reserved"), rp["runs"].get(key, {}).get("peak_reserved")
             lines.append(f"{label:22}{gib(m):>14}{gib(p):>15}{fmt(ratio(p, m), '.3f'):>20}")
-        lines.append(f"{'floor (peak live)':22}{gib(res.get('native_record', {}).get('peak_allocated')):>14}"
-                     f"{gib(rp['runs'].get('pytorch', {}).get('floor')):>15}")
+        lines.append(
+            f"{'floor (peak live)':22}{gib(res.get('native_record', {}).get('peak_allocated')):>14}"
+            f"{gib(rp['runs'].get('pytorch', {}).get('floor')):>15}"
+        )
         if src.get("peak_reserved") is not None:
-            lines.append(f"(the snapshot's own segment events give native a peak reserved of {gib(src['peak_reserved'])})")
+            lines.append(
+                f"(the snapshot's own segment events give native a peak reserved of {gib(src['peak_reserved'])})"
+            )
     else:
         lines.append(f"  replay: {rp.get('skipped') or rp.get('failed')}")
     lines.append("")
@@ -679,6 +768,11 @@ def orchestrate(a: argparse.Namespace) -> int:
             log("no CUDA device: CPU dry run with the tiny configuration")
     if a.size is None:
         a.size = "full" if a.device == "cuda" else "tiny"
+    if a.jobs is None:
+        a.jobs = len(a.configs) if a.device == "cpu" else 1
+    if a.jobs > 1 and a.device == "cuda":
+        log("error: --jobs above 1 needs --device cpu (configurations sharing a GPU would distort each other)")
+        return 2
     stress = find_stress(a.stress)
     work = Path(tempfile.mkdtemp(prefix="stepalloc-e2e-"))
     order = list(a.configs)
@@ -686,42 +780,57 @@ def orchestrate(a: argparse.Namespace) -> int:
         log("note: without native_record there is no headroom cap and no replay")
     results: dict[str, dict] = {}
     cap = 0
-    replay_budget = 40.0
-    if a.device == "cpu":
-        # The dry run tests the script, not the timings: every configuration at once (each
-        # still in its own process), so that it fits CI's minute.
-        from concurrent.futures import ThreadPoolExecutor
+    replay_budget = 40.0 if a.device == "cpu" else 15.0  # on a GPU the replay runs in the background
+    from concurrent.futures import ThreadPoolExecutor
 
+    background = ThreadPoolExecutor(max_workers=1)
+    replay_job = None
+    sequential = order
+    if a.jobs > 1:
+        # The dry run tests the script, not the timings: the configurations side by side (each
+        # still in its own process), so that it fits CI's minute.
         timeout = a.budget - replay_budget - 5
-        with ThreadPoolExecutor(max_workers=len(order)) as pool:
+        with ThreadPoolExecutor(max_workers=a.jobs) as pool:
             futures = {name: pool.submit(run_worker, name, a, out, work, timeout, 0) for name in order}
         results = {name: f.result() for name, f in futures.items()}
-        order_left: list[str] = []
-    else:
-        order_left = order
-    # The recording run has no headroom search but must not fail (the cap and the replay
-    # depend on it): the same share as the others.
-    weight = {name: 1.0 for name in order}
-    order = order_left
-    for i, name in enumerate(order):
-        left = a.budget - (time.time() - t0) - replay_budget - 5
-        timeout = left * weight[name] / sum(weight[n] for n in order[i:])
+        sequential = []
+    # One after another, native_record first: each gets an equal share of the time left.
+    for i, name in enumerate(sequential):
+        timeout = (a.budget - (time.time() - t0) - replay_budget - 5) / (len(sequential) - i)
         if timeout < 20:
             results[name] = {"config": name, "failed": "skipped: the time budget is spent"}
             log(f"--- {name}: skipped, the time budget ({a.budget:.0f} s) is spent")
             continue
         results[name] = run_worker(name, a, out, work, timeout, cap)
-        if name == "native_record" and "peak_reserved" in results[name]:
-            cap = int(math.ceil(results[name]["peak_reserved"] * a.headroom_factor / MIB)) * MIB
-    order = list(a.configs)
+        if name == "native_record":
+            if "peak_reserved" in results[name]:
+                cap = math.ceil(results[name]["peak_reserved"] * a.headroom_factor / MIB) * MIB
+            # The replay runs beside the other configurations (one CPU thread of many).
+            replay_job = background.submit(
+                replay,
+                stress,
+                work / "native_snapshot.pickle",
+                int(results[name].get("total_bytes", 0) // MIB),
+                max(10.0, a.budget - (time.time() - t0) - 5),
+            )
     rec = results.get("native_record", {})
     snap = work / "native_snapshot.pickle"
-    capacity_mb = int(rec.get("total_bytes", 0) // MIB)
-    left = max(10.0, a.budget - (time.time() - t0) - 3)
-    rp = replay(stress, snap, capacity_mb, left) if "native_record" in order else {"skipped": "native_record not run"}
+    if "native_record" not in order:
+        rp = {"skipped": "native_record not run"}
+    else:
+        if replay_job is None:
+            replay_job = background.submit(
+                replay,
+                stress,
+                snap,
+                int(rec.get("total_bytes", 0) // MIB),
+                max(10.0, a.budget - (time.time() - t0) - 3),
+            )
+        rp = replay_job.result()
+    background.shutdown()
     if snap.is_file():
         packed = out / "native_snapshot.pickle.gz"
-        with open(snap, "rb") as f, gzip.open(packed, "wb", compresslevel=6) as g:
+        with open(snap, "rb") as f, gzip.open(packed, "wb", compresslevel=1) as g:
             shutil.copyfileobj(f, g)
         if packed.stat().st_size > 16 * MIB:
             packed.unlink()
@@ -732,7 +841,8 @@ def orchestrate(a: argparse.Namespace) -> int:
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": a.device,
-        "device_name": rec.get("device_name") or next((r.get("device_name") for r in results.values() if r.get("device_name")), "CPU (dry run)"),
+        "device_name": rec.get("device_name")
+        or next((r.get("device_name") for r in results.values() if r.get("device_name")), "CPU (dry run)"),
         "size": a.size,
         "order": order,
         "headroom_factor": a.headroom_factor,
@@ -740,8 +850,11 @@ def orchestrate(a: argparse.Namespace) -> int:
         "replay": rp,
         "wall_s": round(time.time() - t0, 1),
     }
-    doc["targets"] = evaluate(results) if a.device == "cuda" else [
-        {"target": "all", "status": "n/a", "detail": "CPU dry run: the targets need a GPU"}]
+    doc["targets"] = (
+        evaluate(results)
+        if a.device == "cuda"
+        else [{"target": "all", "status": "n/a", "detail": "CPU dry run: the targets need a GPU"}]
+    )
     failed = [n for n, r in results.items() if "failed" in r]
     if "failed" in rp:
         failed.append("replay")
@@ -750,8 +863,10 @@ def orchestrate(a: argparse.Namespace) -> int:
     text = text_report(doc)
     (out / "e2e.txt").write_text(text)
     print(text, end="")
-    log(f"e2e: {len(order) - len(failed)} of {len(order)} configurations ran"
-        f"{'; failed: ' + ', '.join(failed) if failed else ''} ({doc['wall_s']} s); {out / 'e2e.json'}")
+    log(
+        f"e2e: {len(order) - len(failed)} of {len(order)} configurations ran"
+        f"{'; failed: ' + ', '.join(failed) if failed else ''} ({doc['wall_s']} s); {out / 'e2e.json'}"
+    )
     return 1 if failed else 0
 
 
@@ -759,14 +874,17 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    ap.add_argument("--size", choices=sorted(SIZES), help="model and workload size (default: full on CUDA, tiny on CPU)")
+    ap.add_argument(
+        "--size", choices=sorted(SIZES), help="model and workload size (default: full on CUDA, tiny on CPU)"
+    )
     ap.add_argument("--dry-run", action="store_true", help="the tiny configuration on the CPU")
     ap.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="NAME", help=f"of {', '.join(CONFIGS)}")
     ap.add_argument("--stress", help="stepalloc-stress binary (default: the bundle's bin/, then target/release)")
     ap.add_argument("--budget", type=float, default=270.0, help="seconds for the whole comparison (default 270)")
     ap.add_argument("--headroom-factor", type=float, default=1.5, help="headroom cap = native peak reserved x this")
-    ap.add_argument("--probes", type=int, default=4, help="headroom probes per configuration (default 4)")
+    ap.add_argument("--probes", type=int, default=5, help="headroom probes per configuration (default 5)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--jobs", type=int, help="configurations run side by side (default: all on the CPU, 1 on a GPU)")
     # Internal: one configuration in this process.
     ap.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
@@ -783,6 +901,8 @@ def main() -> int:
         ap.error(f"--headroom-factor {a.headroom_factor}: out of range (1, 10]")
     if not 1 <= a.probes <= 20:
         ap.error(f"--probes {a.probes}: out of range [1, 20]")
+    if a.jobs is not None and not 1 <= a.jobs <= 16:
+        ap.error(f"--jobs {a.jobs}: out of range [1, 16]")
     if a.dry_run:
         if a.device == "cuda":
             ap.error("--dry-run runs on the CPU; it cannot be combined with --device cuda")

@@ -46,7 +46,9 @@ def main() -> int:
     answers = []
     vs = a.out / "validate" / "summary"
     if vs.is_file():
-        answers = [line[len("ANSWER ") :] for line in vs.read_text(errors="replace").splitlines() if line.startswith("ANSWER ")]
+        answers = [
+            line[len("ANSWER ") :] for line in vs.read_text(errors="replace").splitlines() if line.startswith("ANSWER ")
+        ]
     e2e = None
     e2e_path = a.out / "e2e" / "e2e.json"
     if e2e_path.is_file():
@@ -68,8 +70,11 @@ def main() -> int:
         "e2e": e2e,
     }
     (a.out / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
-    lines = [f"stepalloc GPU run, {doc['date']}" + (f", commit {source['commit'][:12]}" if source and source.get("commit") else "")
-             + (f", {a.seconds} s" if a.seconds is not None else "")]
+    lines = [
+        f"stepalloc GPU run, {doc['date']}"
+        + (f", commit {source['commit'][:12]}" if source and source.get("commit") else "")
+        + (f", {a.seconds} s" if a.seconds is not None else "")
+    ]
     lines.append("")
     lines.append("checks:")
     lines += [f"  {c['status']} {c['name']} {c['detail']}".rstrip() for c in every]
@@ -79,11 +84,15 @@ def main() -> int:
         lines += [f"  * {x}" for x in answers]
     lines.append("")
     e2e_txt = a.out / "e2e" / "e2e.txt"
-    lines.append(e2e_txt.read_text().rstrip() if e2e_txt.is_file() else "end-to-end comparison: no result (see e2e.log)")
+    lines.append(
+        e2e_txt.read_text().rstrip() if e2e_txt.is_file() else "end-to-end comparison: no result (see e2e.log)"
+    )
     lines.append("")
-    lines.append(f"stepalloc GPU run: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped; "
-                 f"comparison {'ran' if e2e is not None and not e2e.get('failed') else 'FAILED'}; "
-                 f"{'OK' if ok else 'NOT OK'} (summary.json, summary.txt in {a.out})")
+    lines.append(
+        f"stepalloc GPU run: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped; "
+        f"comparison {'ran' if e2e is not None and not e2e.get('failed') else 'FAILED'}; "
+        f"{'OK' if ok else 'NOT OK'} (summary.json, summary.txt in {a.out})"
+    )
     text = "\n".join(lines) + "\n"
     (a.out / "summary.txt").write_text(text)
     print(text, end="")

@@ -3,6 +3,7 @@
 testdrv's host-memory driver): summary.json says OK, every check passed or skipped with a
 reason, the driver-level checks ran, and the end-to-end dry run ran every configuration and
 its snapshot replay. Usage: check_gpu_run.py OUT. Exit status 0 good, 1 otherwise."""
+
 import json
 import sys
 from pathlib import Path
@@ -22,8 +23,17 @@ def main() -> int:
         problems.append(f"summary.json: not ok, {doc['counts']}")
     names = {c["name"]: c["status"] for c in doc["checks"]}
     # cuda_smoke.py reports its checks by their own names (device_count, threads_on_real_streams).
-    for name in ("bundle_manifest", "symbols", "device_count", "threads_on_real_streams", "c_abi_threads_cuda",
-                 "bundle_gpu_tests", "cuda_matches_sim", "random_cuda", "e2e"):
+    for name in (
+        "bundle_manifest",
+        "symbols",
+        "device_count",
+        "threads_on_real_streams",
+        "c_abi_threads_cuda",
+        "bundle_gpu_tests",
+        "cuda_matches_sim",
+        "random_cuda",
+        "e2e",
+    ):
         if names.get(name) != "PASS":
             problems.append(f"check {name}: {names.get(name, 'absent')}, expected PASS")
     e2e = doc["e2e"]
@@ -32,8 +42,11 @@ def main() -> int:
         problems.append(f"e2e: only {ran} ran")
     if "runs" not in e2e["replay"] or set(e2e["replay"]["runs"]) != {"pytorch", "stepalloc"}:
         problems.append(f"e2e: the snapshot replay gave {e2e['replay']}")
-    print("\n".join(problems) or f"GPU run kit: {doc['counts']['PASS']} checks passed, "
-          f"{doc['counts']['SKIP']} skipped, the dry run ran {len(ran)} configurations and the replay")
+    print(
+        "\n".join(problems)
+        or f"GPU run kit: {doc['counts']['PASS']} checks passed, "
+        f"{doc['counts']['SKIP']} skipped, the dry run ran {len(ran)} configurations and the replay"
+    )
     return 1 if problems else 0
 
 

@@ -65,9 +65,14 @@ def too_new(versions: dict[str, str]) -> list[str]:
 
 def git_commit(repo: Path) -> dict[str, object]:
     def git(*args: str) -> str:
-        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True).stdout.strip()
+        return subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, text=True, check=False
+        ).stdout.strip()
 
-    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain", "--untracked-files=no"))}
+    return {
+        "commit": git("rev-parse", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
 
 
 def files_of(bundle: Path) -> list[Path]:
@@ -104,8 +109,10 @@ def write(bundle: Path, limit_mib: float, repo: Path) -> int:
         "files": entries,
     }
     (bundle / MANIFEST).write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"{bundle / MANIFEST}: {len(entries)} files, {total / MIB:.1f} MiB (limit {limit_mib:g} MiB); "
-          f"needs {', '.join(f'{k}_{v}' for k, v in manifest['runtime_needs'].items())}; target {TARGET_TEXT}")
+    print(
+        f"{bundle / MANIFEST}: {len(entries)} files, {total / MIB:.1f} MiB (limit {limit_mib:g} MiB); "
+        f"needs {', '.join(f'{k}_{v}' for k, v in manifest['runtime_needs'].items())}; target {TARGET_TEXT}"
+    )
     return report(problems, total, limit_mib)
 
 
@@ -143,8 +150,10 @@ def check(bundle: Path, limit_mib: float) -> int:
         problems.append(f"total {total} bytes, {MANIFEST} says {m['total_bytes']}")
     status = report(problems, total, limit_mib)
     if status == 0:
-        print(f"{path}: {len(listed)} files, {total / MIB:.1f} MiB, hashes match, runtime needs "
-              f"{m['runtime_needs']} within {TARGET_TEXT}")
+        print(
+            f"{path}: {len(listed)} files, {total / MIB:.1f} MiB, hashes match, runtime needs "
+            f"{m['runtime_needs']} within {TARGET_TEXT}"
+        )
     return status
 
 
