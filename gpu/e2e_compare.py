@@ -761,6 +761,9 @@ def orchestrate(a: argparse.Namespace) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.device == "auto":
+        # Ask NVML, not the CUDA runtime: this process must hold no CUDA context (the driver's
+        # used-memory figures of the configurations would count it).
+        os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
         import torch
 
         a.device = "cuda" if torch.cuda.is_available() else "cpu"
