@@ -504,8 +504,14 @@ def worker(a: argparse.Namespace) -> int:
                 log(f"SKIP headroom for {a.worker}: no cap (the native_record run gave no peak)")
                 notes.append("headroom skipped: no cap")
             else:
+                # The measurements are kept even if the search fails or the process is killed.
+                Path(a.result).write_text(json.dumps(result, indent=1) + "\n")
                 per_probe = 3 * max(r["step_s"] for r in its)
-                result["headroom"] = headroom(torch, loop, size, a.cap_bytes, a.probes, a.deadline, per_probe)
+                try:
+                    result["headroom"] = headroom(torch, loop, size, a.cap_bytes, a.probes, a.deadline, per_probe)
+                except Exception as e:  # noqa: BLE001 - any failure here is a finding to report, not a crash
+                    result["error"] = f"headroom search: {type(e).__name__}: {str(e)[:400]}"
+                    log(f"{a.worker}: {result['error']}")
 
     if pool_ctx is not None:
         with pool_ctx:
@@ -581,9 +587,11 @@ def run_worker(name: str, a: argparse.Namespace, out: Path, work: Path, timeout:
             why = f"exited with status {rc}" if rc else ""
         except subprocess.TimeoutExpired:
             why = f"timed out after {timeout:.0f} s"
-    if not why and result.is_file():
+    if result.is_file():
         r = json.loads(result.read_text())
-        log(f"{name}: ok in {time.time() - t:.1f} s")
+        if why:  # killed or failed after writing its measurements (during the headroom search)
+            r["error"] = f"{r.get('error', '')}; process {why}".lstrip("; ")
+        log(f"{name}: {'ok' if 'error' not in r else 'ERROR: ' + r['error']} in {time.time() - t:.1f} s")
         return r
     tail = (out / f"{name}.log").read_text().splitlines()[-15:]
     log(f"{name}: FAILED ({why or 'no result file'}); last lines of {name}.log:")
@@ -738,6 +746,9 @@ def text_report(doc: dict) -> str:
     for n in doc["order"]:
         for note in res.get(n, {}).get("notes", []):
             lines.append(f"  note ({n}): {note}")
+        for key in ("failed", "error"):
+            if key in res.get(n, {}):
+                lines.append(f"  {key.upper()} ({n}): {res[n][key]}")
     return "\n".join(lines) + "\n"
 
 
@@ -858,7 +869,7 @@ def orchestrate(a: argparse.Namespace) -> int:
         if a.device == "cuda"
         else [{"target": "all", "status": "n/a", "detail": "CPU dry run: the targets need a GPU"}]
     )
-    failed = [n for n, r in results.items() if "failed" in r]
+    failed = [n for n, r in results.items() if "failed" in r or "error" in r]
     if "failed" in rp:
         failed.append("replay")
     doc["failed"] = failed

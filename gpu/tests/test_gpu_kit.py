@@ -295,6 +295,9 @@ def test_gpu_report_tables_and_targets() -> None:
     native_row = next(line for line in text.splitlines() if line.startswith("native (pytorch)"))
     assert native_row.split()[2:] == ["24.00", "GiB", "25.00", "GiB", "1.042"]
     assert "segment events give native a peak reserved of 24.00 GiB" in text
+    assert "FAILED (stepalloc_mempool): timed out after 60 s" in text
+    res["native"]["error"] = "headroom search: RuntimeError: CUDA error"
+    assert "ERROR (native): headroom search: RuntimeError: CUDA error" in e2e_compare.text_report(doc)
     # A slower stepalloc and a peak above expandable are missed targets.
     res["stepalloc"].update(median_step_s=1.05, peak_reserved=int(22 * GIB))
     status = {t["target"]: t["status"] for t in e2e_compare.evaluate(res)}
