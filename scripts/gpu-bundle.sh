@@ -6,18 +6,22 @@
 # MANIFEST.json (files, sizes, sha256, git commit, the glibc / libstdc++ symbol versions the
 # binaries need, checked against Ubuntu 24.04's; see scripts/gpu_manifest.py).
 #
-# Usage: scripts/gpu-bundle.sh [OUTDIR]   (default target/gpu-bundle; it is emptied first)
+# Usage: scripts/gpu-bundle.sh [OUTDIR]   (default target/gpu-bundle; a new or empty folder or an
+#        earlier bundle, emptied first)
 # Then, on the GPU machine: OUTDIR/gpu/run_all.sh OUTDIR "$OUT"
 # Needs: cargo, cc, c++, python3, objdump, strip. Exit status non-zero on any failure,
 # including a bundle over STEPALLOC_BUNDLE_LIMIT_MIB (40) or a binary needing a newer glibc.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${1:-$ROOT/target/gpu-bundle}
+case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac  # relative to the caller, not to ROOT
 cd "$ROOT"
-OUT=${1:-target/gpu-bundle}
 LIMIT_MIB=${STEPALLOC_BUNDLE_LIMIT_MIB:-40}
-case "$OUT" in
-    "" | "/" | "." | "..") echo "error: refusing to use '$OUT' as the bundle folder (it is emptied first)" >&2; exit 2 ;;
-esac
+# The folder is emptied first: only a new or empty folder, or an earlier bundle, is accepted.
+if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ] && [ ! -f "$OUT/MANIFEST.json" ]; then
+    echo "error: bundle folder $OUT is not empty and holds no earlier bundle (no MANIFEST.json); it would be emptied, so it is refused" >&2
+    exit 2
+fi
 for tool in cargo cc c++ python3 objdump strip; do
     command -v "$tool" > /dev/null || { echo "error: $tool not found; gpu-bundle.sh needs cargo, cc, c++, python3, objdump, strip" >&2; exit 2; }
 done

@@ -328,3 +328,12 @@ def test_e2e_one_after_another_as_on_a_gpu(tmp_path: Path) -> None:
     assert set(runs) == {"pytorch", "stepalloc"} and runs["pytorch"]["floor"] > 0
     assert doc["replay"]["snapshot_kept"] == "native_snapshot.pickle.gz"
     assert "replay of the native run's snapshot" in (tmp_path / "e2e.txt").read_text()
+
+
+def test_bundle_refuses_a_folder_it_would_wrongly_empty(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    r = subprocess.run(
+        [str(ROOT / "scripts" / "gpu-bundle.sh"), str(tmp_path)], capture_output=True, text=True, check=False
+    )
+    assert r.returncode == 2 and "is not empty and holds no earlier bundle" in r.stderr
+    assert (tmp_path / "notes.txt").read_text() == "mine"
