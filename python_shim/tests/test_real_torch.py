@@ -20,7 +20,8 @@ from conftest import check_child, run_python, torch_available
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTCUDA = ROOT / "target" / "hostcuda"
-STUB_RUNTIME = HOSTCUDA / "libcudart.so.13"
+RUNTIME = HOSTCUDA / "runtime"
+STUB_RUNTIME = RUNTIME / "libcudart.so.13"
 
 pytestmark = pytest.mark.skipif(
     not STUB_RUNTIME.exists() or not torch_available(),
@@ -33,7 +34,7 @@ CAPACITY_MB = 1024
 
 def run_torch(code: str, delay_us: int = 0, extra_env: dict[str, str] | None = None) -> str:
     """Runs ``code`` with torch over the stub runtime; returns its stdout (fails on error)."""
-    library_path = [str(HOSTCUDA), str(HOSTCUDA / "standins"), os.environ.get("LD_LIBRARY_PATH", "")]
+    library_path = [str(RUNTIME), str(HOSTCUDA), str(HOSTCUDA / "standins"), os.environ.get("LD_LIBRARY_PATH", "")]
     env = {
         "LD_PRELOAD": str(STUB_RUNTIME),
         "LD_LIBRARY_PATH": os.pathsep.join(p for p in library_path if p),
@@ -355,14 +356,15 @@ def test_drift_check_names_what_the_installed_torch_needs_and_a_stub_lacks(tmp_p
     ok = subprocess.run([sys.executable, str(drift), str(HOSTCUDA)], capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
     # A runtime without cudaStreamGetPriority (as when a new torch starts importing a function).
-    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
-        shutil.copy(HOSTCUDA / name, tmp_path / name)
+    (tmp_path / "runtime").mkdir()
+    shutil.copy(HOSTCUDA / "libcuda.so.1", tmp_path / "libcuda.so.1")
+    shutil.copy(RUNTIME / "libnvidia-ml.so.1", tmp_path / "runtime" / "libnvidia-ml.so.1")
     source = (ROOT / "testdrv" / "hostcudart.c").read_text()
     source = source.replace("cudaError_t cudaStreamGetPriority(", "static cudaError_t cudaStreamGetPriority(")
     (tmp_path / "hostcudart.c").write_text(source)
     subprocess.run(
         ["cc", "-shared", "-fPIC", "-w", f"-Wl,--version-script={ROOT / 'testdrv' / 'cudart.map'}",
-         "-o", str(tmp_path / "libcudart.so.13"), str(tmp_path / "hostcudart.c"),
+         "-o", str(tmp_path / "runtime" / "libcudart.so.13"), str(tmp_path / "hostcudart.c"),
          f"-L{tmp_path}", "-l:libcuda.so.1", "-ldl"],
         check=True,
     )
