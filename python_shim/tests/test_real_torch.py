@@ -371,3 +371,27 @@ def test_drift_check_names_what_the_installed_torch_needs_and_a_stub_lacks(tmp_p
     bad = subprocess.run([sys.executable, str(drift), str(tmp_path)], capture_output=True, text=True, check=False)
     assert bad.returncode == 1
     assert "runtime: cudaStreamGetPriority" in bad.stderr
+
+
+def test_without_a_compiler_out_of_memory_is_still_a_runtime_error_with_the_same_text(tmp_path: Path) -> None:
+    out = run_torch(
+        """
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stepalloc.install("backend:cuda")
+        print("warned=" + str(any("RuntimeError, not torch.OutOfMemoryError" in str(w.message) for w in caught)))
+        try:
+            torch.empty(4096 * MIB, dtype=torch.uint8, device="cuda")
+        except torch.cuda.OutOfMemoryError:
+            print("type=OutOfMemoryError")
+        except RuntimeError as e:
+            print("type=RuntimeError")
+            print("text_ok=" + str(str(e).startswith("CUDA out of memory.")))
+        """,
+        extra_env={"CXX": "no-such-compiler", "STEPALLOC_CACHE_DIR": str(tmp_path)},
+    )
+    v = values(out)
+    assert v["warned"] == "True"
+    assert v["type"] == "RuntimeError"
+    assert v["text_ok"] == "True"
