@@ -115,8 +115,8 @@ def find_library() -> str:
     raise LibraryNotFoundError(
         f"{LIBRARY_NAME} not found. Looked in:\n  ${ENV_LIBRARY}: (unset)\n"
         + "\n".join(tried)
-        + "\nBuild it with `cargo build --release -p stepalloc-cabi` in the stepalloc repository and "
-        "reinstall the package (`pip install ./python_shim` copies it in), or set "
+        + "\nIn the stepalloc repository, reinstall the package with `pip install ./python_shim` (it "
+        "builds the library with cargo) or build it with `cargo build --release -p stepalloc-cabi`; or set "
         f"{ENV_LIBRARY}=/path/to/{LIBRARY_NAME}."
     )
 
