@@ -40,6 +40,18 @@ pub struct Base {
 }
 
 impl Base {
+    /// Checks the base keys alone, so that an error names the flag they come from, not the
+    /// `--compare` entry they are prefixed to.
+    pub fn validate(&self) -> Result<(), String> {
+        stepalloc::Config::parse(&self.keys()).map(|_| ()).map_err(|e| {
+            if self.cuda {
+                format!("--backend cuda: {e}")
+            } else {
+                format!("--capacity-mb {} (or --h200), with {} devices: {e}", self.capacity_mb, self.devices)
+            }
+        })
+    }
+
     fn keys(&self) -> String {
         if self.cuda {
             "backend:cuda".into()
@@ -64,6 +76,7 @@ pub fn resolve_one(name: &str, base: &Base) -> Result<RunConfig, String> {
             None => (name.to_string(), name.to_string()),
         },
     };
+    base.validate()?;
     let empty = name == "empty_cache_every_step";
     let full = if conf.is_empty() { base.keys() } else { format!("{},{conf}", base.keys()) };
     // Refuse a bad string before any run starts.
@@ -73,5 +86,6 @@ pub fn resolve_one(name: &str, base: &Base) -> Result<RunConfig, String> {
 
 /// Resolves preset names and raw strings into run configurations.
 pub fn resolve(names: &[String], base: &Base) -> Result<Vec<RunConfig>, String> {
+    base.validate()?;
     names.iter().map(|name| resolve_one(name, base)).collect()
 }

@@ -120,7 +120,7 @@ fn run(cli: Cli) -> Result<i32, String> {
         Command::Agent(args) => {
             let spec = args.spec()?;
             let name = format!("agent {} (seed {})", spec.preset, spec.seed);
-            (agent::generate(&spec), name, compare::DEFAULT_AGENT)
+            (agent::generate(&spec)?, name, compare::DEFAULT_AGENT)
         }
         Command::Replay { file } => {
             let program = trace::load(&file).map_err(|e| format!("{}: {e}", file.display()))?;
@@ -129,7 +129,7 @@ fn run(cli: Cli) -> Result<i32, String> {
         Command::Random(args) => return run_random(g, &args, capacity_mb),
         Command::Headroom { agent, search } => return run_headroom(g, &agent, &search, capacity_mb),
         Command::GenTrace { agent, format, out } => {
-            let program = agent::generate(&agent.spec()?);
+            let program = agent::generate(&agent.spec()?)?;
             let file = std::fs::File::create(&out).map_err(|e| format!("{}: {e}", out.display()))?;
             let mut w = std::io::BufWriter::new(file);
             let events = export::export(&program, format, &mut w)?;

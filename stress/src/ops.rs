@@ -4,8 +4,22 @@
 //! (0..ids), each id is allocated at most once and freed at most once after its allocation;
 //! `StepBegin` phases index `phases`; devices are below `devices`. Parsers of foreign traces
 //! keep these invariants by skipping (and counting) events that would break them.
+//!
+//! Bounds (every producer goes through `ProgramBuilder`, so none can exceed them): at most
+//! `MAX_OPS` events, devices below `MAX_DEVICES`, at most `stepalloc::step::MAX_PHASES` phases,
+//! and simulated time that never passes `MAX_TIME_NS` in total. The first bound an input
+//! crosses is kept as the builder's `limit_error`; from then on the builder records nothing,
+//! and the producer reports the error (with its own position) instead of a program.
 
 use serde::Serialize;
+
+/// Events in one program at most: 2^26 events take about 1.6 GB (24 bytes each).
+pub const MAX_OPS: usize = 1 << 26;
+/// Devices a program may use: the simulated device's limit (`sim_devices` 1..64).
+pub const MAX_DEVICES: u16 = 64;
+/// Simulated time a program may advance in total (2^62 ns, about 146 years): jumps beyond it
+/// are cut so the device's clock, which adds its own delays on top, never overflows.
+pub const MAX_TIME_NS: u64 = 1 << 62;
 
 /// One event of a workload or trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,9 +65,12 @@ pub struct SourceNotes {
     pub native: Option<NativeFigures>,
 }
 
-/// PyTorch's native allocator's reserved bytes, from a snapshot's segment events and segments.
+/// The recording allocator's reserved bytes, from a snapshot's segment events and segments.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct NativeFigures {
+    /// Which allocator recorded them: PyTorch's native allocator, or stepalloc (its own
+    /// snapshots).
+    pub allocator: String,
     /// Peak reserved over the trace, from replaying segment_alloc / segment_free on top of
     /// the reserved bytes the trace started from (derived from `segments` when present).
     pub peak_reserved: Option<u64>,
@@ -85,6 +102,10 @@ impl Program {
 #[derive(Debug, Default)]
 pub struct ProgramBuilder {
     program: Program,
+    /// Simulated time advanced so far (at most `MAX_TIME_NS`).
+    time_ns: u64,
+    /// The first bound crossed (see the module docs); nothing is recorded after it.
+    limit_error: Option<String>,
 }
 
 impl ProgramBuilder {
@@ -95,7 +116,38 @@ impl ProgramBuilder {
         b
     }
 
+    /// Records the first bound crossed; later ones add nothing.
+    fn fail(&mut self, what: String) {
+        self.limit_error.get_or_insert(what);
+    }
+
+    /// Whether one more event fits; records the error when it does not.
+    fn room(&mut self) -> bool {
+        if self.limit_error.is_some() {
+            return false;
+        }
+        if self.program.ops.len() >= MAX_OPS {
+            self.fail(format!("more than {MAX_OPS} events: over the limit of one program"));
+            return false;
+        }
+        true
+    }
+
+    /// The first bound the program crossed, if any (see the module docs).
+    pub fn limit_error(&self) -> Option<&str> {
+        self.limit_error.as_deref()
+    }
+
+    /// Allocates a new id. Once a bound is crossed nothing is recorded and the id returned is
+    /// a placeholder (the program is never finished then).
     pub fn alloc(&mut self, size: u64, stream: u64, device: u16) -> u32 {
+        if device >= MAX_DEVICES {
+            self.fail(format!("device {device} is out of range (devices 0..{} at most)", MAX_DEVICES - 1));
+        }
+        if !self.room() {
+            return 0;
+        }
+        // Ids stay below MAX_OPS (one event per id), so they fit u32.
         let id = self.program.ids;
         self.program.ids += 1;
         self.program.devices = self.program.devices.max(device + 1);
@@ -104,36 +156,61 @@ impl ProgramBuilder {
     }
 
     pub fn free(&mut self, id: u32) {
-        self.program.ops.push(Op::Free { id });
+        if self.room() {
+            self.program.ops.push(Op::Free { id });
+        }
     }
 
     pub fn record_stream(&mut self, id: u32, stream: u64) {
-        self.program.ops.push(Op::RecordStream { id, stream });
+        if self.room() {
+            self.program.ops.push(Op::RecordStream { id, stream });
+        }
     }
 
     pub fn step_begin(&mut self, phase: &str) {
         let index = match self.program.phases.iter().position(|p| p == phase) {
             Some(i) => i,
+            None if self.program.phases.len() >= stepalloc::step::MAX_PHASES => {
+                return self.fail(format!(
+                    "phase `{phase}` is one more than the {} distinct phases allowed",
+                    stepalloc::step::MAX_PHASES
+                ));
+            }
             None => {
                 self.program.phases.push(phase.to_string());
                 self.program.phases.len() - 1
             }
         };
-        self.program.ops.push(Op::StepBegin { phase: index as u16 });
+        if self.room() {
+            // Below MAX_PHASES, so it fits u16.
+            self.program.ops.push(Op::StepBegin { phase: index as u16 });
+        }
     }
 
     pub fn step_end(&mut self) {
-        self.program.ops.push(Op::StepEnd);
+        if self.room() {
+            self.program.ops.push(Op::StepEnd);
+        }
     }
 
     pub fn empty_cache(&mut self) {
-        self.program.ops.push(Op::EmptyCache);
+        if self.room() {
+            self.program.ops.push(Op::EmptyCache);
+        }
     }
 
+    /// Simulated time passes; the program's total is cut at `MAX_TIME_NS`.
     pub fn advance(&mut self, ns: u64) {
-        if ns > 0 {
+        let ns = ns.min(MAX_TIME_NS - self.time_ns);
+        if ns > 0 && self.room() {
+            self.time_ns += ns;
             self.program.ops.push(Op::Advance { ns });
         }
+    }
+
+    /// Simulated time advanced so far.
+    pub fn time_ns(&self) -> u64 {
+        self.time_ns
     }
 
     pub fn notes_mut(&mut self) -> &mut SourceNotes {
@@ -148,8 +225,12 @@ impl ProgramBuilder {
         self.program.ops.is_empty()
     }
 
-    pub fn finish(self) -> Program {
-        self.program
+    /// The program, or the first bound it crossed.
+    pub fn finish(self) -> Result<Program, String> {
+        match self.limit_error {
+            Some(e) => Err(e),
+            None => Ok(self.program),
+        }
     }
 }
 

@@ -48,17 +48,15 @@ pub fn run(
         return Err(format!("the program uses {} devices but the configuration has {devices}", program.devices));
     }
     let allocator = Arc::new(Allocator::new(config).map_err(|e| format!("cannot create the allocator: {e}"))?);
+    // The endpoint serves this run only: it is shut down (its port closed) when the run ends,
+    // however it ends, so the next configuration can serve on the same address.
     let _server = match metrics_addr {
-        Some(addr) => match stepalloc::metrics::serve(allocator.clone(), addr) {
-            Ok(server) => {
-                eprintln!("serving live metrics of `{}` on http://{}/metrics", rc.name, server.addr);
-                Some(server)
-            }
-            Err(e) => {
-                eprintln!("warning: metrics endpoint not started: {e}");
-                None
-            }
-        },
+        Some(addr) => {
+            let server = stepalloc::metrics::serve(allocator.clone(), addr)
+                .map_err(|e| format!("--metrics-addr `{addr}` for `{}`: {e}", rc.name))?;
+            eprintln!("serving live metrics of `{}` on http://{}/metrics", rc.name, server.addr);
+            Some(ServerGuard(Some(server)))
+        }
         None => None,
     };
     let mut runner = Runner::new(&allocator, program);
@@ -93,6 +91,17 @@ pub fn run(
     }
     let _ = allocator.empty_cache();
     Ok(report)
+}
+
+/// Shuts the metrics endpoint down when dropped.
+struct ServerGuard(Option<stepalloc::metrics::MetricsServer>);
+
+impl Drop for ServerGuard {
+    fn drop(&mut self) {
+        if let Some(server) = self.0.take() {
+            server.shutdown();
+        }
+    }
 }
 
 /// Running totals of the driver's work (see `Runner::driver_totals`).

@@ -31,24 +31,36 @@ const COMPUTE: u64 = 0;
 /// The host-to-device copy stream of the data loader.
 const COPY: u64 = 7;
 
-/// Generates the whole event stream of `spec`.
-pub fn generate(spec: &AgentSpec) -> Program {
+/// Generates the whole event stream of `spec`. Errors: a dimension out of its range
+/// (`AgentSpec::validate`), or a program over the bounds of `ops` (`ops::MAX_OPS` events),
+/// named with how many iterations were generated when it was reached.
+///
+/// The program is built in memory before it runs: its size, not the machine's memory, is the
+/// limit (`ops::MAX_OPS`).
+pub fn generate(spec: &AgentSpec) -> Result<Program, String> {
+    spec.validate()?;
     let mut g = Gen::new(spec);
     g.weights();
-    if spec.rollout {
-        for _ in 0..spec.iterations {
+    for i in 0..spec.iterations {
+        if spec.rollout {
             let seqs = g.rollout_step();
             g.train_step_rl(&seqs);
-        }
-    } else {
-        for i in 0..spec.iterations {
+        } else {
             g.train_step_sft();
             if spec.eval_every > 0 && (i + 1) % spec.eval_every == 0 {
                 g.eval_step();
             }
         }
+        if let Some(e) = g.b.limit_error() {
+            return Err(format!(
+                "the agent workload is too large: {e} (reached in iteration {} of {}); lower --iterations or the \
+                 workload's dimensions",
+                i + 1,
+                spec.iterations
+            ));
+        }
     }
-    g.b.finish()
+    g.b.finish().map_err(|e| format!("the agent workload is too large: {e}"))
 }
 
 /// A sequence of a finished episode, as training sees it.
@@ -558,6 +570,9 @@ impl<'a> Gen<'a> {
             }
             let mut x = self.alloc(b * s.hidden * e);
             for _ in 0..steps {
+                if self.b.limit_error().is_some() {
+                    break; // the program is over its bounds: generate reports it
+                }
                 self.ensure_kv(&mut kv, &mut cap, len + 1);
                 for _ in 0..s.layers {
                     x = self.layer_nograd(b, x);
