@@ -99,21 +99,35 @@ impl Program {
 }
 
 /// Builds a `Program`, handing out ids and interning phase names.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ProgramBuilder {
     program: Program,
     /// Simulated time advanced so far (at most `MAX_TIME_NS`).
     time_ns: u64,
     /// The first bound crossed (see the module docs); nothing is recorded after it.
     limit_error: Option<String>,
+    /// Events at most (`MAX_OPS` unless lowered).
+    max_ops: usize,
+}
+
+impl Default for ProgramBuilder {
+    fn default() -> ProgramBuilder {
+        ProgramBuilder::new("")
+    }
 }
 
 impl ProgramBuilder {
     pub fn new(format: &str) -> ProgramBuilder {
-        let mut b = ProgramBuilder::default();
-        b.program.notes.format = format.to_string();
-        b.program.devices = 1;
-        b
+        let mut program = Program::default();
+        program.notes.format = format.to_string();
+        program.devices = 1;
+        ProgramBuilder { program, time_ns: 0, limit_error: None, max_ops: MAX_OPS }
+    }
+
+    /// Lowers the bound on events below `MAX_OPS` (tests, callers with less memory).
+    pub fn with_max_ops(mut self, max_ops: usize) -> ProgramBuilder {
+        self.max_ops = max_ops.min(MAX_OPS);
+        self
     }
 
     /// Records the first bound crossed; later ones add nothing.
@@ -126,8 +140,8 @@ impl ProgramBuilder {
         if self.limit_error.is_some() {
             return false;
         }
-        if self.program.ops.len() >= MAX_OPS {
-            self.fail(format!("more than {MAX_OPS} events: over the limit of one program"));
+        if self.program.ops.len() >= self.max_ops {
+            self.fail(format!("more than {} events: over the limit of one program", self.max_ops));
             return false;
         }
         true

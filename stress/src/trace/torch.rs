@@ -103,8 +103,10 @@ pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
     }
     let mut reader = Counting { data, pos: 0 };
     let options = serde_pickle::DeOptions::new().replace_unresolved_globals().replace_recursive_structures();
-    let snapshot: Snapshot = match serde_pickle::from_reader(&mut reader, options) {
-        Ok(s) => s,
+    // Decoded to values first, then read as JSON values: serde_pickle refuses integers beyond
+    // i64 even in fields the snapshot skips (stepalloc writes max_split_size 2^64-1).
+    let value = match serde_pickle::value_from_reader(&mut reader, options) {
+        Ok(v) => v,
         Err(serde_pickle::Error::Eval(code, pos)) => {
             return Err(TraceError::at_byte(pos as u64, format!("bad pickle: {code}")))
         }
@@ -118,8 +120,64 @@ pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
             ))
         }
     };
+    let snapshot: Snapshot = match pickle_to_json(value) {
+        // Anything but a dict holds no trace.
+        serde_json::Value::Object(m) => {
+            serde_json::from_value(serde_json::Value::Object(m)).map_err(|e| TraceError {
+                position: "file".into(),
+                message: format!("not a PyTorch memory snapshot ({})", json_message(&e)),
+            })?
+        }
+        _ => Snapshot::default(),
+    };
     check_has_trace(&snapshot)?;
     replay(snapshot, "torch snapshot (pickle)")
+}
+
+/// A decoded pickle as a JSON value: integers beyond u64 and non-finite floats become null,
+/// bytes become text (lossy), sets and tuples arrays, dict keys text. Recursive, but only
+/// after `pickle_depth` bounded the nesting.
+fn pickle_to_json(v: serde_pickle::Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    use serde_pickle::{HashableValue as H, Value as P};
+    fn number(n: impl Into<serde_json::Number>) -> J {
+        J::Number(n.into())
+    }
+    fn hashable(h: H) -> J {
+        match h {
+            H::None => J::Null,
+            H::Bool(b) => J::Bool(b),
+            H::I64(i) => number(i),
+            H::Int(b) => u64::try_from(&b).map_or(J::Null, number),
+            H::F64(f) => serde_json::Number::from_f64(f).map_or(J::Null, J::Number),
+            H::Bytes(b) => J::String(String::from_utf8_lossy(&b).into_owned()),
+            H::String(s) => J::String(s),
+            H::Tuple(items) => J::Array(items.into_iter().map(hashable).collect()),
+            H::FrozenSet(items) => J::Array(items.into_iter().map(hashable).collect()),
+        }
+    }
+    match v {
+        P::None => J::Null,
+        P::Bool(b) => J::Bool(b),
+        P::I64(i) => number(i),
+        P::Int(b) => u64::try_from(&b).map_or(J::Null, number),
+        P::F64(f) => serde_json::Number::from_f64(f).map_or(J::Null, J::Number),
+        P::Bytes(b) => J::String(String::from_utf8_lossy(&b).into_owned()),
+        P::String(s) => J::String(s),
+        P::List(items) | P::Tuple(items) => J::Array(items.into_iter().map(pickle_to_json).collect()),
+        P::Set(items) | P::FrozenSet(items) => J::Array(items.into_iter().map(hashable).collect()),
+        P::Dict(map) => J::Object(
+            map.into_iter()
+                .map(|(k, v)| {
+                    let key = match hashable(k) {
+                        J::String(s) => s,
+                        other => other.to_string(),
+                    };
+                    (key, pickle_to_json(v))
+                })
+                .collect(),
+        ),
+    }
 }
 
 /// Reads a pickle (whole, up to `MAX_PICKLE_BYTES`) and parses it.

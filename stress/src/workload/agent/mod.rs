@@ -38,8 +38,14 @@ const COPY: u64 = 7;
 /// The program is built in memory before it runs: its size, not the machine's memory, is the
 /// limit (`ops::MAX_OPS`).
 pub fn generate(spec: &AgentSpec) -> Result<Program, String> {
+    generate_within(spec, crate::ops::MAX_OPS)
+}
+
+/// `generate` with at most `max_ops` events (below `ops::MAX_OPS`).
+pub fn generate_within(spec: &AgentSpec, max_ops: usize) -> Result<Program, String> {
     spec.validate()?;
     let mut g = Gen::new(spec);
+    g.b = std::mem::take(&mut g.b).with_max_ops(max_ops);
     g.weights();
     for i in 0..spec.iterations {
         if spec.rollout {
