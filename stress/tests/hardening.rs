@@ -50,8 +50,9 @@ fn stress(args: &[&str], limit: Duration) -> (i32, String) {
 /// 20,000 nested empty lists (40 KB) once overflowed the stack of `replay`.
 #[test]
 fn deeply_nested_pickle_is_rejected_with_its_depth() {
+    // {"x": [[[...]]]} and {"x": ((((),),),)}: the value of a key the snapshot skips.
     for (open, close) in [(b']', b'a'), (b')', 0x85)] {
-        let mut p = vec![0x80, 0x04];
+        let mut p = b"\x80\x04}\x8c\x01x".to_vec();
         if close == b'a' {
             p.extend(std::iter::repeat_n(open, 20_000));
             p.extend(std::iter::repeat_n(close, 19_999));
@@ -59,7 +60,7 @@ fn deeply_nested_pickle_is_rejected_with_its_depth() {
             p.push(open);
             p.extend(std::iter::repeat_n(close, 20_000));
         }
-        p.push(b'.');
+        p.extend(b"s.");
         let err = trace::parse(&p).expect_err("a 20,000-level pickle is not a snapshot");
         assert!(err.message.contains("nests deeper than 64 levels"), "{err}");
     }
