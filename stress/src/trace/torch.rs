@@ -101,12 +101,26 @@ pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
             ),
         });
     }
+    let options = || serde_pickle::DeOptions::new().replace_unresolved_globals().replace_recursive_structures();
     let mut reader = Counting { data, pos: 0 };
-    let options = serde_pickle::DeOptions::new().replace_unresolved_globals().replace_recursive_structures();
-    // Decoded to values first, then read as JSON values: serde_pickle refuses integers beyond
-    // i64 even in fields the snapshot skips (stepalloc writes max_split_size 2^64-1).
-    let value = match serde_pickle::value_from_reader(&mut reader, options) {
-        Ok(v) => v,
+    let snapshot: Snapshot = match serde_pickle::from_reader(&mut reader, options()) {
+        Ok(s) => s,
+        // serde_pickle refuses integers beyond i64 even in fields the snapshot skips (stepalloc
+        // writes max_split_size 2^64-1): read such a pickle through values (slower, but
+        // integers up to u64 are kept).
+        Err(serde_pickle::Error::Syntax(serde_pickle::ErrorCode::InvalidValue(m))) if m == "integer too large" => {
+            let value = serde_pickle::value_from_slice(data, options())
+                .map_err(|e| TraceError::at_byte(0, format!("not a PyTorch memory snapshot ({e})")))?;
+            match pickle_to_json(value) {
+                serde_json::Value::Object(m) => {
+                    serde_json::from_value(serde_json::Value::Object(m)).map_err(|e| TraceError {
+                        position: "file".into(),
+                        message: format!("not a PyTorch memory snapshot ({})", json_message(&e)),
+                    })?
+                }
+                _ => Snapshot::default(),
+            }
+        }
         Err(serde_pickle::Error::Eval(code, pos)) => {
             return Err(TraceError::at_byte(pos as u64, format!("bad pickle: {code}")))
         }
@@ -119,16 +133,6 @@ pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
                 format!("not a PyTorch memory snapshot ({e}); read up to here"),
             ))
         }
-    };
-    let snapshot: Snapshot = match pickle_to_json(value) {
-        // Anything but a dict holds no trace.
-        serde_json::Value::Object(m) => {
-            serde_json::from_value(serde_json::Value::Object(m)).map_err(|e| TraceError {
-                position: "file".into(),
-                message: format!("not a PyTorch memory snapshot ({})", json_message(&e)),
-            })?
-        }
-        _ => Snapshot::default(),
     };
     check_has_trace(&snapshot)?;
     replay(snapshot, "torch snapshot (pickle)")
