@@ -46,8 +46,10 @@ impl Base {
         stepalloc::Config::parse(&self.keys()).map(|_| ()).map_err(|e| {
             if self.cuda {
                 format!("--backend cuda: {e}")
+            } else if self.devices > 1 {
+                format!("--capacity-mb {} (the trace uses {} devices): {e}", self.capacity_mb, self.devices)
             } else {
-                format!("--capacity-mb {} (or --h200), with {} devices: {e}", self.capacity_mb, self.devices)
+                format!("--capacity-mb {}: {e}", self.capacity_mb)
             }
         })
     }

@@ -212,6 +212,22 @@ fn agent_dimensions_at_their_bounds_do_not_overflow() {
     assert_eq!(largest, Some(2 * K * (K * K) * (K * K) * 8));
 }
 
+/// headroom's own flags: an infinite scale or billions of probes were accepted.
+#[test]
+fn headroom_flags_are_range_checked() {
+    use stepalloc_stress::headroom::{self, HeadroomArgs};
+    let spec = AgentSpec { iterations: 1, ..AgentSpec::preset(Preset::Vlm7b) };
+    let configs = compare::resolve(&["pytorch".into()], &base()).unwrap();
+    for (args, expected) in [
+        (HeadroomArgs { max_scale: f64::INFINITY, ..Default::default() }, "--max-scale inf"),
+        (HeadroomArgs { max_scale: f64::NAN, ..Default::default() }, "--max-scale NaN"),
+        (HeadroomArgs { probes: u32::MAX, ..Default::default() }, "--probes 4294967295"),
+    ] {
+        let err = headroom::run(&spec, &args, &base(), &configs).unwrap_err();
+        assert!(err.contains(expected), "{expected}: {err}");
+    }
+}
+
 // ----- 7. time jumps ------------------------------------------------------------------------
 
 /// A JSON-lines trace whose `t_us` jumps to 2^64-1 once overflowed the simulated clock.
@@ -371,7 +387,7 @@ fn jsonl_with_a_long_first_line_or_a_byte_order_mark_is_detected() {
         format!("{{\"note\":\"{padding}\",\"op\":\"alloc\",\"addr\":1,\"size\":2}}\n{{\"op\":\"free\",\"addr\":1}}\n");
     assert_eq!(trace::detect(jsonl.as_bytes()).unwrap(), Format::StepallocJsonl);
     assert_eq!(trace::parse(jsonl.as_bytes()).unwrap().count_allocs(), 1);
-    let with_bom = format!("\u{feff}{{\"op\":\"alloc\",\"addr\":1,\"size\":2}}\n");
+    let with_bom = "\u{feff}{\"op\":\"alloc\",\"addr\":1,\"size\":2}\n";
     assert_eq!(trace::detect(with_bom.as_bytes()).unwrap(), Format::StepallocJsonl);
     assert_eq!(trace::parse(with_bom.as_bytes()).unwrap().count_allocs(), 1);
     let csv = "\u{feff}Thread,Time,Action,Pointer,Size,Stream\n1,0,allocate,0x10,100,0x0\n";

@@ -174,7 +174,7 @@ fn walk(data: &[u8], s: &mut Scan) -> Option<()> {
             }
             // Containers.
             b')' | b']' | b'}' | 0x8f => s.push_container(&[])?,
-            0x85 | 0x86 | 0x87 => {
+            0x85..=0x87 => {
                 let n = (op - 0x84) as usize;
                 let mut items = Vec::with_capacity(n);
                 for _ in 0..n {
