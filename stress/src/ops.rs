@@ -1,7 +1,8 @@
 //! The event stream every workload and trace parser produces and the runner consumes.
 //!
 //! Invariants of a `Program` built through `ProgramBuilder`: allocation ids are dense
-//! (0..ids), each id is allocated at most once and freed at most once after its allocation;
+//! (0..ids); an id is freed at most once after its allocation, and handed out again only after
+//! that free (so ids stay below the most blocks ever live at once, however long the stream);
 //! `StepBegin` phases index `phases`; devices are below `devices`. Parsers of foreign traces
 //! keep these invariants by skipping (and counting) events that would break them.
 //!
@@ -85,7 +86,7 @@ pub struct NativeFigures {
 pub struct Program {
     pub ops: Vec<Op>,
     pub phases: Vec<String>,
-    /// Number of allocation ids used (ids are 0..ids).
+    /// Number of allocation ids used (ids are 0..ids; an id is reused after its free).
     pub ids: u32,
     /// Number of devices the program touches.
     pub devices: u16,
@@ -106,8 +107,13 @@ pub struct ProgramBuilder {
     time_ns: u64,
     /// The first bound crossed (see the module docs); nothing is recorded after it.
     limit_error: Option<String>,
-    /// Events at most (`MAX_OPS` unless lowered).
+    /// Events at most (`MAX_OPS` unless lowered), counted since the last `take_ops`.
     max_ops: usize,
+    /// Ids freed and not handed out again (reused last freed first).
+    free_ids: Vec<u32>,
+    /// By id: whether it is allocated now (only such an id is recycled at its free, so a
+    /// producer's double free never hands one id to two live blocks).
+    live_ids: Vec<bool>,
 }
 
 impl Default for ProgramBuilder {
@@ -121,7 +127,14 @@ impl ProgramBuilder {
         let mut program = Program::default();
         program.notes.format = format.to_string();
         program.devices = 1;
-        ProgramBuilder { program, time_ns: 0, limit_error: None, max_ops: MAX_OPS }
+        ProgramBuilder {
+            program,
+            time_ns: 0,
+            limit_error: None,
+            max_ops: MAX_OPS,
+            free_ids: Vec::new(),
+            live_ids: Vec::new(),
+        }
     }
 
     /// Lowers the bound on events below `MAX_OPS` (tests, callers with less memory).
@@ -161,9 +174,20 @@ impl ProgramBuilder {
         if !self.room() {
             return 0;
         }
-        // Ids stay below MAX_OPS (one event per id), so they fit u32.
-        let id = self.program.ids;
-        self.program.ids += 1;
+        // New ids stay below the most blocks live at once.
+        let id = match self.free_ids.pop() {
+            Some(id) => id,
+            None if self.program.ids == u32::MAX => {
+                self.fail(format!("more than {} blocks live at once", u32::MAX));
+                return 0;
+            }
+            None => {
+                self.program.ids += 1;
+                self.live_ids.push(false);
+                self.program.ids - 1
+            }
+        };
+        self.live_ids[id as usize] = true;
         self.program.devices = self.program.devices.max(device + 1);
         self.program.ops.push(Op::Alloc { id, size, stream, device });
         id
@@ -172,6 +196,12 @@ impl ProgramBuilder {
     pub fn free(&mut self, id: u32) {
         if self.room() {
             self.program.ops.push(Op::Free { id });
+            if let Some(live) = self.live_ids.get_mut(id as usize) {
+                if *live {
+                    *live = false;
+                    self.free_ids.push(id);
+                }
+            }
         }
     }
 
@@ -220,6 +250,22 @@ impl ProgramBuilder {
             self.time_ns += ns;
             self.program.ops.push(Op::Advance { ns });
         }
+    }
+
+    /// Takes the events recorded so far (a stream hands them out in chunks); the bound on
+    /// events counts from here again. Ids, phases and devices carry on.
+    pub fn take_ops(&mut self) -> Vec<Op> {
+        std::mem::take(&mut self.program.ops)
+    }
+
+    /// The phases seen so far (`StepBegin` indexes them).
+    pub fn phases(&self) -> &[String] {
+        &self.program.phases
+    }
+
+    /// Ids handed out so far (every id is below it).
+    pub fn ids(&self) -> u32 {
+        self.program.ids
     }
 
     /// Simulated time advanced so far.

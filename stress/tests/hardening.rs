@@ -9,8 +9,9 @@ use stepalloc::{Allocator, Config, Stream};
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::ops::{self, Op, ProgramBuilder};
 use stepalloc_stress::replay;
+use stepalloc_stress::report::{self, Report};
 use stepalloc_stress::trace::{self, Format};
-use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, Preset};
+use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, AgentStream, Preset};
 use stepalloc_stress::workload::random::{self, RandomArgs};
 
 fn base() -> Base {
@@ -164,6 +165,36 @@ fn agent_program_size_is_bounded() {
     let err = agent::generate_within(&spec, 1_000_000).unwrap_err();
     assert!(err.contains("too large") && err.contains("more than 1000000 events"), "{err}");
     assert!(err.contains("of 1000000"), "{err}");
+}
+
+/// The agent workload runs as a stream, one iteration at a time: the same figures as the whole
+/// program, and iterations beyond what one program may hold.
+#[test]
+fn agent_stream_runs_what_generate_builds_and_beyond() {
+    let small = AgentSpec { iterations: 3, layers: 4, vision_layers: 2, ..AgentSpec::preset(Preset::Vlm7b) };
+    let rc = pytorch();
+    let whole = replay::run(&agent::generate(&small).unwrap(), &rc, None, None).unwrap();
+    let mut stream = AgentStream::new(&small).unwrap();
+    let streamed = replay::run_source(&mut stream, &rc, None, None).unwrap();
+    // Everything but the mean of the sampled internal fragmentation: the stream samples at a
+    // stride estimated from its first iteration.
+    let json = |run| {
+        let mut v = report::without_wall_clock(Report { runs: vec![run], ..Default::default() }.to_json(true, false));
+        v["runs"][0].as_object_mut().unwrap().remove("internal_fragmentation_mean");
+        v
+    };
+    assert_eq!(json(whole), json(streamed));
+
+    // SFT without evaluation: every iteration has the same number of events.
+    let sft = AgentSpec { iterations: 1, layers: 2, eval_every: 0, ..AgentSpec::preset(Preset::Llm7bSft) };
+    let one = agent::generate(&sft).unwrap().ops.len();
+    let many = AgentSpec { iterations: 20, ..sft };
+    let err = agent::generate_within(&many, one).unwrap_err();
+    assert!(err.contains("too large"), "{err}");
+    let mut stream = AgentStream::within(&many, one).unwrap();
+    let run = replay::run_source(&mut stream, &rc, None, None).unwrap();
+    assert_eq!(run.steps_count, 20);
+    assert!(run.ops > 10 * one as u64);
 }
 
 /// Every size-setting dimension at its upper bound at once: no product overflows (the tests
