@@ -39,8 +39,10 @@ export RUSTFLAGS="--cfg fuzzing -Cpasses=sancov-module -Cllvm-args=-sanitizer-co
 -Cllvm-args=-sanitizer-coverage-inline-8bit-counters -Cllvm-args=-sanitizer-coverage-pc-table \
 -Cllvm-args=-sanitizer-coverage-trace-compares -Cdebug-assertions -Coverflow-checks"
 # Separate from the workspace's target/ (different flags would rebuild everything there).
+# Not --locked: fuzz/Cargo.lock is the workspace's lock plus libfuzzer-sys, and a dependency
+# added to the core crates is resolved here on the next build.
 export CARGO_TARGET_DIR="$PWD/fuzz/target"
-cargo build --release --locked --manifest-path fuzz/Cargo.toml --target "$TRIPLE" --bins
+cargo build --release --manifest-path fuzz/Cargo.toml --target "$TRIPLE" --bins
 
 if [ -n "${FUZZ_TARGETS:-}" ]; then
     read -r -a targets <<< "$FUZZ_TARGETS"

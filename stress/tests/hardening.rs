@@ -449,4 +449,8 @@ fn unknown_formats_are_rejected_from_their_first_bytes() {
     let err = trace::parse(long.as_bytes()).unwrap_err();
     assert_eq!(err.position, "line 2");
     assert!(err.message.contains("longer than"), "{err}");
+    // A line of exactly the limit (its newline aside) is read.
+    let line = "{\"op\":\"alloc\",\"addr\":1,\"size\":2}";
+    let exact = format!("{line}{}\n", " ".repeat(trace::jsonl::MAX_LINE - line.len()));
+    assert_eq!(trace::parse(exact.as_bytes()).unwrap().count_allocs(), 1);
 }

@@ -61,7 +61,8 @@ pub fn read<R: BufRead>(mut reader: R) -> Result<Program, TraceError> {
         if n == 0 {
             break;
         }
-        if raw.len() > MAX_LINE {
+        // The newline does not count: a line of MAX_LINE bytes and its newline is accepted.
+        if raw.len() > MAX_LINE && raw.last() != Some(&b'\n') {
             return Err(TraceError::at_line(line_no, format!("line longer than {MAX_LINE} bytes")));
         }
         let text = std::str::from_utf8(&raw).map_err(|_| TraceError::at_line(line_no, "not UTF-8 text"))?;
