@@ -85,6 +85,8 @@ impl Heap {
                     "name": self.step.phase_name(e.phase),
                     "stage": if e.action == TraceAction::StepBegin { "START" } else { "END" },
                     "time_us": e.time_us,
+                    // Where in `device_traces[device]` the marker happened (for replays).
+                    "trace_index": trace.len(),
                 })),
                 action => {
                     // Like torch: block events carry the requested size, segment events their size.
