@@ -53,27 +53,45 @@ else
     done
 fi
 
-failed=()
-for t in "${targets[@]}"; do
-    bin="fuzz/target/$TRIPLE/release/$t"
-    seeds="fuzz/corpus/$t"
+# One target's run; its status lands in fuzz/artifacts/<target>/status.
+fuzz_one() {
+    local t="$1" bin="fuzz/target/$TRIPLE/release/$1" seeds="fuzz/corpus/$1" work
     mkdir -p "$seeds" "fuzz/artifacts/$t"
     # New inputs go to a scratch corpus so the checked-in one stays small.
     work="$(mktemp -d)"
-    echo "== $t: ${SECONDS_PER_TARGET} s"
     if "$bin" "$work" "$seeds" \
         -max_total_time="$SECONDS_PER_TARGET" \
         -rss_limit_mb="$RSS_LIMIT_MB" \
         -timeout="$INPUT_TIMEOUT_S" \
         -artifact_prefix="fuzz/artifacts/$t/" \
         -print_final_stats=1 > "fuzz/artifacts/$t/log.txt" 2>&1; then
-        grep -E '^stat::number_of_executed_units|^Done ' "fuzz/artifacts/$t/log.txt" || true
+        echo ok > "fuzz/artifacts/$t/status"
+    else
+        echo failed > "fuzz/artifacts/$t/status"
+    fi
+    rm -rf "$work"
+}
+
+# FUZZ_JOBS targets at a time (default: one per core); each fuzzes on one core.
+JOBS="${FUZZ_JOBS:-$(nproc)}"
+echo "== ${#targets[@]} targets, ${SECONDS_PER_TARGET} s each, $JOBS at a time"
+for t in "${targets[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$JOBS" ]; do
+        wait -n || true
+    done
+    fuzz_one "$t" &
+done
+wait
+
+failed=()
+for t in "${targets[@]}"; do
+    if [ "$(cat "fuzz/artifacts/$t/status" 2>/dev/null)" = ok ]; then
+        echo "$t: $(grep -E '^stat::number_of_executed_units' "fuzz/artifacts/$t/log.txt" | tr -s ' ')"
     else
         echo "FAILED: $t (see fuzz/artifacts/$t/log.txt)"
         grep -E 'ERROR|panicked|SUMMARY|Test unit written' "fuzz/artifacts/$t/log.txt" | head -n 20 || true
         failed+=("$t")
     fi
-    rm -rf "$work"
 done
 
 if [ "${#failed[@]}" -gt 0 ]; then
