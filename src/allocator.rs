@@ -211,7 +211,8 @@ impl Allocator {
             "external_annotations": annotations,
             "allocator_settings": {
                 "PYTORCH_CUDA_ALLOC_CONF": "",
-                "max_split_size": self.config.max_split_size,
+                // An int64 as PyTorch writes it: -1 when unlimited.
+                "max_split_size": crate::config::torch_int64(self.config.max_split_size),
                 "garbage_collection_threshold": self.config.garbage_collection_threshold,
                 "expandable_segments": self.config.expandable_segments,
                 "pinned_num_register_threads": 1,

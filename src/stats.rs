@@ -292,8 +292,8 @@ impl DeviceStats {
         ] {
             m.insert(key.to_string(), json!(value));
         }
-        // PyTorch reports the unset limit as SIZE_MAX.
-        m.insert("max_split_size".into(), json!(self.max_split_size));
+        // PyTorch's `DeviceStats::max_split_size` is an `int64_t`: -1 when unlimited.
+        m.insert("max_split_size".into(), json!(crate::config::torch_int64(self.max_split_size)));
         let s = "stepalloc.";
         m.insert(format!("{s}device_total_bytes"), json!(self.device_total));
         m.insert(format!("{s}cached_free_bytes"), json!(self.cached_free));
@@ -402,6 +402,15 @@ mod tests {
         }
         let own = map.keys().filter(|k| !k.starts_with("stepalloc.")).count();
         assert_eq!(own, torch_keys().len(), "no key outside torch's set without the stepalloc. prefix");
+    }
+
+    #[test]
+    fn max_split_size_is_torchs_int64() {
+        // issue 12, item 11: written as 2^64 - 1, which a reader of PyTorch's int64 rejects.
+        let unlimited = DeviceStats { max_split_size: u64::MAX, ..Default::default() }.to_map();
+        assert_eq!(unlimited["max_split_size"], serde_json::json!(-1));
+        let set = DeviceStats { max_split_size: 128 << 20, ..Default::default() }.to_map();
+        assert_eq!(set["max_split_size"], serde_json::json!(128i64 << 20));
     }
 
     #[test]
