@@ -273,7 +273,7 @@ static GLOBAL_INIT: Mutex<Option<Config>> = Mutex::new(None);
 /// Sets the configuration of the process-wide allocator from a string. Only before its first
 /// use: afterwards the configuration is fixed and this is an error.
 pub fn configure_global(text: &str) -> Result<()> {
-    let config = Config::parse(text)?;
+    let config = Config::parse_from(text, "the string given to stepalloc_configure")?;
     let mut pending = GLOBAL_INIT.lock();
     if GLOBAL.get().is_some() {
         return Err(Error::InvalidArgument(

@@ -271,8 +271,20 @@ static void scenario_bad_config(void) {
     CHECK(p_stepalloc_configure("backend:sim,page_reuse:True") == STEPALLOC_CONFIG, "page_reuse needs expandable segments");
     CHECK(p_stepalloc_configure(NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL");
     CHECK(p_stepalloc_configure("backend:sim,\xff:1") == STEPALLOC_INVALID_ARGUMENT, "not UTF-8");
+    /* With a length, an embedded NUL is refused, not read as the end (issue 12, item 14). */
+    static const char with_nul[] = "backend:sim\0garbage";
+    CHECK(p_stepalloc_configure_len(with_nul, sizeof with_nul - 1) == STEPALLOC_CONFIG, "NUL inside");
+    CHECK(strstr(last_error(), "NUL character") != NULL && strstr(last_error(), "garbage") != NULL, "%s",
+          last_error());
+    CHECK(p_stepalloc_configure_len(NULL, 0) == STEPALLOC_INVALID_ARGUMENT, "NULL with a length");
     /* Nothing was applied: a good configuration still can be. */
-    CHECK(p_stepalloc_configure("backend:sim,sim_capacity_mb:1024") == STEPALLOC_OK, "%s", last_error());
+    static const char good[] = "backend:sim,sim_capacity_mb:1024,trailing bytes not read";
+    CHECK(p_stepalloc_configure_len(good, 32) == STEPALLOC_OK, "%s", last_error());
+    static const char phase[] = "ab\0cd";
+    CHECK(p_stepalloc_step_begin_len(phase, sizeof phase - 1) == STEPALLOC_INVALID_ARGUMENT, "NUL in a phase");
+    CHECK(strstr(last_error(), "ab\\0cd") != NULL, "the whole name, escaped: %s", last_error());
+    CHECK(p_stepalloc_step_begin_len("train!", 5) == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_step_end() == STEPALLOC_OK, "%s", last_error());
     check_roundtrip(0);
     CHECK(stat(0, "stepalloc.device_total_bytes") == 1024.0 * MIB, "capacity");
     check_stats(0, 0, 0);
