@@ -190,17 +190,35 @@ pub unsafe extern "C" fn stepalloc_stats_json(device: c_int, buf: *mut c_char, c
     })
 }
 
+thread_local! {
+    /// The snapshot text a measuring call (`buf` NULL) rendered on this thread, kept for the
+    /// call with a buffer that follows, so that measure-then-fill builds the snapshot once.
+    static MEASURED_SNAPSHOT: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
 /// The whole state as JSON in the layout of `torch.cuda.memory._snapshot()`.
+///
+/// Measuring (`buf` NULL or `cap` 0) renders the snapshot and keeps it on this thread; the next
+/// call with a buffer on the same thread writes that same text (the state as of the measuring
+/// call, whose length the caller sized the buffer for) instead of building it again. A call
+/// with a buffer and nothing measured renders afresh.
 ///
 /// # Safety
 /// `buf` must be NULL or point to `cap` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn stepalloc_snapshot_json(buf: *mut c_char, cap: usize) -> usize {
     guard(|| {
-        let text = match stepalloc::allocator::global_if_initialised() {
-            Some(allocator) => allocator.snapshot().to_string(),
+        let render = || match stepalloc::allocator::global_if_initialised() {
+            Some(allocator) => allocator.snapshot_json(),
             None => Allocator::empty_snapshot().to_string(),
         };
+        if buf.is_null() || cap == 0 {
+            let text = render();
+            let len = text.len();
+            MEASURED_SNAPSHOT.with(|m| *m.borrow_mut() = Some(text));
+            return Ok(len);
+        }
+        let text = MEASURED_SNAPSHOT.with(|m| m.borrow_mut().take()).unwrap_or_else(render);
         // Safety: forwarded caller contract.
         Ok(unsafe { write_text(&text, buf, cap) })
     })

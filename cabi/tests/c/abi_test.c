@@ -290,6 +290,26 @@ static void scenario_bad_config(void) {
     check_stats(0, 0, 0);
 }
 
+/* memory_snapshot in one pass (issue 12, item 21): the fill that follows a measuring call
+ * writes the text measured then, so the snapshot is built once even if the state changed. */
+static void scenario_snapshot_once(void) {
+    CHECK(p_stepalloc_configure("backend:sim") == STEPALLOC_OK, "%s", last_error());
+    void *a = p_stepalloc_malloc(4096, 0, NULL);
+    CHECK(a != NULL, "malloc: %s", last_error());
+    size_t n = p_stepalloc_snapshot_json(NULL, 0);
+    CHECK(n > 0, "measure: %s", last_error());
+    void *b = p_stepalloc_malloc(3 << 20, 0, NULL); /* a new segment after the measure */
+    CHECK(b != NULL, "malloc: %s", last_error());
+    char *buf = (char *)malloc(n + 1);
+    CHECK(p_stepalloc_snapshot_json(buf, n + 1) == n, "the fill writes the measured text");
+    CHECK(strlen(buf) == n && buf[0] == '{' && buf[n - 1] == '}', "whole JSON object");
+    /* Without a measure first, a fill renders afresh: now longer (the new segment). */
+    CHECK(p_stepalloc_snapshot_json(buf, n + 1) > n, "fresh text includes the new segment");
+    free(buf);
+    p_stepalloc_free(a, 4096, 0, NULL);
+    p_stepalloc_free(b, 3 << 20, 0, NULL);
+}
+
 /* STEPALLOC_CONF is bad (set by the caller): use fails with a clear error until configured. */
 static void scenario_bad_env(void) {
     CHECK(p_stepalloc_malloc(100, 0, NULL) == NULL, "malloc with a bad STEPALLOC_CONF");
@@ -374,6 +394,7 @@ int main(int argc, char **argv) {
     else if (strcmp(scenario, "edge") == 0) scenario_edge();
     else if (strcmp(scenario, "bad_config") == 0) scenario_bad_config();
     else if (strcmp(scenario, "bad_env") == 0) scenario_bad_env();
+    else if (strcmp(scenario, "snapshot_once") == 0) scenario_snapshot_once();
     else if (strcmp(scenario, "no_backend") == 0) scenario_no_backend();
     else if (strcmp(scenario, "oom") == 0) scenario_oom();
     else if (strcmp(scenario, "mempool") == 0) scenario_mempool();
