@@ -16,7 +16,7 @@ pub mod collector;
 pub mod http;
 
 pub use collector::{Kind, MetricSpec, FREE_BLOCK_RANGE_LABELS, METRICS};
-pub use http::{Limits, MetricsServer, CONTENT_TYPE};
+pub use http::{respond_to_bytes, Limits, MetricsServer, CONTENT_TYPE};
 
 use crate::allocator::Allocator;
 use crate::error::{Error, Result};
