@@ -376,7 +376,7 @@ impl Config {
                 if mb < 20 {
                     return Err(bad());
                 }
-                self.max_split_size = mb.checked_mul(MIB).unwrap_or(u64::MAX);
+                self.max_split_size = mb.saturating_mul(MIB);
             }
             "max_non_split_rounding_mb" => {
                 // PyTorch caps too-large values rather than refusing them.
