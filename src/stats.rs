@@ -18,16 +18,18 @@ pub struct Stat {
 }
 
 impl Stat {
+    // The lifetime totals (`allocated`, `freed`) add up every request ever made and can pass
+    // 2^64 in a long run of huge simulated requests: they saturate rather than wrap or panic.
     pub fn increase(&mut self, amount: u64) {
-        self.current += amount;
+        self.current = self.current.saturating_add(amount);
         self.peak = self.peak.max(self.current);
-        self.allocated += amount;
+        self.allocated = self.allocated.saturating_add(amount);
     }
 
     pub fn decrease(&mut self, amount: u64) {
         debug_assert!(self.current >= amount, "statistic would go negative");
         self.current = self.current.saturating_sub(amount);
-        self.freed += amount;
+        self.freed = self.freed.saturating_add(amount);
     }
 }
 
@@ -392,6 +394,14 @@ mod tests {
         s.decrease(12);
         s.increase(1);
         assert_eq!(s, Stat { current: 4, peak: 15, allocated: 16, freed: 12 });
+    }
+
+    #[test]
+    fn lifetime_totals_saturate() {
+        let mut s = Stat { allocated: u64::MAX - 10, freed: u64::MAX - 10, ..Stat::default() };
+        s.increase(100);
+        s.decrease(100);
+        assert_eq!(s, Stat { current: 0, peak: 100, allocated: u64::MAX, freed: u64::MAX });
     }
 
     #[test]
