@@ -112,6 +112,11 @@ size_t stepalloc_stats_json(int device, char *buf, size_t cap);
 
 // The whole state as JSON in the layout of `torch.cuda.memory._snapshot()`.
 //
+// Measuring (`buf` NULL or `cap` 0) renders the snapshot and keeps it on this thread; the next
+// call with a buffer on the same thread writes that same text (the state as of the measuring
+// call, whose length the caller sized the buffer for) instead of building it again. A call
+// with a buffer and nothing measured renders afresh.
+//
 // # Safety
 // `buf` must be NULL or point to `cap` writable bytes.
 size_t stepalloc_snapshot_json(char *buf, size_t cap);
