@@ -3,12 +3,14 @@
 //!
 //! - [`collector`]: a `prometheus` `Collector` in a registry of our own, reading each device's
 //!   statistics when scraped. [`METRICS`] lists every metric with its HELP text.
-//! - [`http`]: `/metrics` on one background thread, started only on request: by
-//!   [`serve`] (the C ABI's `stepalloc_metrics_serve`) or the `metrics_addr` configuration key
-//!   when the process-wide allocator is created.
+//! - [`http`]: `/metrics` on one background thread (hyper on a current-thread runtime confined
+//!   to it, connections served concurrently), started only on request: by [`serve`] (the C
+//!   ABI's `stepalloc_metrics_serve`) or the `metrics_addr` configuration key when the
+//!   process-wide allocator is created.
 //!
 //! Addresses: `host:port`, `:port` or `port`; the empty string means `127.0.0.1:9835`
-//! ([`DEFAULT_HOST`], [`DEFAULT_PORT`]). Under torchrun (`LOCAL_RANK` set) each rank listens on
+//! ([`DEFAULT_HOST`], [`DEFAULT_PORT`]). A host name must resolve to loopback; serving beyond
+//! this machine takes an IP address written out (`0.0.0.0:9835`), and is logged on stderr. Under torchrun (`LOCAL_RANK` set) each rank listens on
 //! `port + LOCAL_RANK`, so the ranks of one node do not collide; port 0 (any free port) is left
 //! as is. Under torchrun every sample also carries a `rank` label (`RANK`, else `LOCAL_RANK`).
 
