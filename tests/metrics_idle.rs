@@ -140,3 +140,24 @@ fn binding_beyond_loopback_is_logged() {
     assert!(output.status.success(), "{stderr}");
     assert!(stderr.contains("metrics endpoint listening on 0.0.0.0:") && stderr.contains("not loopback"), "{stderr}");
 }
+
+#[test]
+fn connections_beyond_the_cap_wait_for_a_free_slot() {
+    let a = Arc::new(Allocator::new(Config::parse("backend:sim").expect("config")).expect("allocator"));
+    let limits = metrics::Limits {
+        max_connections: 4,
+        request_timeout: Duration::from_millis(400),
+        ..metrics::Limits::default()
+    };
+    let server = metrics::serve_with(a, "127.0.0.1:0", limits).expect("serve");
+    let idle: Vec<TcpStream> =
+        (0..4).map(|_| TcpStream::connect_timeout(&server.addr, Duration::from_secs(5)).expect("connect")).collect();
+    thread::sleep(Duration::from_millis(100)); // the four are accepted and hold every slot
+    let (took, answer) = scrape(server.addr);
+    assert!(answer.starts_with("HTTP/1.1 200 OK\r\n"), "{answer}");
+    // Served once the idle ones were closed at their header timeout, not before.
+    assert!(took >= Duration::from_millis(200), "served beyond the cap after {took:?}");
+    assert!(took < Duration::from_secs(5), "{took:?}");
+    drop(idle);
+    server.shutdown();
+}
