@@ -264,6 +264,10 @@ static void scenario_edge(void) {
 static void scenario_bad_config(void) {
     CHECK(p_stepalloc_configure("max_split_size_mb:abc") == STEPALLOC_CONFIG, "bad value");
     CHECK(strstr(last_error(), "max_split_size_mb") != NULL, "names the key: %s", last_error());
+    CHECK(strstr(last_error(), "stepalloc_configure") != NULL, "names the source: %s", last_error());
+    CHECK(p_stepalloc_configure("sim_capacity_mb:0") == STEPALLOC_CONFIG, "capacity 0");
+    CHECK(strstr(last_error(), "`0`") != NULL && strstr(last_error(), "1..16777216") != NULL, "value and range: %s",
+          last_error());
     CHECK(p_stepalloc_configure("no_such_key:1") == STEPALLOC_CONFIG, "unknown key");
     CHECK(strstr(last_error(), "no_such_key") != NULL && strstr(last_error(), "accepted keys") != NULL, "%s",
           last_error());
@@ -315,6 +319,7 @@ static void scenario_bad_env(void) {
     CHECK(p_stepalloc_malloc(100, 0, NULL) == NULL, "malloc with a bad STEPALLOC_CONF");
     CHECK(status() == STEPALLOC_CONFIG, "status %d", status());
     CHECK(strstr(last_error(), "max_split_size_mb") != NULL, "%s", last_error());
+    CHECK(strstr(last_error(), "STEPALLOC_CONF") != NULL, "names the source: %s", last_error());
     CHECK(p_stepalloc_device_count() == -1, "device_count");
     CHECK(p_stepalloc_configure("backend:sim") == STEPALLOC_OK, "recover: %s", last_error());
     check_roundtrip(0);
