@@ -17,6 +17,10 @@ pub const ROUNDUP_INTERVALS: usize = 16;
 /// both pools, and idle pages moved to where they are needed instead of creating memory.
 pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True";
 
+/// Pages of expandable segments: multiples of the 2 MiB granularity, at most 1 GiB.
+const LARGE_PAGE_STEP: u64 = 2 * MIB;
+const MAX_LARGE_PAGE: u64 = 1024 * MIB;
+
 /// Which device backend the allocator drives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BackendKind {
@@ -70,7 +74,7 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         name: "large_segment_size_mb",
         default: "20",
-        form: "integer MiB, a multiple of 2, 2..1024",
+        form: "integer MiB >= 2; with expandable segments a multiple of 2, 2..1024",
         doc: "with expandable segments: page size of the large pool (the small pool's is 2 MiB)",
     },
     KeyDoc {
@@ -342,6 +346,17 @@ impl Config {
             }
             self.set(key.trim(), value.trim())?;
         }
+        let page_ok = self.large_page % LARGE_PAGE_STEP == 0 && self.large_page <= MAX_LARGE_PAGE;
+        if self.expandable_segments && !page_ok {
+            return Err(Error::config(
+                "large_segment_size_mb",
+                format!(
+                    "bad value `{}`: with expandable_segments:True it is the large pool's page size, \
+                     a multiple of 2 from 2 to 1024",
+                    self.large_page / MIB
+                ),
+            ));
+        }
         for (key, on) in [("page_reuse", self.page_reuse), ("page_release", self.page_release)] {
             if on && !self.expandable_segments {
                 return Err(Error::config(key, "works on expandable segments: add `expandable_segments:True`"));
@@ -395,11 +410,9 @@ impl Config {
             }
             "expandable_segments" => self.expandable_segments = parse_bool(value).ok_or_else(bad)?,
             "large_segment_size_mb" => {
-                let mb = parse_u64(value).ok_or_else(bad)?;
-                if !(2..=1024).contains(&mb) || mb % 2 != 0 {
-                    return Err(bad());
-                }
-                self.large_page = mb * MIB;
+                // Any size PyTorch accepts (it takes > 10, capped); the page-size rules apply
+                // only with expandable segments, checked once every key is read.
+                self.large_page = parse_u64(value).filter(|&mb| mb >= 2).ok_or_else(bad)?.saturating_mul(MIB);
             }
             "page_reuse" => self.page_reuse = parse_bool(value).ok_or_else(bad)?,
             "page_release" => self.page_release = parse_bool(value).ok_or_else(bad)?,
@@ -671,8 +684,8 @@ mod tests {
             "sim_devices:0",
             "metrics_addr:nowhere",
             "expandable_segments:maybe",
-            "large_segment_size_mb:3",
             "large_segment_size_mb:0",
+            "large_segment_size_mb:1",
             "page_reuse:True",
             "page_release:True,backend:sim",
             "phase_trim:maybe",
@@ -786,6 +799,16 @@ mod tests {
         assert_eq!((d.large_page, d.page_reuse, d.page_release), (20 * MIB, false, false));
         let e = Config::parse("page_reuse:True").unwrap_err();
         assert!(e.to_string().contains("expandable_segments:True"), "{e}");
+        // PyTorch's sizes are accepted; the page rules hold with expandable segments only.
+        assert_eq!(Config::parse("large_segment_size_mb:33").unwrap().large_page, 33 * MIB);
+        assert!(Config::parse("large_segment_size_mb:4096").is_ok());
+        for bad in
+            ["large_segment_size_mb:33,expandable_segments:True", "expandable_segments:True,large_segment_size_mb:2048"]
+        {
+            let e = Config::parse(bad).unwrap_err();
+            assert!(matches!(e, Error::Config { ref key, .. } if key == "large_segment_size_mb"), "{bad}: {e}");
+            assert!(e.to_string().contains("from 2 to 1024"), "{e}");
+        }
     }
 
     #[test]
