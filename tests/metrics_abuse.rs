@@ -21,8 +21,7 @@ const OVERSIZED_CLIENTS: usize = 10;
 const OVERSIZED_BYTES: usize = 256 * 1024;
 const SILENT_CLIENTS: usize = 2;
 const CONCURRENT_SCRAPERS: usize = 48;
-/// A malloc/free pair that waited this long would mean the endpoint blocked the hot path
-/// (a silent client holds the server for the whole 1 s request timeout).
+/// A malloc/free pair that waited this long would mean the endpoint blocked the hot path.
 const MAX_HOT_PATH_GAP: Duration = Duration::from_millis(500);
 
 fn connect(addr: SocketAddr) -> TcpStream {
@@ -100,7 +99,7 @@ fn abuse_neither_blocks_the_allocator_nor_the_endpoint() {
     let started = Instant::now();
     let pairs_at_start = pairs.load(Ordering::Relaxed);
     let mut clients = Vec::new();
-    // Never-finished requests: each holds the server until its request timeout.
+    // Never-finished requests: each holds its connection until the request timeout.
     for i in 0..SILENT_CLIENTS {
         clients.push(thread::spawn(move || {
             let request: &[u8] = if i % 2 == 0 { b"" } else { b"GET /metr" };
@@ -162,9 +161,8 @@ fn abuse_neither_blocks_the_allocator_nor_the_endpoint() {
     let garbage_answered: usize =
         answers.iter().filter(|((k, s), _)| *k == "garbage" && s.is_some_and(|s| s >= 400)).map(|(_, n)| n).sum();
     assert_eq!(garbage_answered, GARBAGE_CLIENTS, "{answers:?}");
-    let silent_timed_out: usize =
-        answers.iter().filter(|((k, s), _)| *k == "silent" && *s == Some(408)).map(|(_, n)| n).sum();
-    assert_eq!(silent_timed_out, SILENT_CLIENTS, "{answers:?}");
+    // A client that never finishes its request is closed at the header timeout, unanswered.
+    assert_eq!(answers.get(&("no answer", None)), Some(&SILENT_CLIENTS), "{answers:?}");
     assert_eq!(peak_threads, 1, "the endpoint serves on one thread");
     // 10 clients sent 256 KiB each; the server keeps one 8 KiB buffer.
     let growth = rss_bytes().saturating_sub(rss_before);
