@@ -232,6 +232,17 @@ impl Allocator {
         data
     }
 
+    /// Starts recording allocator events anew on every device, keeping the newest `entries`
+    /// (at most `trace_entries`' limit); 0 stops recording and drops what was kept. Returns
+    /// the limit in force. For `torch.cuda.memory._record_memory_history` under stepalloc.
+    pub fn record_history(&self, entries: usize) -> usize {
+        let limit = entries.min(crate::config::MAX_TRACE_ENTRIES);
+        for heap in &self.devices {
+            heap.lock().trace.restart(limit);
+        }
+        limit
+    }
+
     /// The recorded trace of every device, in stepalloc's JSON-lines trace format.
     pub fn trace_jsonl(&self) -> String {
         let mut out = String::new();

@@ -11,6 +11,8 @@ use crate::units::MIB;
 /// Number of power-of-two intervals `roundup_power2_divisions` distinguishes: 1 MiB .. 64 GiB,
 /// as in PyTorch (`kRoundUpPowerOfTwoIntervals`).
 pub const ROUNDUP_INTERVALS: usize = 16;
+/// The most trace entries a device keeps (`trace_entries`; 2^26, about 3.5 GiB of records).
+pub const MAX_TRACE_ENTRIES: usize = 1 << 26;
 
 /// stepalloc's recommended configuration: the best measured on the agent presets and on
 /// real-model traces (README, "Figures"): PyTorch's expandable segments with 2 MiB pages in
@@ -480,7 +482,7 @@ impl Config {
             }
             "trace_entries" => {
                 let n = parse_u64(value).ok_or_else(bad)?;
-                if n > 1 << 26 {
+                if n > MAX_TRACE_ENTRIES as u64 {
                     return Err(bad());
                 }
                 self.trace_entries = n as usize;

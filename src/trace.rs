@@ -86,6 +86,21 @@ impl TraceRing {
         self.limit > 0
     }
 
+    /// Starts over with a new limit (`torch.cuda.memory._record_memory_history`): the kept
+    /// entries are dropped and their memory given back; 0 stops recording.
+    pub fn restart(&mut self, limit: usize) {
+        self.entries = Vec::new();
+        self.limit = limit;
+        self.full = false;
+        self.next = 0;
+        self.total = 0;
+    }
+
+    /// The most entries kept (`trace_entries`, or the last `restart`); 0 = off.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
     /// Entries the ring has memory for now (at most `trace_entries`).
     pub fn allocated(&self) -> usize {
         self.entries.capacity()
@@ -154,6 +169,22 @@ mod tests {
         let mut off = TraceRing::new(0);
         off.record(TraceAction::Alloc, 1, 512, 1, 0, 0);
         assert!(off.entries().is_empty() && !off.enabled());
+    }
+
+    #[test]
+    fn restart_drops_the_history_and_sets_the_new_limit() {
+        let mut ring = TraceRing::new(0);
+        ring.record(TraceAction::Alloc, 1, 512, 1, 0, 0);
+        assert!(ring.entries().is_empty(), "off: nothing kept");
+        ring.restart(2);
+        for i in 0..3 {
+            ring.record(TraceAction::Alloc, i, 512, 1, 0, 0);
+        }
+        let addrs: Vec<u64> = ring.entries().iter().map(|e| e.addr).collect();
+        assert_eq!(addrs, [1, 2]);
+        ring.restart(0);
+        ring.record(TraceAction::Alloc, 9, 512, 1, 0, 0);
+        assert!(ring.entries().is_empty() && ring.allocated() == 0 && !ring.enabled());
     }
 
     #[test]

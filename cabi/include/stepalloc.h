@@ -92,6 +92,12 @@ int stepalloc_step_begin_len(const char *phase, size_t len);
 // Ends the current step on every device. Returns a status.
 int stepalloc_step_end(void);
 
+// Starts recording allocator events anew on every device (what snapshots show in
+// `device_traces` and `stepalloc_trace_jsonl` writes), keeping the newest `max_entries` (at
+// most 2^26); 0 stops recording and drops the history. Writes the limit in force to `*limit`
+// when it is not NULL. Returns a status. For `torch.cuda.memory._record_memory_history`.
+int stepalloc_record_history(uint64_t max_entries, uint64_t *limit);
+
 // Resets the `.peak` statistics of `device` to their current values. Returns a status.
 int stepalloc_reset_peak_stats(int device);
 

@@ -144,6 +144,25 @@ pub extern "C" fn stepalloc_step_end() -> c_int {
     })
 }
 
+/// Starts recording allocator events anew on every device (what snapshots show in
+/// `device_traces` and `stepalloc_trace_jsonl` writes), keeping the newest `max_entries` (at
+/// most 2^26); 0 stops recording and drops the history. Writes the limit in force to `*limit`
+/// when it is not NULL. Returns a status. For `torch.cuda.memory._record_memory_history`.
+#[no_mangle]
+// `limit` is NULL or a valid out-parameter (documented); checked before the one write.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub extern "C" fn stepalloc_record_history(max_entries: u64, limit: *mut u64) -> c_int {
+    guard_status(|| {
+        let entries = usize::try_from(max_entries).unwrap_or(usize::MAX);
+        let in_force = allocator()?.record_history(entries) as u64;
+        if !limit.is_null() {
+            // Safety: the caller passes NULL or a valid, writable u64 (documented above).
+            unsafe { *limit = in_force };
+        }
+        Ok(())
+    })
+}
+
 /// Resets the `.peak` statistics of `device` to their current values. Returns a status.
 #[no_mangle]
 pub extern "C" fn stepalloc_reset_peak_stats(device: c_int) -> c_int {

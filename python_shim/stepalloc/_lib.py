@@ -163,6 +163,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_empty_cache": ([], None),
         "stepalloc_set_memory_fraction": ([c_double, c_int], None),
         "stepalloc_set_mempool_mode": ([c_int], c_int),
+        "stepalloc_record_history": ([ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)], c_int),
     }
     for name, (argtypes, restype) in table.items():
         fn = getattr(cdll, name)  # AttributeError names a missing symbol: an outdated library.

@@ -17,8 +17,10 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
+import sys
 import threading
 from typing import Any, Callable
 
@@ -262,6 +264,31 @@ def _torch_snapshot(device: stats.Device = None, augment_with_fx_traces: bool = 
     return snapshot.memory_snapshot()
 
 
+def _torch_record_memory_history(
+    enabled: str | None = "all",
+    context: str | None = "all",
+    stacks: str = "all",
+    max_entries: int = sys.maxsize,
+    device: Any = None,
+    clear_history: bool = False,
+    **_ignored: Any,
+) -> None:
+    """``torch.cuda.memory._record_memory_history`` answered by stepalloc.
+
+    Starts stepalloc's event ring anew on every device with room for the newest
+    ``max_entries`` events (at most 2**26; ``trace_entries`` in the configuration sets the
+    ring at start), which ``_snapshot`` / ``_dump_snapshot`` then show as ``device_traces``;
+    ``enabled=None`` stops recording and drops the history. stepalloc records no Python
+    stacks, so ``context`` and ``stacks`` are accepted and change nothing; the history is
+    always started anew, so ``clear_history`` changes nothing either.
+    """
+    if enabled not in (None, "state", "all"):
+        raise ValueError(f"enabled must be None, 'state' or 'all', not {enabled!r}")
+    entries = 0 if enabled is None else max(0, min(int(max_entries), 1 << 26))
+    limit = ctypes.c_uint64(0)
+    _lib.check(_lib.lib().stepalloc_record_history(entries, ctypes.byref(limit)))
+
+
 def _torch_memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, Any]]:
     """``torch.cuda.memory_snapshot`` answered by stepalloc: the segments list."""
     segments = snapshot.memory_snapshot()["segments"]
@@ -287,6 +314,7 @@ REPLACEMENTS: dict[str, Callable[..., Any]] = {
     "memory_summary": stats.memory_summary,
     "memory_snapshot": _torch_memory_snapshot,
     "_snapshot": _torch_snapshot,
+    "_record_memory_history": _torch_record_memory_history,
 }
 
 
@@ -297,7 +325,8 @@ def patch_torch() -> list[str]:
     ``memory_allocated``, ``memory_reserved``, ``max_memory_*``, ``reset_peak_memory_stats``,
     ``memory_summary`` and ``memory_snapshot`` raise; after this they answer from stepalloc
     (in ``torch.cuda`` and ``torch.cuda.memory``), so HF Trainer's memory metrics, Lightning's
-    ``DeviceStatsMonitor`` and ``torch.cuda.memory._dump_snapshot`` keep working.
+    ``DeviceStatsMonitor``, ``torch.cuda.memory._record_memory_history`` and
+    ``torch.cuda.memory._dump_snapshot`` keep working.
     Idempotent; ``unpatch_torch()`` restores the originals.
     """
     global _patched

@@ -289,26 +289,53 @@ def test_many_threads_allocate_copy_and_free() -> None:
     assert values(out)["allocated"] == "0"
 
 
-def test_patch_torch_dump_snapshot_under_stepalloc(tmp_path: Path) -> None:
+def test_record_memory_history_and_dump_snapshot_under_stepalloc(tmp_path: Path) -> None:
     path = tmp_path / "snap.pickle"
     out = run_torch(
         f"""
         import pickle
-        stepalloc.install("backend:cuda,trace_entries:1024", patch_torch=True)
-        xs = [torch.empty(n * MIB, dtype=torch.uint8, device="cuda") for n in (1, 2, 3)]
+        stepalloc.install("backend:cuda", patch_torch=True)  # no trace ring configured
+        torch.cuda.memory._record_memory_history(max_entries=100000)
+        keep = [torch.empty(n * MIB, dtype=torch.uint8, device="cuda") for n in (1, 2, 3)]
+        for step in range(4):
+            scratch = [torch.empty((step + 1) * 700_000, dtype=torch.uint8, device="cuda") for _ in range(5)]
+            del scratch
         print("allocated=" + str(torch.cuda.memory_allocated()))
+        print("peak_reserved=" + str(torch.cuda.max_memory_reserved()))
         torch.cuda.memory._dump_snapshot({str(path)!r})
         with open({str(path)!r}, "rb") as f:
             snap = pickle.load(f)
         print("keys=" + ",".join(sorted(snap)))
+        print("events=" + str(len(snap["device_traces"][0])))
         sizes = sorted(b["size"] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
         print("blocks=" + ",".join(str(s) for s in sizes))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        torch.cuda.memory._dump_snapshot({str(path) + ".off"!r})
+        with open({str(path) + ".off"!r}, "rb") as f:
+            print("events_after_stop=" + str(len(pickle.load(f)["device_traces"][0])))
         """
     )
     v = values(out)
     assert int(v["allocated"]) >= 6 << 20
     assert {"segments", "device_traces"} <= set(v["keys"].split(","))
+    assert int(v["events"]) >= 3 + 4 * 5 * 2
     assert v["blocks"] == f"{1 << 20},{2 << 20},{3 << 20}"
+    assert v["events_after_stop"] == "0"
+    # The dumped snapshot replays to the recorded peak.
+    stress = ROOT / "target" / "debug" / "stepalloc-stress"
+    if not stress.exists():
+        pytest.skip("stepalloc-stress is not built (cargo build -p stepalloc-stress)")
+    import json
+    import subprocess
+
+    # The recorded run's own configuration (backend:cuda's defaults: PyTorch's rules with the
+    # size-class lookup), replayed on the simulated device.
+    report = subprocess.run(
+        [str(stress), "replay", str(path), "--json", "--compare", "recorded=exact_fit:False"],
+        capture_output=True, text=True, check=True,
+    )
+    (run,) = json.loads(report.stdout)["runs"]
+    assert run["peak_reserved"] == int(v["peak_reserved"]), run
 
 
 # The same allocation script under PyTorch's own allocator (default, expandable segments) and
