@@ -251,7 +251,7 @@ fn presets_are_named_once_and_defaults_use_them() {
         assert!(compare::preset(n).is_some(), "{n}");
     }
     assert_eq!(compare::preset("stepalloc"), Some(compare::STEPALLOC_BEST));
-    assert_eq!(compare::preset("pytorch_expandable"), Some("expandable_segments:True"));
+    assert_eq!(compare::preset("pytorch_expandable"), Some("exact_fit:True,expandable_segments:True"));
     for n in names {
         let rc = compare::resolve_one(n, &base(1024)).unwrap();
         assert_eq!(rc.empty_cache_every_step, n == "empty_cache_every_step");
