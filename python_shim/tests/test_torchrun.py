@@ -1,14 +1,17 @@
 """stepalloc under torchrun: two ranks, each on its own simulated device, scraped together by a
 real Prometheus server through the target files the ranks write.
 
-``torchrun --standalone --nproc_per_node=2`` (run as ``python -m torch.distributed.run``, the
-same program) starts ``torchrun_worker.py`` twice, in fresh processes; each rank installs
-stepalloc, trains a small DDP model on the CPU (gloo) with step markers, allocates its steps'
-buffers through stepalloc, serves ``/metrics`` on base port + ``LOCAL_RANK`` and writes its
+torchrun (run as ``python -m torch.distributed.run``, the same program) starts
+``torchrun_worker.py`` in fresh processes, in two layouts: one node of two ranks
+(``--standalone --nproc_per_node=2``), and two nodes of one rank each (two torchrun agents,
+static rendezvous, ``--node_rank`` 0 and 1, on this machine). Each rank installs stepalloc,
+trains a small DDP model on the CPU (gloo) with step markers, allocates its steps' buffers
+through stepalloc, serves ``/metrics`` on its node's base port + ``LOCAL_RANK`` and writes its
 snapshot and its ``file_sd`` target. Prometheus (Debian's ``prometheus``, as in
 ``tests/metrics_prometheus.rs``) reads the target directory; every query must return one series
-per rank, with the values each rank reported and the labels ``rank``, ``local_rank``, ``node``.
-The Grafana dashboard's queries then run against it, the fleet panels checked by value.
+per rank, with the values each rank reported and the labels ``rank``, ``local_rank``, ``node``
+torchrun gave it. The Grafana dashboard's queries then run against it, the fleet panels checked
+by value.
 
 Skipped, saying why, without torch or without ``prometheus``; with ``CI`` set, a missing
 ``prometheus`` fails instead. Bounded: the whole test gives up after ``BUDGET_S``.
@@ -16,6 +19,7 @@ Skipped, saying why, without torch or without ``prometheus``; with ``CI`` set, a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -40,7 +44,7 @@ WORKER = Path(__file__).resolve().parent / "torchrun_worker.py"
 DASHBOARD = ROOT / "dashboards" / "stepalloc.json"
 BUDGET_S = 85
 # torchrun, as the module it runs (the same interpreter as this test).
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
 pytestmark = pytest.mark.skipif(not torch_available(), reason="torch is not installed: torchrun not tested")
 
@@ -130,18 +134,57 @@ def dashboard_exprs() -> list[tuple[str, str]]:
     return out
 
 
-def test_two_ranks_under_torchrun_are_scraped_together(tmp_path: Path) -> None:
+@dataclasses.dataclass(frozen=True)
+class Rank:
+    """What a rank of the job should report: its torchrun numbers and its endpoint's port."""
+
+    rank: int
+    local_rank: int
+    node: int
+    port: int
+
+
+def launches(layout: str, out: Path) -> tuple[list[list[str]], list[Rank]]:
+    """The torchrun command lines of ``layout`` (one per node) and the ranks they start."""
+    if layout == "one node, two ranks":
+        base = free_ports(2)
+        command = [*TORCHRUN, "--standalone", "--nproc_per_node=2", str(WORKER), str(out), str(base)]
+        return [command], [Rank(r, r, 0, base + r) for r in (0, 1)]
+    # Two nodes of one rank each, on this machine: torchrun's static rendezvous gives node i
+    # GROUP_RANK i and RANK i; each node's endpoint has its own base port (both LOCAL_RANK 0).
+    master = free_ports(3)
+    bases = [master + 1, master + 2]
+    commands = [
+        [
+            *TORCHRUN,
+            "--nnodes=2",
+            "--nproc_per_node=1",
+            f"--node_rank={node}",
+            "--rdzv_backend=static",
+            "--master_addr=127.0.0.1",
+            f"--master_port={master}",
+            str(WORKER),
+            str(out),
+            str(bases[node]),
+        ]
+        for node in (0, 1)
+    ]
+    return commands, [Rank(r, 0, r, bases[r]) for r in (0, 1)]
+
+
+@pytest.mark.parametrize("layout", ["one node, two ranks", "two nodes, one rank each"])
+def test_ranks_under_torchrun_are_scraped_together(tmp_path: Path, layout: str) -> None:
     prometheus_bin = prometheus_or_skip()
     with open(tmp_path / "prometheus.log", "wb") as prom_log, open(tmp_path / "torchrun.log", "wb") as ranks_log:
-        run_and_scrape(tmp_path, prometheus_bin, prom_log, ranks_log)
+        run_and_scrape(tmp_path, layout, prometheus_bin, prom_log, ranks_log)
 
 
-def run_and_scrape(tmp_path: Path, prometheus_bin: str, prom_log: Any, ranks_log: Any) -> None:
+def run_and_scrape(tmp_path: Path, layout: str, prometheus_bin: str, prom_log: Any, ranks_log: Any) -> None:
     deadline = Deadline(BUDGET_S)
     out = tmp_path / "out"
     targets = out / "targets"
     targets.mkdir(parents=True)
-    base_port = free_ports(2)
+    commands, expected = launches(layout, out)
     prometheus = f"127.0.0.1:{free_ports(1)}"
     config = tmp_path / "prometheus.yml"
     # The scrape configuration python_shim/README.md documents, with a 1 s interval.
@@ -153,7 +196,7 @@ def run_and_scrape(tmp_path: Path, prometheus_bin: str, prom_log: Any, ranks_log
     env = {k: v for k, v in os.environ.items() if k not in ("STEPALLOC_CONF", "RANK", "LOCAL_RANK", "GROUP_RANK")}
     env["PYTHONPATH"] = os.pathsep.join([str(SHIM), env.get("PYTHONPATH", "")])
     env["OMP_NUM_THREADS"] = "1"
-    # Both start at once: Prometheus waits for target files, the ranks import torch meanwhile.
+    # All start at once: Prometheus waits for target files, the ranks import torch meanwhile.
     prom = subprocess.Popen(
         [
             prometheus_bin,
@@ -166,23 +209,27 @@ def run_and_scrape(tmp_path: Path, prometheus_bin: str, prom_log: Any, ranks_log
         stdout=prom_log,
         stderr=subprocess.STDOUT,
     )
-    torchrun = subprocess.Popen(
-        [*TORCHRUN, str(WORKER), str(out), str(base_port)],
-        env=env,
-        stdin=subprocess.DEVNULL,
-        stdout=ranks_log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: the ranks are killed with it
-    )
+    nodes = [
+        subprocess.Popen(
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=ranks_log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,  # its own process group: its ranks are killed with it
+        )
+        for command in commands
+    ]
 
     def logs() -> str:
+        exits = [n.poll() for n in nodes]
         return (
-            f"torchrun (exit {torchrun.poll()}):\n{(tmp_path / 'torchrun.log').read_text(errors='replace')[-6000:]}\n"
+            f"torchrun (exit {exits}):\n{(tmp_path / 'torchrun.log').read_text(errors='replace')[-6000:]}\n"
             f"prometheus (exit {prom.poll()}):\n{(tmp_path / 'prometheus.log').read_text(errors='replace')[-3000:]}"
         )
 
     def alive() -> None:
-        if torchrun.poll() is not None or prom.poll() is not None:
+        if any(n.poll() is not None for n in nodes) or prom.poll() is not None:
             pytest.fail(f"a process exited early\n{logs()}")
 
     def series(expr: str, count: int = 2) -> list[dict[str, Any]] | None:
@@ -200,9 +247,11 @@ def run_and_scrape(tmp_path: Path, prometheus_bin: str, prom_log: Any, ranks_log
 
         # Each rank: its own device, its own port, its rank in the summary.
         for r, own in ranks.items():
+            want = expected[r]
             assert own["installation_device"] == 0, own
-            assert own["metrics_address"] == f"127.0.0.1:{base_port + r}", own
-            assert f"stepalloc memory summary, rank {r} (local rank {r}, node 0), device ID 0" in own["summary"]
+            assert own["metrics_address"] == f"127.0.0.1:{want.port}", own
+            who = f"rank {r} (local rank {want.local_rank}, node {want.node})"
+            assert f"stepalloc memory summary, {who}, device ID 0" in own["summary"], own["summary"]
             snap = pickle.loads((out / f"snapshot-rank{r}.pickle").read_bytes())
             assert len(snap["device_traces"]) == 1 and snap["device_traces"][0], "one device, traced"
             steps = [a for a in snap["external_annotations"] if a.get("stage") == "START"]
@@ -213,7 +262,7 @@ def run_and_scrape(tmp_path: Path, prometheus_bin: str, prom_log: Any, ranks_log
         # Every rank's figures gathered to rank 0 through torch.distributed.
         gathered = json.loads((out / "gathered.json").read_text())
         assert [g["rank"] for g in gathered] == [0, 1]
-        assert [g["local_rank"] for g in gathered] == [0, 1] and {g["node"] for g in gathered} == {0}
+        assert [(g["local_rank"], g["node"]) for g in gathered] == [(x.local_rank, x.node) for x in expected]
         assert [g["peak_reserved_bytes"] for g in gathered] == [
             ranks[r]["memory_stats"]["reserved_bytes.all.peak"] for r in (0, 1)
         ]
@@ -222,8 +271,8 @@ def run_and_scrape(tmp_path: Path, prometheus_bin: str, prom_log: Any, ranks_log
         # The targets the ranks wrote, as Prometheus reads them.
         for r in (0, 1):
             entry = json.loads((targets / f"stepalloc-rank-{r}.json").read_text())
-            labels = {"rank": str(r), "local_rank": str(r), "node": "0"}
-            assert entry == [{"targets": [f"127.0.0.1:{base_port + r}"], "labels": labels}], entry
+            labels = {"rank": str(r), "local_rank": str(expected[r].local_rank), "node": str(expected[r].node)}
+            assert entry == [{"targets": [f"127.0.0.1:{expected[r].port}"], "labels": labels}], entry
 
         def both_up() -> list[dict[str, Any]] | None:
             up = series('up{job="stepalloc"}')
@@ -244,9 +293,9 @@ def run_and_scrape(tmp_path: Path, prometheus_bin: str, prom_log: Any, ranks_log
                 "device": "0",
                 "pool": "large",
                 "rank": str(r),
-                "local_rank": str(r),
-                "node": "0",
-                "instance": f"127.0.0.1:{base_port + r}",
+                "local_rank": str(expected[r].local_rank),
+                "node": str(expected[r].node),
+                "instance": f"127.0.0.1:{expected[r].port}",
                 "job": "stepalloc",
             }, labels
             assert float(s["value"][1]) == peaks[r], (r, s)
@@ -280,11 +329,12 @@ def run_and_scrape(tmp_path: Path, prometheus_bin: str, prom_log: Any, ranks_log
         assert sorted(frag) == ["0", "1"] and all(0.0 <= v <= 1.0 for v in frag.values()), frag
     finally:
         (out / "done").write_text("done\n")
-        try:
-            torchrun.wait(timeout=max(5.0, min(20.0, deadline.left())))
-        except subprocess.TimeoutExpired:
-            os.killpg(torchrun.pid, signal.SIGKILL)
-            torchrun.wait()
+        for node in nodes:
+            try:
+                node.wait(timeout=max(5.0, min(20.0, deadline.left())))
+            except subprocess.TimeoutExpired:
+                os.killpg(node.pid, signal.SIGKILL)
+                node.wait()
         prom.kill()
         prom.wait()
-    assert torchrun.returncode == 0, f"torchrun failed\n{logs()}"
+    assert all(n.returncode == 0 for n in nodes), f"torchrun failed\n{logs()}"
