@@ -212,10 +212,11 @@ class AgentLoop:
         print(loop.history[-2:])
 
     ``phase(name)`` opens a step of any phase; keep the set of names small (metric labels).
-    ``device`` is the device whose figures ``history`` records.
+    ``device`` is the device whose figures ``history`` records (None: torch's current device,
+    else under torchrun the rank's device, else device 0, as the statistics read it).
     """
 
-    def __init__(self, device: int = 0, keep: int = 1000) -> None:
+    def __init__(self, device: int | None = None, keep: int = 1000) -> None:
         self.device = device
         self.rank = rank_info().rank
         self.iteration = 0

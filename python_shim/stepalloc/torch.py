@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import threading
+import warnings
 from typing import Any, Callable
 
 from . import _lib, _oom, ranks, snapshot, stats
@@ -208,7 +209,17 @@ def _queue_rank_device(torch: Any, device: int) -> None:
     def stepalloc_set_rank_device() -> None:
         torch.cuda.set_device(device)
 
-    torch.cuda._lazy_call(stepalloc_set_rank_device)
+    # torch's own queue of calls that wait for CUDA's initialisation (torch.cuda.manual_seed
+    # uses it); private, so a torch without it gets a warning instead of a failed install().
+    lazy_call = getattr(torch.cuda, "_lazy_call", None)
+    if lazy_call is None:
+        warnings.warn(
+            f"stepalloc.install(): torch {torch.__version__} has no torch.cuda._lazy_call; call "
+            f"torch.cuda.set_device({device}) yourself to put this rank's tensors on its device",
+            stacklevel=3,
+        )
+        return
+    lazy_call(stepalloc_set_rank_device)
 
 
 def _update_installation(conf: str | None, metrics_port: int | None, patch: bool) -> Installation:

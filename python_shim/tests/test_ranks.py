@@ -76,7 +76,7 @@ def test_a_local_rank_without_a_device_is_refused(rank_env: RankEnv) -> None:
 RANK_1 = {"RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0", "STEPALLOC_CONF": "backend:sim,sim_devices:2"}
 
 
-def test_statistics_default_to_the_ranks_device() -> None:
+def test_statistics_and_agent_loops_default_to_the_ranks_device() -> None:
     out = check_child(
         run_python(
             """
@@ -84,6 +84,13 @@ def test_statistics_default_to_the_ranks_device() -> None:
             ptr = stepalloc.raw_alloc(3 << 20, device=1)
             assert stepalloc.memory_allocated() == stepalloc.memory_allocated(1) == 3 << 20
             assert stepalloc.memory_allocated(0) == 0
+            # An agent loop records the rank's device and names the rank.
+            loop = stepalloc.AgentLoop()
+            with loop.rollout():
+                p2 = stepalloc.raw_alloc(7 << 20, device=1)
+                stepalloc.raw_free(p2, 7 << 20, device=1)
+            record = loop.history[-1]
+            assert record.rank == 1 and record.peak_allocated_bytes == 10 << 20, record
             print("ok")
             """,
             env=RANK_1,
