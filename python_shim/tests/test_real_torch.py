@@ -87,6 +87,29 @@ def test_tensors_of_many_sizes_round_trip_through_stepalloc() -> None:
     assert values(out)["after"] == "0"
 
 
+def test_install_under_torchrun_puts_the_ranks_tensors_on_its_device() -> None:
+    # Rank 1 of a node whose two GPUs every rank sees: LOCAL_RANK picks the device, without
+    # the script calling torch.cuda.set_device.
+    out = run_torch(
+        """
+        h = stepalloc.install("backend:cuda")
+        assert h.device == 1, h
+        x = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+        print("tensor_device=" + str(x.device))
+        print("current=" + str(torch.cuda.current_device()))
+        print("on_1=" + str(stepalloc.memory_stats(1)["allocated_bytes.all.current"]))
+        print("on_0=" + str(stepalloc.memory_stats(0)["allocated_bytes.all.current"]))
+        print("default=" + str(stepalloc.memory_allocated()))
+        print(stepalloc.memory_summary().splitlines()[1])
+        """,
+        extra_env={"RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"},
+    )
+    v = values(out)
+    assert v["tensor_device"] == "cuda:1" and v["current"] == "1", out
+    assert int(v["on_1"]) == int(v["default"]) >= 4 << 20 and v["on_0"] == "0", out
+    assert "stepalloc memory summary, rank 1 (local rank 1, node 0), device ID 1" in out
+
+
 def test_empty_cache_and_memory_fraction_reach_stepalloc() -> None:
     out = run_torch(
         """
