@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from conftest import check_child, run_python, torch_available
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -355,7 +356,9 @@ def test_record_memory_history_and_dump_snapshot_under_stepalloc(tmp_path: Path)
     # size-class lookup), replayed on the simulated device.
     report = subprocess.run(
         [str(stress), "replay", str(path), "--json", "--compare", "recorded=exact_fit:False"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     (run,) = json.loads(report.stdout)["runs"]
     assert run["peak_reserved"] == int(v["peak_reserved"]), run
@@ -378,7 +381,10 @@ for step in range(30):
 
 
 def peak_reserved(setup: str, read: str, alloc_conf: str = "") -> int:
-    out = run_torch(setup + ALLOCATION_SCRIPT + "print('peak=' + str(" + read + "))", extra_env={"PYTORCH_CUDA_ALLOC_CONF": alloc_conf})
+    out = run_torch(
+        setup + ALLOCATION_SCRIPT + "print('peak=' + str(" + read + "))",
+        extra_env={"PYTORCH_CUDA_ALLOC_CONF": alloc_conf},
+    )
     return int(values(out)["peak"])
 
 
@@ -413,9 +419,19 @@ def test_drift_check_names_what_the_installed_torch_needs_and_a_stub_lacks(tmp_p
     source = source.replace("cudaError_t cudaStreamGetPriority(", "static cudaError_t cudaStreamGetPriority(")
     (tmp_path / "hostcudart.c").write_text(source)
     subprocess.run(
-        ["cc", "-shared", "-fPIC", "-w", f"-Wl,--version-script={ROOT / 'testdrv' / 'cudart.map'}",
-         "-o", str(tmp_path / "runtime" / "libcudart.so.13"), str(tmp_path / "hostcudart.c"),
-         f"-L{tmp_path}", "-l:libcuda.so.1", "-ldl"],
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            "-w",
+            f"-Wl,--version-script={ROOT / 'testdrv' / 'cudart.map'}",
+            "-o",
+            str(tmp_path / "runtime" / "libcudart.so.13"),
+            str(tmp_path / "hostcudart.c"),
+            f"-L{tmp_path}",
+            "-l:libcuda.so.1",
+            "-ldl",
+        ],
         check=True,
     )
     bad = subprocess.run([sys.executable, str(drift), str(tmp_path)], capture_output=True, text=True, check=False)
