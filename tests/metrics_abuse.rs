@@ -6,6 +6,8 @@
 //!
 //! Its own test binary, so that the thread count and memory figures are the endpoint's alone.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,7 +15,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 use stepalloc::metrics;
-use stepalloc::{Allocator, Config, Stream};
+use stepalloc::{Allocator, Config};
 
 /// Clients of each kind; each concurrent kind runs on its own threads.
 const GARBAGE_CLIENTS: usize = 60;
@@ -73,28 +75,7 @@ fn abuse_neither_blocks_the_allocator_nor_the_endpoint() {
     // The hot path: malloc/free pairs, recording the longest wait between two completions.
     let stop = Arc::new(AtomicBool::new(false));
     let pairs = Arc::new(AtomicU64::new(0));
-    let worker = {
-        let (a, stop, pairs) = (Arc::clone(&a), Arc::clone(&stop), Arc::clone(&pairs));
-        thread::spawn(move || {
-            let mut max_gap = Duration::ZERO;
-            let mut last = Instant::now();
-            let mut i = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let size = 512 + (i * 7919) % (4 << 20);
-                let p = a.malloc(0, size, Stream::DEFAULT).expect("malloc");
-                a.free(0, p, size).expect("free");
-                pairs.fetch_add(1, Ordering::Relaxed);
-                let now = Instant::now();
-                max_gap = max_gap.max(now - last);
-                last = now;
-                i += 1;
-                if i % 64 == 0 {
-                    thread::yield_now();
-                }
-            }
-            max_gap
-        })
-    };
+    let worker = common::spawn_churn(Arc::clone(&a), Arc::clone(&stop), Arc::clone(&pairs));
 
     let started = Instant::now();
     let pairs_at_start = pairs.load(Ordering::Relaxed);

@@ -6,6 +6,8 @@
 //!
 //! Its own test binary: timing figures are not shared with other tests.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,7 +15,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 use stepalloc::metrics;
-use stepalloc::{Allocator, Config, Stream};
+use stepalloc::{Allocator, Config};
 
 const IDLE_SOCKETS: usize = 10;
 const SCRAPES: usize = 20;
@@ -64,26 +66,7 @@ fn idle_reconnecting_sockets_do_not_delay_scrapes() {
 
     // The hot path meanwhile, recording the longest wait between two malloc/free pairs.
     let pairs = Arc::new(AtomicU64::new(0));
-    let worker = {
-        let (a, stop, pairs) = (Arc::clone(&a), Arc::clone(&stop), Arc::clone(&pairs));
-        thread::spawn(move || {
-            let (mut max_gap, mut last, mut i) = (Duration::ZERO, Instant::now(), 0u64);
-            while !stop.load(Ordering::Relaxed) {
-                let size = 512 + (i * 7919) % (4 << 20);
-                let p = a.malloc(0, size, Stream::DEFAULT).expect("malloc");
-                a.free(0, p, size).expect("free");
-                pairs.fetch_add(1, Ordering::Relaxed);
-                let now = Instant::now();
-                max_gap = max_gap.max(now - last);
-                last = now;
-                i += 1;
-                if i % 64 == 0 {
-                    thread::yield_now();
-                }
-            }
-            max_gap
-        })
-    };
+    let worker = common::spawn_churn(Arc::clone(&a), Arc::clone(&stop), Arc::clone(&pairs));
 
     thread::sleep(Duration::from_millis(200)); // the idle sockets are connected
     let started = Instant::now();
