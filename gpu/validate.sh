@@ -14,7 +14,8 @@
 #      alloc function leaves the pluggable allocator usable (open question 2); CUDA graphs
 #   6. the C / C++ ABI test programs against this library (simulated device, and the threads
 #      scenario on backend:cuda when a driver loads), if cc/c++ exist
-#   7. the Rust CUDA backend tests (STEPALLOC_GPU_TESTS=1), if cargo and the crates are there
+#   7. the Rust CUDA backend tests (STEPALLOC_GPU_TESTS=1): the prebuilt test binaries of a GPU
+#      bundle (scripts/gpu-bundle.sh: testbin/ beside gpu/), else cargo if it and the crates are there
 # Ends with a summary; exit status 0 when nothing failed.
 #
 # Usage: gpu/validate.sh [LIBRARY [OUTPUT_DIR]]. Logs and the summary (summary.txt) go to
@@ -24,9 +25,12 @@
 # the host-memory driver (testdrv/build.sh) to run the driver-level steps.
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+# Paths given on the command line are relative to the caller's directory, not to ROOT.
+absolute() { case "$1" in /* | "") echo "$1" ;; *) echo "$PWD/$1" ;; esac; }
+LIB=$(absolute "${1:-${STEPALLOC_LIB:-}}")
+OUT_DIR=$(absolute "${2:-${STEPALLOC_GPU_OUT:-${OUT:-}}}")
 cd "$ROOT"
-LIB=${1:-${STEPALLOC_LIB:-target/release/libstepalloc.so}}
-OUT_DIR=${2:-${STEPALLOC_GPU_OUT:-${OUT:-}}}
+LIB=${LIB:-target/release/libstepalloc.so}
 if [ -n "$OUT_DIR" ]; then
     WORK="$OUT_DIR/validate"
     mkdir -p "$WORK"
@@ -130,10 +134,16 @@ fi
 section "6. C / C++ ABI programs against this library (simulated device; threads also on CUDA)"
 if [ $HAVE_LIB -eq 0 ]; then
     record "SKIP c_abi no library"
-elif command -v cc > /dev/null && command -v c++ > /dev/null; then
+elif [ -x bin/abi_test ] && [ -x bin/torch_caller ] || { command -v cc > /dev/null && command -v c++ > /dev/null; }; then
     C_OK=1
-    cc -std=gnu11 -O1 -pthread -Icabi/include cabi/tests/c/abi_test.c -o "$WORK/abi_test" -ldl > "$WORK/cc.log" 2>&1 || C_OK=0
-    c++ -std=c++17 -O1 -pthread -Icabi/include cabi/tests/c/torch_caller.cpp -o "$WORK/torch_caller" -ldl >> "$WORK/cc.log" 2>&1 || C_OK=0
+    if [ -x bin/abi_test ] && [ -x bin/torch_caller ]; then
+        # A GPU bundle carries them prebuilt (the GPU machine may have no compiler).
+        echo "C ABI programs: prebuilt in $ROOT/bin"
+        cp bin/abi_test bin/torch_caller "$WORK/"
+    else
+        cc -std=gnu11 -O1 -pthread -Icabi/include cabi/tests/c/abi_test.c -o "$WORK/abi_test" -ldl > "$WORK/cc.log" 2>&1 || C_OK=0
+        c++ -std=c++17 -O1 -pthread -Icabi/include cabi/tests/c/torch_caller.cpp -o "$WORK/torch_caller" -ldl >> "$WORK/cc.log" 2>&1 || C_OK=0
+    fi
     if [ $C_OK -eq 1 ]; then
         for scenario in threads edge bad_config oom; do
             if timeout 60 "$WORK/abi_test" "$LIB" "$scenario" > "$WORK/c_$scenario.log" 2>&1; then
@@ -174,25 +184,39 @@ else
 fi
 
 section "7. Rust CUDA backend tests"
-if command -v cargo > /dev/null && [ "${STEPALLOC_GPU_CARGO:-1}" != 0 ]; then
-    run_step cargo_gpu_tests 240 env STEPALLOC_GPU_TESTS=1 cargo test --offline -p stepalloc --lib backend::cuda -- --nocapture --test-threads=1
-    CLOG="$WORK/cargo_gpu_tests.log"
-    if grep -q 'test result: ok' "$CLOG"; then
-        SKIPPED=$(grep -c 'skipped gpu_' "$CLOG")
-        RAN=$(grep -oE 'test result: ok\. [0-9]+ passed' "$CLOG" | grep -oE '[0-9]+' | head -1)
-        if [ "$SKIPPED" -gt 0 ] && command -v nvidia-smi > /dev/null; then
-            record "FAIL cargo_gpu_tests $SKIPPED GPU tests skipped themselves on a GPU machine: $(grep -m1 -o 'skipped gpu_.*' "$CLOG")"
+# judge_rust_tests NAME: PASS / FAIL / SKIP from the log of a libtest run (NAME.log).
+judge_rust_tests() {
+    local name=$1 log="$WORK/$1.log"
+    if grep -q 'test result: ok' "$log" && ! grep -q 'test result: FAILED' "$log"; then
+        local skipped ran
+        skipped=$(grep -c 'skipped gpu_' "$log")
+        ran=$(grep -oE 'test result: ok\. [0-9]+ passed' "$log" | grep -oE '[0-9]+' | awk '{s += $1} END {print s + 0}')
+        if [ "$skipped" -gt 0 ] && command -v nvidia-smi > /dev/null; then
+            record "FAIL $name $skipped GPU tests skipped themselves on a GPU machine: $(grep -m1 -o 'skipped gpu_.*' "$log")"
         else
-            record "PASS cargo_gpu_tests $RAN tests passed, of which $SKIPPED skipped themselves (no GPU)"
+            record "PASS $name $ran tests passed, of which $skipped skipped themselves (no GPU)"
         fi
-    elif grep -qiE 'offline|failed to download|no matching package|failed to load source' "$CLOG"; then
-        sed -i '/^RESULT FAIL cargo_gpu_tests/d' "$SUMMARY"
-        record "SKIP cargo_gpu_tests cargo cannot build offline here (crates not available)"
-    elif ! grep -q '^RESULT FAIL cargo_gpu_tests' "$SUMMARY"; then
-        record "FAIL cargo_gpu_tests no 'test result: ok' (see the log above)"
+    elif grep -qiE 'offline|failed to download|no matching package|failed to load source' "$log"; then
+        sed -i "/^RESULT FAIL $name/d" "$SUMMARY"
+        record "SKIP $name cargo cannot build offline here (crates not available)"
+    elif ! grep -q "^RESULT FAIL $name" "$SUMMARY"; then
+        record "FAIL $name no 'test result: ok' (see the log above)"
     fi
+}
+FIRST_TEST=backend::cuda::tests::gpu_mem_info_on_an_unused_device_creates_no_context
+if [ -x testbin/stepalloc-lib-tests ]; then
+    # From a GPU bundle: no cargo needed. The first test needs a device no other test has used,
+    # so it runs alone first; one thread (the tests change the driver's settings).
+    run_step bundle_gpu_tests 240 sh -c "
+        env STEPALLOC_GPU_TESTS=1 testbin/stepalloc-lib-tests --exact $FIRST_TEST --nocapture &&
+        env STEPALLOC_GPU_TESTS=1 testbin/stepalloc-lib-tests backend::cuda --skip $FIRST_TEST --nocapture --test-threads=1 &&
+        env STEPALLOC_GPU_TESTS=1 testbin/random_cuda --nocapture --test-threads=1"
+    judge_rust_tests bundle_gpu_tests
+elif command -v cargo > /dev/null && [ "${STEPALLOC_GPU_CARGO:-1}" != 0 ]; then
+    run_step cargo_gpu_tests 240 env STEPALLOC_GPU_TESTS=1 cargo test --offline -p stepalloc --lib backend::cuda -- --nocapture --test-threads=1
+    judge_rust_tests cargo_gpu_tests
 else
-    record "SKIP cargo_gpu_tests no cargo here (or STEPALLOC_GPU_CARGO=0)"
+    record "SKIP cargo_gpu_tests no cargo here (or STEPALLOC_GPU_CARGO=0), and no bundle test binaries in $ROOT/testbin"
 fi
 
 {

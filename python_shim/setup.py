@@ -1,14 +1,28 @@
-"""Build step of the stepalloc Python package: copy a prebuilt ``libstepalloc.so`` into the
-package (``stepalloc/lib/``) so the installed package carries its library.
+"""Build step of the stepalloc Python package: build ``libstepalloc.so`` (the ``stepalloc-cabi``
+crate of the cargo workspace this folder lives in, release profile) and put it in the package
+as ``stepalloc/lib/libstepalloc.so``, the first place ``stepalloc/_lib.py`` looks after
+``$STEPALLOC_LIBRARY``.
 
-The Rust library is not built here; build it first with
-``cargo build --release -p stepalloc-cabi``. Where the library comes from, in order:
-``$STEPALLOC_LIBRARY``, ``../target/release``, ``../target/debug`` (relative to this file, i.e.
-the cargo workspace this folder lives in; ``$CARGO_TARGET_DIR`` replaces ``../target``).
-Without one the package installs pure-Python and finds the library at run time
-(``STEPALLOC_LIBRARY``), with a warning now and a clear error then.
-A wheel that bundles the library is tagged for this platform (py3-none-<platform>), not
-as a pure-Python wheel.
+Why setuptools-rust with ``Binding.NoBinding``: the library is a plain C-ABI cdylib that the
+package loads with ctypes (and PyTorch with dlopen), not a Python extension module. NoBinding
+builds the cdylib as it is, with no Python ABI and no feature added, and as a setuptools plugin
+it leaves the rest of this package as it was (package data, the wheel tag, the overrides
+below). maturin has no binding kind for a ctypes-loaded cdylib (pyo3, cffi, uniffi, bin) and
+expects the crate's manifest beside pyproject.toml, not in a workspace above it.
+
+Where the library comes from, in order:
+1. ``$STEPALLOC_LIBRARY`` set at build time: that file is bundled and nothing is compiled (a
+   library built elsewhere, for a machine without Rust).
+2. cargo (``$CARGO``, else ``cargo`` on PATH) builds it, in the workspace's ``target/``
+   (``$CARGO_TARGET_DIR`` replaces it). Cargo reuses what is up to date there, so after
+   ``cargo build --release -p stepalloc-cabi`` little or nothing is compiled again.
+3. Without cargo, a prebuilt ``target/release/libstepalloc.so`` (``$CARGO_TARGET_DIR`` likewise)
+   is bundled as it is, with a note: nothing checks that it matches the sources.
+4. Otherwise the build fails, saying how to get a library.
+
+A wheel is tagged ``py3-none-<platform>``: it holds a native library but no module tied to a
+CPython ABI. Build from this folder inside the repository (``pip install ./python_shim``,
+``pip wheel ./python_shim``): the crate lives outside it, so an sdist would not carry it.
 """
 
 from __future__ import annotations
@@ -18,53 +32,66 @@ import shutil
 import sys
 from pathlib import Path
 
-from setuptools import Distribution, setup
+from setuptools import setup
 from setuptools.command.bdist_wheel import bdist_wheel
-from setuptools.command.build_py import build_py
+from setuptools_rust import Binding, RustExtension, build_rust
 
 HERE = Path(__file__).resolve().parent
+WORKSPACE = HERE.parent
 LIBRARY = "libstepalloc.so"
+# The extension's dotted name places the library in stepalloc/lib/; its file name is fixed
+# below (LIBRARY), not the CPython extension name setuptools would give it.
+EXTENSION = "stepalloc.lib.libstepalloc"
 
 
-def prebuilt_library() -> Path | None:
+def given_library() -> Path | None:
+    """``$STEPALLOC_LIBRARY`` when set at build time (it must name a file)."""
     explicit = os.environ.get("STEPALLOC_LIBRARY")
-    if explicit:
-        p = Path(explicit)
-        if not p.is_file():
-            raise SystemExit(f"STEPALLOC_LIBRARY={explicit!r} does not name a file")
-        return p
-    target = Path(os.environ["CARGO_TARGET_DIR"]) if os.environ.get("CARGO_TARGET_DIR") else HERE.parent / "target"
-    for profile in ("release", "debug"):
-        p = target / profile / LIBRARY
-        if p.is_file():
-            return p
-    return None
+    if not explicit:
+        return None
+    p = Path(explicit).expanduser()
+    if not p.is_file():
+        raise SystemExit(f"stepalloc: STEPALLOC_LIBRARY={explicit!r} (build environment) does not name a file")
+    return p
 
 
-class BuildPyWithLibrary(build_py):
-    """build_py that also copies the prebuilt library into the built package."""
+def prebuilt_library() -> Path:
+    """Where a ``cargo build --release -p stepalloc-cabi`` of this workspace leaves the library."""
+    target = Path(os.environ["CARGO_TARGET_DIR"]) if os.environ.get("CARGO_TARGET_DIR") else WORKSPACE / "target"
+    return target / "release" / LIBRARY
+
+
+class BuildLibrary(build_rust):
+    """setuptools-rust's build_rust, with the library's own file name and the cases above in
+    which no cargo runs (1 and 3)."""
 
     def run(self) -> None:
-        super().run()
-        lib = prebuilt_library()
-        dest = Path(self.build_lib) / "stepalloc" / "lib"
-        if lib is None:
-            print(
-                f"warning: {LIBRARY} not found (build it with `cargo build --release -p stepalloc-cabi`, or set "
-                "STEPALLOC_LIBRARY); installing without it: set STEPALLOC_LIBRARY at run time",
-                file=sys.stderr,
-            )
+        source = given_library()
+        if source is None and shutil.which(self.cargo) is None:
+            prebuilt = prebuilt_library()
+            if not prebuilt.is_file():
+                raise SystemExit(
+                    f"stepalloc: cannot build {LIBRARY}: cargo ({self.cargo!r}) is not on PATH and there is no "
+                    f"prebuilt library at {prebuilt}. Install Rust (rustup, or your system's cargo), or build "
+                    f"the library elsewhere and set STEPALLOC_LIBRARY=/path/to/{LIBRARY} for this install, or "
+                    "install a wheel made with `pip wheel ./python_shim` on a machine with Rust."
+                )
+            print(f"stepalloc: cargo not found; bundling the prebuilt {prebuilt} as it is", file=sys.stderr)
+            source = prebuilt
+        if source is None:
+            super().run()  # cargo builds the crate; install_extension copies it to the path below
             return
-        dest.mkdir(parents=True, exist_ok=True)
-        shutil.copy2(lib, dest / LIBRARY)
-        print(f"stepalloc: bundled {lib} as stepalloc/lib/{LIBRARY}", file=sys.stderr)
+        for ext in self.extensions:
+            dest = Path(self.get_dylib_ext_path(ext, ext.name))
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, dest)
+            print(f"stepalloc: bundled {source} as {dest}", file=sys.stderr)
 
-
-class BinaryDistribution(Distribution):
-    """With the library bundled the package is platform-specific: files go to platlib."""
-
-    def has_ext_modules(self) -> bool:
-        return prebuilt_library() is not None
+    def get_dylib_ext_path(self, ext: RustExtension, target_fname: str) -> str:
+        # build_ext's path for the extension (build_lib, or the source folder in place) gives
+        # the folder; the file keeps the name _lib.py and PyTorch's loader look for.
+        build_ext = self.get_finalized_command("build_ext")
+        return str(Path(build_ext.get_ext_fullpath(target_fname)).parent / LIBRARY)
 
 
 class PlatformWheel(bdist_wheel):
@@ -77,4 +104,14 @@ class PlatformWheel(bdist_wheel):
         return python, abi, plat
 
 
-setup(distclass=BinaryDistribution, cmdclass={"build_py": BuildPyWithLibrary, "bdist_wheel": PlatformWheel})
+setup(
+    rust_extensions=[
+        RustExtension(
+            EXTENSION,
+            path=str(WORKSPACE / "cabi" / "Cargo.toml"),
+            binding=Binding.NoBinding,
+            debug=False,  # the release profile, also under `pip install -e`
+        )
+    ],
+    cmdclass={"build_rust": BuildLibrary, "bdist_wheel": PlatformWheel},
+)

@@ -10,9 +10,16 @@ import subprocess
 import sys
 
 
+# PyTorch's rules with the size-class lookup rather than `exact_fit` (the `pytorch` preset):
+# exact fit breaks ties by address, and the two backends place segments at different addresses,
+# so only an address-independent choice can give identical figures across backends.
+CONFIGS = ["pytorch_rules=exact_fit:False", "pytorch_expandable", "stepalloc"]
+
+
 def peaks(binary: str, trace: str, backend: str) -> dict:
     out = subprocess.run(
-        [binary, "replay", trace, "--json", "--backend", backend], check=True, capture_output=True, text=True
+        [binary, "replay", trace, "--json", "--backend", backend, "--compare", *CONFIGS],
+        check=True, capture_output=True, text=True,
     ).stdout
     runs = json.loads(out)["runs"]
     return {r["name"]: (r["peak_reserved"], r["peak_allocated"], r["ooms"]) for r in runs}

@@ -70,9 +70,9 @@ print(json.dumps(out))
 
 def torch_peaks(conf: str, traces: list[str]) -> dict[str, dict]:
     env = dict(os.environ)
-    library_path = [str(HOSTCUDA), str(HOSTCUDA / "standins"), env.get("LD_LIBRARY_PATH", "")]
+    library_path = [str(HOSTCUDA / "runtime"), str(HOSTCUDA), str(HOSTCUDA / "standins"), env.get("LD_LIBRARY_PATH", "")]
     env.update(
-        LD_PRELOAD=str(HOSTCUDA / "libcudart.so.13"),
+        LD_PRELOAD=str(HOSTCUDA / "runtime" / "libcudart.so.13"),
         LD_LIBRARY_PATH=os.pathsep.join(p for p in library_path if p),
         HOSTCUDA_DEVICES="1",
         HOSTCUDA_CAPACITY_MB=str(CAPACITY_MB),

@@ -11,11 +11,17 @@ use crate::units::MIB;
 /// Number of power-of-two intervals `roundup_power2_divisions` distinguishes: 1 MiB .. 64 GiB,
 /// as in PyTorch (`kRoundUpPowerOfTwoIntervals`).
 pub const ROUNDUP_INTERVALS: usize = 16;
+/// The most trace entries a device keeps (`trace_entries`; 2^26, about 3.5 GiB of records).
+pub const MAX_TRACE_ENTRIES: usize = 1 << 26;
 
 /// stepalloc's recommended configuration: the best measured on the agent presets and on
 /// real-model traces (README, "Figures"): PyTorch's expandable segments with 2 MiB pages in
 /// both pools, and idle pages moved to where they are needed instead of creating memory.
 pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True";
+
+/// Pages of expandable segments: multiples of the 2 MiB granularity, at most 1 GiB.
+const LARGE_PAGE_STEP: u64 = 2 * MIB;
+const MAX_LARGE_PAGE: u64 = 1024 * MIB;
 
 /// Which device backend the allocator drives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -40,7 +46,7 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         name: "max_split_size_mb",
         default: "unlimited",
-        form: "integer MiB > 20",
+        form: "integer MiB >= 20",
         doc: "cached blocks at least this large are never split",
     },
     KeyDoc {
@@ -52,7 +58,7 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         name: "roundup_power2_divisions",
         default: "0",
-        form: "power of 2, or [MiB:div,...,>:div] with powers of 2",
+        form: "0 or a power of 2, or [MiB:div,...,>:div] with MiB a power of 2 and div 0 (off) or a power of 2",
         doc: "round request sizes up to one of N divisions of their power-of-two interval",
     },
     KeyDoc {
@@ -70,7 +76,7 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         name: "large_segment_size_mb",
         default: "20",
-        form: "integer MiB, a multiple of 2, 2..1024",
+        form: "integer MiB >= 2; with expandable segments a multiple of 2, 2..1024",
         doc: "with expandable segments: page size of the large pool (the small pool's is 2 MiB)",
     },
     KeyDoc {
@@ -80,9 +86,33 @@ pub const KEYS: &[KeyDoc] = &[
         doc: "accepted for PyTorch compatibility; no effect",
     },
     KeyDoc {
+        name: "release_lock_on_hipmalloc",
+        default: "False",
+        form: "True or False",
+        doc: "accepted for PyTorch compatibility (its ROCm spelling); no effect",
+    },
+    KeyDoc {
+        name: "graph_capture_record_stream_reuse",
+        default: "False",
+        form: "True or False",
+        doc: "accepted for PyTorch compatibility; no effect",
+    },
+    KeyDoc {
         name: "pinned_use_cuda_host_register",
         default: "False",
         form: "True or False",
+        doc: "accepted for PyTorch compatibility (pinned host memory); no effect",
+    },
+    KeyDoc {
+        name: "pinned_use_hip_host_register",
+        default: "False",
+        form: "True or False",
+        doc: "accepted for PyTorch compatibility (pinned host memory, ROCm spelling); no effect",
+    },
+    KeyDoc {
+        name: "pinned_reserve_segment_size_mb",
+        default: "0",
+        form: "integer MiB > 0",
         doc: "accepted for PyTorch compatibility (pinned host memory); no effect",
     },
     KeyDoc {
@@ -119,7 +149,7 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         name: "backend",
         default: "auto",
-        form: "auto, cuda or sim",
+        form: "auto, cuda, sim, or PyTorch's native (= auto)",
         doc: "device backend: CUDA driver, or the simulated device",
     },
     KeyDoc {
@@ -131,7 +161,7 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         name: "cache_limit_mb",
         default: "0 (none)",
-        form: "integer MiB",
+        form: "integer MiB 0..17592186044415",
         doc: "release whole free segments when cached free bytes exceed this",
     },
     KeyDoc {
@@ -161,26 +191,26 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         name: "trace_entries",
         default: "0 (off)",
-        form: "integer",
+        form: "integer 0..67108864 (memory is taken as entries are recorded)",
         doc: "size of the event ring kept for snapshots and trace recording",
     },
     KeyDoc {
         name: "metrics_addr",
         default: "unset (off)",
-        form: "host:port",
+        form: "host:port, :port or port (loopback); a host other than loopback only as an IP address",
         doc: "serve Prometheus metrics there at first use (port + LOCAL_RANK under torchrun)",
     },
     KeyDoc { name: "sim_devices", default: "1", form: "integer 1..64", doc: "simulated device: number of devices" },
     KeyDoc {
         name: "sim_capacity_mb",
         default: "81920",
-        form: "integer MiB",
+        form: "integer MiB 1..16777216 (16 TiB, the simulated address window)",
         doc: "simulated device: memory per device",
     },
     KeyDoc {
         name: "sim_event_delay_us",
         default: "0",
-        form: "integer microseconds",
+        form: "integer microseconds 0..18446744073709551",
         doc: "simulated device: time from recording an event to its completion",
     },
     KeyDoc {
@@ -299,6 +329,15 @@ impl Config {
         Ok(config)
     }
 
+    /// [`Config::parse`], with errors that say where the string came from (`source`, e.g.
+    /// "STEPALLOC_CONF").
+    pub fn parse_from(text: &str, source: &str) -> Result<Config> {
+        Config::parse(text).map_err(|e| match e {
+            Error::Config { key, message } => Error::Config { key, message: format!("{message} (in {source})") },
+            other => other,
+        })
+    }
+
     /// Applies a configuration string on top of this configuration.
     pub fn apply(&mut self, text: &str) -> Result<()> {
         for entry in split_entries(text) {
@@ -309,7 +348,25 @@ impl Config {
             let Some((key, value)) = entry.split_once(':') else {
                 return Err(Error::config(entry, "expected `key:value`"));
             };
+            // A C caller's string would end at the NUL: refuse it instead of reading less.
+            if let Some(at) = entry.find('\0') {
+                return Err(Error::config(
+                    key.trim(),
+                    format!("contains a NUL character (byte {at} of `{}`); remove it", entry.escape_debug()),
+                ));
+            }
             self.set(key.trim(), value.trim())?;
+        }
+        let page_ok = self.large_page % LARGE_PAGE_STEP == 0 && self.large_page <= MAX_LARGE_PAGE;
+        if self.expandable_segments && !page_ok {
+            return Err(Error::config(
+                "large_segment_size_mb",
+                format!(
+                    "bad value `{}`: with expandable_segments:True it is the large pool's page size, \
+                     a multiple of 2 from 2 to 1024",
+                    self.large_page / MIB
+                ),
+            ));
         }
         for (key, on) in [("page_reuse", self.page_reuse), ("page_release", self.page_release)] {
             if on && !self.expandable_segments {
@@ -322,7 +379,7 @@ impl Config {
     /// Reads `STEPALLOC_CONF` (empty when unset).
     pub fn from_env() -> Result<Config> {
         match std::env::var("STEPALLOC_CONF") {
-            Ok(text) => Config::parse(&text),
+            Ok(text) => Config::parse_from(&text, "STEPALLOC_CONF"),
             Err(std::env::VarError::NotPresent) => Ok(Config::default()),
             Err(std::env::VarError::NotUnicode(_)) => Err(Error::config("STEPALLOC_CONF", "is not valid UTF-8")),
         }
@@ -340,16 +397,21 @@ impl Config {
         match key {
             "max_split_size_mb" => {
                 let mb = parse_u64(value).ok_or_else(bad)?;
-                // PyTorch's rule: the split limit must exceed the large-segment size.
-                if mb <= 20 {
+                // PyTorch's rule: at least the large-segment size (20 MiB); larger values are
+                // capped, not refused (a value past what bytes can count means unlimited).
+                if mb < 20 {
                     return Err(bad());
                 }
-                self.max_split_size = mb.checked_mul(MIB).ok_or_else(bad)?;
+                self.max_split_size = mb.saturating_mul(MIB);
             }
             "max_non_split_rounding_mb" => {
-                self.max_non_split_rounding = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?
+                // PyTorch caps too-large values rather than refusing them.
+                self.max_non_split_rounding = parse_u64(value).ok_or_else(bad)?.saturating_mul(MIB)
             }
-            "roundup_power2_divisions" => self.roundup_power2_divisions = parse_divisions(value).ok_or_else(bad)?,
+            "roundup_power2_divisions" => {
+                self.roundup_power2_divisions = parse_divisions(value)
+                    .map_err(|why| Error::config(key, format!("bad value `{value}`: {why}; expected {form}")))?
+            }
             "garbage_collection_threshold" => {
                 let t = parse_f64(value).ok_or_else(bad)?;
                 if !(t > 0.0 && t < 1.0) {
@@ -359,26 +421,42 @@ impl Config {
             }
             "expandable_segments" => self.expandable_segments = parse_bool(value).ok_or_else(bad)?,
             "large_segment_size_mb" => {
-                let mb = parse_u64(value).ok_or_else(bad)?;
-                if !(2..=1024).contains(&mb) || mb % 2 != 0 {
-                    return Err(bad());
-                }
-                self.large_page = mb * MIB;
+                // Any size PyTorch accepts (it takes > 10, capped); the page-size rules apply
+                // only with expandable segments, checked once every key is read.
+                self.large_page = parse_u64(value).filter(|&mb| mb >= 2).ok_or_else(bad)?.saturating_mul(MIB);
             }
             "page_reuse" => self.page_reuse = parse_bool(value).ok_or_else(bad)?,
             "exact_fit" => self.exact_fit = parse_bool(value).ok_or_else(bad)?,
             "page_release" => self.page_release = parse_bool(value).ok_or_else(bad)?,
-            "release_lock_on_cudamalloc" | "pinned_use_cuda_host_register" | "pinned_use_background_threads" => {
+            "release_lock_on_cudamalloc"
+            | "release_lock_on_hipmalloc"
+            | "graph_capture_record_stream_reuse"
+            | "pinned_use_cuda_host_register"
+            | "pinned_use_hip_host_register"
+            | "pinned_use_background_threads" => {
                 parse_bool(value).ok_or_else(bad)?;
+            }
+            "pinned_reserve_segment_size_mb" => {
+                parse_u64(value).filter(|&mb| mb > 0).ok_or_else(bad)?;
             }
             "pinned_num_register_threads" => {
                 parse_u64(value).ok_or_else(bad)?;
             }
             "backend" => {
                 self.backend = match value {
-                    "auto" => BackendKind::Auto,
+                    // PyTorch's name for its own caching allocator: here, the device's driver.
+                    "auto" | "native" => BackendKind::Auto,
                     "cuda" => BackendKind::Cuda,
                     "sim" => BackendKind::Sim,
+                    "cudaMallocAsync" | "hipMallocAsync" => {
+                        return Err(Error::config(
+                            key,
+                            format!(
+                                "`{value}` is PyTorch's other allocator; stepalloc replaces PyTorch's allocator \
+                                 and cannot run on it: remove the key or use {form}"
+                            ),
+                        ))
+                    }
                     _ => return Err(bad()),
                 }
             }
@@ -404,14 +482,16 @@ impl Config {
             }
             "trace_entries" => {
                 let n = parse_u64(value).ok_or_else(bad)?;
-                if n > 1 << 26 {
+                if n > MAX_TRACE_ENTRIES as u64 {
                     return Err(bad());
                 }
                 self.trace_entries = n as usize;
             }
             "metrics_addr" => {
-                let (_, port) = value.rsplit_once(':').ok_or_else(bad)?;
-                port.parse::<u16>().map_err(|_| bad())?;
+                // Resolved now, as it will be at first use, so that a bad host or port is an
+                // error of the configuration rather than a message at the first allocation.
+                crate::metrics::parse_addr(value, crate::metrics::torchrun_local_rank())
+                    .map_err(|why| Error::config(key, format!("bad value `{value}`: {why}; expected {form}")))?;
                 self.metrics_addr = Some(value.to_string());
             }
             "sim_devices" => {
@@ -499,38 +579,57 @@ fn parse_bool(value: &str) -> Option<bool> {
     }
 }
 
-/// PyTorch's two forms: one power of two for every interval, or a list
-/// `[MiB:div, ..., >:div]` whose keys are powers of two in MiB. A list's first key also sets
-/// every interval below it; `>` sets every interval after the previous key.
-fn parse_divisions(value: &str) -> Option<[u64; ROUNDUP_INTERVALS]> {
-    let mut table = [0u64; ROUNDUP_INTERVALS];
-    let power_of_two = |v: u64| v.is_power_of_two().then_some(v);
-    if let Some(list) = value.strip_prefix('[') {
-        let list = list.strip_suffix(']')?;
-        let mut last_index: Option<usize> = None;
-        for item in list.split(',') {
-            let (interval, divisions) = item.trim().split_once(':')?;
-            let divisions = power_of_two(divisions.trim().parse().ok()?)?;
-            if interval.trim() == ">" {
-                let from = last_index.map_or(0, |i| i + 1);
-                table[from.min(ROUNDUP_INTERVALS)..].fill(divisions);
-                last_index = Some(ROUNDUP_INTERVALS - 1);
-            } else {
-                let mb = power_of_two(interval.trim().parse().ok()?)?;
-                let index = (63 - mb.leading_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
-                if last_index.is_none() {
-                    table[..index].fill(divisions);
-                }
-                table[index] = divisions;
-                last_index = Some(index);
-            }
+/// A byte count as PyTorch's `int64_t` fields hold it (`max_split_size` in `memory_stats()` and
+/// in a snapshot's `allocator_settings`): `SIZE_MAX` (unlimited) and anything past `i64::MAX`
+/// read as -1, as PyTorch's cast makes them.
+pub fn torch_int64(bytes: u64) -> i64 {
+    i64::try_from(bytes).unwrap_or(-1)
+}
+
+/// PyTorch's two forms (`parseRoundUpPower2Divisions`): one value for every interval, or a list
+/// `[MiB:div, ..., >:div]` whose keys are powers of two in MiB. A division count is 0 (no
+/// rounding) or a power of two. A list's first key also sets every interval below it; `>`
+/// sets every interval after the last key given before it (after the first interval when
+/// none was), as PyTorch does.
+fn parse_divisions(value: &str) -> std::result::Result<[u64; ROUNDUP_INTERVALS], String> {
+    let divisions = |text: &str| -> std::result::Result<u64, String> {
+        let text = text.trim();
+        let d: u64 = text.parse().map_err(|_| format!("`{text}` is not a whole number"))?;
+        if d == 0 || d.is_power_of_two() {
+            Ok(d)
+        } else {
+            Err(format!("{d} divisions is neither 0 nor a power of 2"))
         }
-        Some(table)
-    } else {
-        let divisions = power_of_two(value.parse().ok()?)?;
-        table.fill(divisions);
-        Some(table)
+    };
+    let mut table = [0u64; ROUNDUP_INTERVALS];
+    let Some(list) = value.strip_prefix('[') else {
+        table.fill(divisions(value)?);
+        return Ok(table);
+    };
+    let list = list.strip_suffix(']').ok_or("the list does not end with `]`")?;
+    let (mut first, mut last_index) = (true, 0usize);
+    for item in list.split(',').map(str::trim).filter(|item| !item.is_empty()) {
+        let (interval, count) = item.split_once(':').ok_or_else(|| format!("`{item}` is not `MiB:div`"))?;
+        let count = divisions(count)?;
+        let interval = interval.trim();
+        if interval == ">" {
+            table[(last_index + 1).min(ROUNDUP_INTERVALS)..].fill(count);
+            continue;
+        }
+        let mb: u64 = interval
+            .parse()
+            .ok()
+            .filter(|mb: &u64| mb.is_power_of_two())
+            .ok_or_else(|| format!("interval `{interval}` is not a power of 2 in MiB"))?;
+        let index = (63 - mb.leading_zeros() as usize).min(ROUNDUP_INTERVALS - 1);
+        if first {
+            table[..index].fill(count);
+            first = false;
+        }
+        table[index] = count;
+        last_index = index;
     }
+    Ok(table)
 }
 
 #[cfg(test)]
@@ -577,8 +676,8 @@ mod tests {
     #[test]
     fn errors_name_the_key_and_the_form() {
         let e = Config::parse("max_split_size_mb:abc").unwrap_err();
-        assert_eq!(e.to_string(), "configuration key `max_split_size_mb`: bad value `abc`; expected integer MiB > 20");
-        let e = Config::parse("max_split_size_mb:20").unwrap_err();
+        assert_eq!(e.to_string(), "configuration key `max_split_size_mb`: bad value `abc`; expected integer MiB >= 20");
+        let e = Config::parse("max_split_size_mb:19").unwrap_err();
         assert!(matches!(e, Error::Config { ref key, .. } if key == "max_split_size_mb"));
         let e = Config::parse("no_such_key:1").unwrap_err();
         assert!(e
@@ -597,8 +696,8 @@ mod tests {
             "sim_devices:0",
             "metrics_addr:nowhere",
             "expandable_segments:maybe",
-            "large_segment_size_mb:3",
             "large_segment_size_mb:0",
+            "large_segment_size_mb:1",
             "page_reuse:True",
             "page_release:True,backend:sim",
             "phase_trim:maybe",
@@ -606,6 +705,99 @@ mod tests {
             let e = Config::parse(bad).unwrap_err();
             let key = bad.split(':').next().unwrap();
             assert!(matches!(e, Error::Config { key: ref k, .. } if k == key), "{bad}: {e}");
+        }
+    }
+
+    /// Strings PyTorch's parser (c10/core/AllocatorConfig.cpp, c10/cuda/CUDAAllocatorConfig.cpp)
+    /// accepts must be accepted unchanged (issue 12, item 17).
+    #[test]
+    fn pytorch_strings_are_accepted() {
+        for text in [
+            "roundup_power2_divisions:0",
+            "roundup_power2_divisions:[256:0,>:4]",
+            "roundup_power2_divisions:[]",
+            "roundup_power2_divisions:[256:1,]",
+            "roundup_power2_divisions:[ 64:8, 256:4, 1024:4, >:1 ]",
+            "roundup_power2_divisions:9223372036854775808",
+            "max_split_size_mb:20",
+            "max_split_size_mb:18446744073709551615",
+            "max_non_split_rounding_mb:18446744073709551615",
+            "backend:native",
+            "release_lock_on_cudamalloc:True,release_lock_on_hipmalloc:False",
+            "pinned_use_cuda_host_register:True,pinned_use_hip_host_register:False,pinned_num_register_threads:8",
+            "pinned_use_background_threads:True,pinned_reserve_segment_size_mb:64",
+            "graph_capture_record_stream_reuse:True",
+            "expandable_segments:True,garbage_collection_threshold:0.8,max_split_size_mb:512",
+        ] {
+            assert!(Config::parse(text).is_ok(), "{text}: {:?}", Config::parse(text));
+        }
+        let c = Config::parse("max_split_size_mb:20").unwrap();
+        assert_eq!(c.max_split_size, 20 * MIB);
+        let c = Config::parse("max_split_size_mb:18446744073709551615").unwrap();
+        assert_eq!(c.max_split_size, u64::MAX, "too large for bytes: unlimited, as PyTorch caps it");
+        assert_eq!(Config::parse("backend:native").unwrap().backend, BackendKind::Auto);
+    }
+
+    #[test]
+    fn divisions_tables_match_pytorch() {
+        let table = |text: &str| Config::parse(text).unwrap().roundup_power2_divisions;
+        assert_eq!(table("roundup_power2_divisions:0"), [0; ROUNDUP_INTERVALS]);
+        // 0 in a list switches rounding off for that interval (and below it, as the first key).
+        let mut expected = [0u64; ROUNDUP_INTERVALS];
+        expected[9..].fill(4);
+        assert_eq!(table("roundup_power2_divisions:[256:0,>:4]"), expected);
+        // `>` first: PyTorch fills from the second interval; the first keeps its 0.
+        let mut expected = [4u64; ROUNDUP_INTERVALS];
+        expected[0] = 0;
+        assert_eq!(table("roundup_power2_divisions:[>:4]"), expected);
+        // `>` fills after the last key before it, again if repeated.
+        let mut expected = [2u64; ROUNDUP_INTERVALS];
+        expected[5..].fill(8);
+        assert_eq!(table("roundup_power2_divisions:[16:2,>:4,>:8]"), expected);
+        assert_eq!(table("roundup_power2_divisions:[]"), [0; ROUNDUP_INTERVALS]);
+    }
+
+    /// Errors name the key, the value and the accepted range (issue 12, item 18), and where
+    /// the string came from when the caller says.
+    #[test]
+    fn errors_name_the_value_and_the_range() {
+        for bad in ["sim_capacity_mb:0", "sim_capacity_mb:16777217"] {
+            let e = Config::parse(bad).unwrap_err().to_string();
+            let value = bad.split(':').nth(1).unwrap();
+            assert!(e.contains("`sim_capacity_mb`") && e.contains(&format!("`{value}`")), "{e}");
+            assert!(e.contains("1..16777216"), "{e}");
+        }
+        let e = Config::parse_from("sim_capacity_mb:0", "STEPALLOC_CONF").unwrap_err().to_string();
+        assert!(e.ends_with("(in STEPALLOC_CONF)"), "{e}");
+        let e = Config::parse("trace_entries:67108865").unwrap_err().to_string();
+        assert!(e.contains("0..67108864"), "{e}");
+        let e = Config::parse("roundup_power2_divisions:[256:3]").unwrap_err().to_string();
+        assert!(e.contains("3 divisions is neither 0 nor a power of 2"), "{e}");
+        let e = Config::parse("backend:cudaMallocAsync").unwrap_err().to_string();
+        assert!(e.contains("PyTorch's other allocator"), "{e}");
+    }
+
+    #[test]
+    fn metrics_addr_is_checked_when_configured() {
+        // A bare port is loopback:port, as `stepalloc_metrics_serve` takes it.
+        assert_eq!(Config::parse("metrics_addr:9835").unwrap().metrics_addr.as_deref(), Some("9835"));
+        assert!(Config::parse("metrics_addr::9835").is_ok());
+        assert!(Config::parse("metrics_addr:127.0.0.1:0").is_ok());
+        assert!(Config::parse("metrics_addr:0.0.0.0:9835").is_ok(), "an explicit IP address may be public");
+        for bad in ["metrics_addr:nowhere.invalid:9835", "metrics_addr:127.0.0.1:65536", "metrics_addr:host:port"] {
+            let e = Config::parse(bad).unwrap_err();
+            assert!(matches!(e, Error::Config { ref key, .. } if key == "metrics_addr"), "{bad}: {e}");
+        }
+        let e = Config::parse("metrics_addr:nowhere.invalid:9835").unwrap_err().to_string();
+        assert!(e.contains("cannot resolve the host `nowhere.invalid`"), "{e}");
+    }
+
+    #[test]
+    fn an_embedded_nul_is_an_error_not_a_truncation() {
+        // issue 12, item 14: "backend:sim\0garbage" read as "backend:sim" by a C caller.
+        for bad in ["backend:sim\0garbage", "sim_capacity_mb:1\0", "max_split_size_mb\0:128"] {
+            let e = Config::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("NUL character"), "{bad:?}: {e}");
         }
     }
 
@@ -619,6 +811,16 @@ mod tests {
         assert_eq!((d.large_page, d.page_reuse, d.page_release), (20 * MIB, false, false));
         let e = Config::parse("page_reuse:True").unwrap_err();
         assert!(e.to_string().contains("expandable_segments:True"), "{e}");
+        // PyTorch's sizes are accepted; the page rules hold with expandable segments only.
+        assert_eq!(Config::parse("large_segment_size_mb:33").unwrap().large_page, 33 * MIB);
+        assert!(Config::parse("large_segment_size_mb:4096").is_ok());
+        for bad in
+            ["large_segment_size_mb:33,expandable_segments:True", "expandable_segments:True,large_segment_size_mb:2048"]
+        {
+            let e = Config::parse(bad).unwrap_err();
+            assert!(matches!(e, Error::Config { ref key, .. } if key == "large_segment_size_mb"), "{bad}: {e}");
+            assert!(e.to_string().contains("from 2 to 1024"), "{e}");
+        }
     }
 
     #[test]

@@ -40,7 +40,8 @@ pub fn round_size(size: u64, config: &Config) -> u64 {
         return GRANULE;
     }
     let divisions = config.divisions_for(size);
-    if divisions > 1 && size > GRANULE * divisions {
+    // Saturating: PyTorch accepts any power of two as a division count, up to 2^63.
+    if divisions > 1 && size > GRANULE.saturating_mul(divisions) {
         next_division(size, divisions)
     } else {
         size.div_ceil(GRANULE) * GRANULE

@@ -5,36 +5,99 @@
 use crate::heap::Heap;
 use crate::segment::BlockState;
 use crate::trace::TraceAction;
+use serde::Serialize;
 use serde_json::{json, Value};
 
+/// No stack frames are recorded; torch's layout has the field, always a list.
+type Frames = [u8; 0];
+
+/// One block of a snapshot segment (torch's layout).
+#[derive(Clone, Debug, Serialize)]
+pub struct SnapshotBlock {
+    pub address: u64,
+    pub size: u64,
+    pub requested_size: u64,
+    pub state: &'static str,
+    pub frames: Frames,
+}
+
+/// One segment of `torch.cuda.memory._snapshot()["segments"]`.
+#[derive(Clone, Debug, Serialize)]
+pub struct SnapshotSegment {
+    pub device: usize,
+    pub address: u64,
+    pub total_size: u64,
+    pub stream: u64,
+    pub segment_type: &'static str,
+    pub segment_pool_id: (u64, u64),
+    pub allocated_size: u64,
+    pub active_size: u64,
+    pub requested_size: u64,
+    pub is_expandable: bool,
+    pub frames: Frames,
+    pub blocks: Vec<SnapshotBlock>,
+}
+
+/// One event of `device_traces[device]`.
+#[derive(Clone, Debug, Serialize)]
+pub struct SnapshotTraceEvent {
+    pub action: &'static str,
+    pub addr: u64,
+    pub size: u64,
+    pub requested_size: u64,
+    pub stream: u64,
+    pub time_us: u64,
+    pub frames: Frames,
+    /// `oom` events only: the device's free bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub device_free: Option<u64>,
+}
+
+/// A step marker, as torch's `external_annotations`.
+#[derive(Clone, Debug, Serialize)]
+pub struct SnapshotAnnotation {
+    pub device: usize,
+    pub name: String,
+    pub stage: &'static str,
+    pub time_us: u64,
+    /// Where in `device_traces[device]` the marker happened (replays place it between events
+    /// recorded in the same microsecond).
+    pub trace_index: usize,
+}
+
 impl Heap {
+    /// [`Heap::snapshot_segment_records`] as JSON values.
+    pub fn snapshot_segments(&self) -> Vec<Value> {
+        self.snapshot_segment_records().iter().map(|s| json!(s)).collect()
+    }
+
     /// This device's segments, each with its blocks, in torch's snapshot layout. An expandable
     /// segment appears as PyTorch shows it: one segment per run of mapped pages
     /// (`is_expandable: true`), unmapped address space left out.
-    pub fn snapshot_segments(&self) -> Vec<Value> {
-        let mut segments: Vec<Value> = Vec::new();
+    pub fn snapshot_segment_records(&self) -> Vec<SnapshotSegment> {
+        let mut segments: Vec<SnapshotSegment> = Vec::new();
         for seg_id in self.arena.live_segment_ids() {
             let seg = self.arena.segment(seg_id);
-            let mut run: Vec<Value> = Vec::new();
+            let mut run: Vec<SnapshotBlock> = Vec::new();
             let (mut start, mut total, mut allocated, mut active, mut requested) = (0u64, 0u64, 0u64, 0u64, 0u64);
-            let mut close = |run: &mut Vec<Value>, start: u64, total: u64, figures: (u64, u64, u64)| {
+            let mut close = |run: &mut Vec<SnapshotBlock>, start: u64, total: u64, figures: (u64, u64, u64)| {
                 if run.is_empty() {
                     return;
                 }
-                segments.push(json!({
-                    "device": self.device,
-                    "address": start,
-                    "total_size": total,
-                    "stream": seg.stream.0,
-                    "segment_type": if seg.small { "small" } else { "large" },
-                    "segment_pool_id": [0, seg.pool],
-                    "allocated_size": figures.0,
-                    "active_size": figures.1,
-                    "requested_size": figures.2,
-                    "is_expandable": seg.expandable(),
-                    "frames": [],
-                    "blocks": std::mem::take(run),
-                }));
+                segments.push(SnapshotSegment {
+                    device: self.device,
+                    address: start,
+                    total_size: total,
+                    stream: seg.stream.0,
+                    segment_type: if seg.small { "small" } else { "large" },
+                    segment_pool_id: (0, u64::from(seg.pool)),
+                    allocated_size: figures.0,
+                    active_size: figures.1,
+                    requested_size: figures.2,
+                    is_expandable: seg.expandable(),
+                    frames: [],
+                    blocks: std::mem::take(run),
+                });
             };
             for id in self.arena.segment_blocks(seg_id) {
                 let b = self.arena.block(id);
@@ -60,49 +123,47 @@ impl Heap {
                     start = b.addr;
                 }
                 total += b.size;
-                run.push(json!({
-                    "address": b.addr,
-                    "size": b.size,
-                    "requested_size": b.requested,
-                    "state": state,
-                    "frames": [],
-                }));
+                run.push(SnapshotBlock {
+                    address: b.addr,
+                    size: b.size,
+                    requested_size: b.requested,
+                    state,
+                    frames: [],
+                });
             }
             close(&mut run, start, total, (allocated, active, requested));
         }
-        segments.sort_by_key(|s| s["address"].as_u64());
+        segments.sort_by_key(|s| s.address);
         segments
     }
 
     /// This device's trace (`device_traces[device]`) and its step annotations.
-    pub fn snapshot_trace(&self) -> (Vec<Value>, Vec<Value>) {
+    pub fn snapshot_trace(&self) -> (Vec<SnapshotTraceEvent>, Vec<SnapshotAnnotation>) {
         let mut trace = Vec::new();
         let mut annotations = Vec::new();
         for e in self.trace.entries() {
             match e.action {
-                TraceAction::StepBegin | TraceAction::StepEnd => annotations.push(json!({
-                    "device": self.device,
-                    "name": self.step.phase_name(e.phase),
-                    "stage": if e.action == TraceAction::StepBegin { "START" } else { "END" },
-                    "time_us": e.time_us,
-                })),
+                TraceAction::StepBegin | TraceAction::StepEnd => annotations.push(SnapshotAnnotation {
+                    device: self.device,
+                    name: self.step.phase_name(e.phase).to_string(),
+                    stage: if e.action == TraceAction::StepBegin { "START" } else { "END" },
+                    time_us: e.time_us,
+                    trace_index: trace.len(),
+                }),
                 action => {
                     // Like torch: block events carry the requested size, segment events their size.
                     let block_event =
                         matches!(action, TraceAction::Alloc | TraceAction::FreeRequested | TraceAction::FreeCompleted);
-                    let mut entry = json!({
-                        "action": action.torch_name(),
-                        "addr": e.addr,
-                        "size": if block_event { e.requested } else { e.size },
-                        "requested_size": e.requested,
-                        "stream": e.stream,
-                        "time_us": e.time_us,
-                        "frames": [],
+                    trace.push(SnapshotTraceEvent {
+                        action: action.torch_name(),
+                        addr: e.addr,
+                        size: if block_event { e.requested } else { e.size },
+                        requested_size: e.requested,
+                        stream: e.stream,
+                        time_us: e.time_us,
+                        frames: [],
+                        device_free: (action == TraceAction::Oom).then_some(e.addr),
                     });
-                    if action == TraceAction::Oom {
-                        entry["device_free"] = json!(e.addr);
-                    }
-                    trace.push(entry);
                 }
             }
         }

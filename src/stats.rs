@@ -18,16 +18,18 @@ pub struct Stat {
 }
 
 impl Stat {
+    // The lifetime totals (`allocated`, `freed`) add up every request ever made and can pass
+    // 2^64 in a long run of huge simulated requests: they saturate rather than wrap or panic.
     pub fn increase(&mut self, amount: u64) {
-        self.current += amount;
+        self.current = self.current.saturating_add(amount);
         self.peak = self.peak.max(self.current);
-        self.allocated += amount;
+        self.allocated = self.allocated.saturating_add(amount);
     }
 
     pub fn decrease(&mut self, amount: u64) {
         debug_assert!(self.current >= amount, "statistic would go negative");
         self.current = self.current.saturating_sub(amount);
-        self.freed += amount;
+        self.freed = self.freed.saturating_add(amount);
     }
 }
 
@@ -292,8 +294,8 @@ impl DeviceStats {
         ] {
             m.insert(key.to_string(), json!(value));
         }
-        // PyTorch reports the unset limit as SIZE_MAX.
-        m.insert("max_split_size".into(), json!(self.max_split_size));
+        // PyTorch's `DeviceStats::max_split_size` is an `int64_t`: -1 when unlimited.
+        m.insert("max_split_size".into(), json!(crate::config::torch_int64(self.max_split_size)));
         let s = "stepalloc.";
         m.insert(format!("{s}device_total_bytes"), json!(self.device_total));
         m.insert(format!("{s}cached_free_bytes"), json!(self.cached_free));
@@ -395,6 +397,14 @@ mod tests {
     }
 
     #[test]
+    fn lifetime_totals_saturate() {
+        let mut s = Stat { allocated: u64::MAX - 10, freed: u64::MAX - 10, ..Stat::default() };
+        s.increase(100);
+        s.decrease(100);
+        assert_eq!(s, Stat { current: 0, peak: 100, allocated: u64::MAX, freed: u64::MAX });
+    }
+
+    #[test]
     fn map_has_every_torch_key() {
         let map = DeviceStats::default().to_map();
         for key in torch_keys() {
@@ -402,6 +412,15 @@ mod tests {
         }
         let own = map.keys().filter(|k| !k.starts_with("stepalloc.")).count();
         assert_eq!(own, torch_keys().len(), "no key outside torch's set without the stepalloc. prefix");
+    }
+
+    #[test]
+    fn max_split_size_is_torchs_int64() {
+        // issue 12, item 11: written as 2^64 - 1, which a reader of PyTorch's int64 rejects.
+        let unlimited = DeviceStats { max_split_size: u64::MAX, ..Default::default() }.to_map();
+        assert_eq!(unlimited["max_split_size"], serde_json::json!(-1));
+        let set = DeviceStats { max_split_size: 128 << 20, ..Default::default() }.to_map();
+        assert_eq!(set["max_split_size"], serde_json::json!(128i64 << 20));
     }
 
     #[test]

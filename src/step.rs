@@ -98,8 +98,11 @@ pub fn validate_phase(name: &str) -> Result<()> {
     if ok {
         Ok(())
     } else {
+        // Escaped and cut short: the name may hold a NUL or be very long, and the message
+        // crosses the C ABI as a C string.
+        let shown: String = name.chars().take(MAX_PHASE_NAME + 1).flat_map(char::escape_debug).collect();
         Err(Error::InvalidArgument(format!(
-            "phase `{name}`: use 1 to {MAX_PHASE_NAME} letters, digits, '_', '-' or '.'"
+            "phase `{shown}`: use 1 to {MAX_PHASE_NAME} letters, digits, '_', '-' or '.'"
         )))
     }
 }

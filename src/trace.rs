@@ -2,7 +2,8 @@
 //! It feeds the snapshot's `device_traces` and stepalloc's own JSON-lines trace format, which
 //! the stress tool replays.
 //!
-//! Recording writes into a buffer allocated once at start; the hot path never allocates here.
+//! The ring's memory grows with use, up to `trace_entries`, by fallible reservations: nothing is
+//! taken at start, and a refused reservation leaves a smaller ring, never an abort.
 
 use serde::Serialize;
 use std::time::Instant;
@@ -57,56 +58,96 @@ pub struct TraceEntry {
 }
 
 pub struct TraceRing {
+    /// Kept entries. Grows on demand up to `limit` (nothing is reserved at start: a large
+    /// `trace_entries` on many devices must not take memory it never uses); once full, the
+    /// oldest entry is at `next` and each new entry overwrites it.
     entries: Vec<TraceEntry>,
-    capacity: usize,
+    /// `trace_entries`: the most entries kept; 0 = off.
+    limit: usize,
+    /// The ring stopped growing: it reached `limit`, or memory for more entries was refused (the
+    /// ring then keeps what it holds and wraps there; a refusal never aborts the process).
+    full: bool,
+    /// When full, the slot of the oldest entry (the next one overwritten).
+    next: usize,
     /// Entries ever recorded; the oldest kept one is `total - len`.
     total: u64,
     start: Instant,
 }
 
+/// The ring grows by at least this many entries at a time (then doubling).
+const MIN_GROWTH: usize = 64;
+
 impl TraceRing {
-    pub fn new(capacity: usize) -> TraceRing {
-        TraceRing { entries: Vec::with_capacity(capacity), capacity, total: 0, start: Instant::now() }
+    pub fn new(limit: usize) -> TraceRing {
+        TraceRing { entries: Vec::new(), limit, full: false, next: 0, total: 0, start: Instant::now() }
     }
 
     pub fn enabled(&self) -> bool {
-        self.capacity > 0
+        self.limit > 0
+    }
+
+    /// Starts over with a new limit (`torch.cuda.memory._record_memory_history`): the kept
+    /// entries are dropped and their memory given back; 0 stops recording.
+    pub fn restart(&mut self, limit: usize) {
+        self.entries = Vec::new();
+        self.limit = limit;
+        self.full = false;
+        self.next = 0;
+        self.total = 0;
+    }
+
+    /// The most entries kept (`trace_entries`, or the last `restart`); 0 = off.
+    pub fn limit(&self) -> usize {
+        self.limit
+    }
+
+    /// Entries the ring has memory for now (at most `trace_entries`).
+    pub fn allocated(&self) -> usize {
+        self.entries.capacity()
     }
 
     #[inline]
     pub fn record(&mut self, action: TraceAction, addr: u64, size: u64, requested: u64, stream: u64, phase: u32) {
-        if self.capacity == 0 {
+        if self.limit == 0 {
             return;
         }
-        let entry = TraceEntry {
-            action,
-            addr,
-            size,
-            requested,
-            stream,
-            time_us: self.start.elapsed().as_micros() as u64,
-            phase,
-        };
-        if self.entries.len() < self.capacity {
-            self.entries.push(entry);
-        } else {
-            self.entries[(self.total % self.capacity as u64) as usize] = entry;
+        let time_us = u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX);
+        let entry = TraceEntry { action, addr, size, requested, stream, time_us, phase };
+        self.total = self.total.saturating_add(1);
+        if !self.full {
+            if self.entries.len() == self.entries.capacity() && !self.grow() {
+                self.full = true;
+            } else {
+                self.entries.push(entry);
+                self.full = self.entries.len() >= self.limit;
+                return;
+            }
         }
-        self.total += 1;
+        if let Some(slot) = self.entries.get_mut(self.next) {
+            *slot = entry;
+            self.next = (self.next + 1) % self.entries.len();
+        }
+    }
+
+    /// Makes room for more entries (doubling, up to `limit`); false when memory is refused.
+    #[cold]
+    fn grow(&mut self) -> bool {
+        let len = self.entries.len();
+        let more = len.max(MIN_GROWTH).min(self.limit - len);
+        self.entries.try_reserve_exact(more).is_ok()
     }
 
     /// Kept entries, oldest first.
     pub fn entries(&self) -> Vec<TraceEntry> {
-        if self.entries.len() < self.capacity || self.capacity == 0 {
+        if !self.full {
             return self.entries.clone();
         }
-        let split = (self.total % self.capacity as u64) as usize;
-        let mut out = self.entries[split..].to_vec();
-        out.extend_from_slice(&self.entries[..split]);
+        let mut out = self.entries[self.next..].to_vec();
+        out.extend_from_slice(&self.entries[..self.next]);
         out
     }
 
-    /// Entries lost because the ring wrapped.
+    /// Entries lost because the ring wrapped (or had no memory for them).
     pub fn dropped(&self) -> u64 {
         self.total - self.entries.len() as u64
     }
@@ -128,5 +169,42 @@ mod tests {
         let mut off = TraceRing::new(0);
         off.record(TraceAction::Alloc, 1, 512, 1, 0, 0);
         assert!(off.entries().is_empty() && !off.enabled());
+    }
+
+    #[test]
+    fn restart_drops_the_history_and_sets_the_new_limit() {
+        let mut ring = TraceRing::new(0);
+        ring.record(TraceAction::Alloc, 1, 512, 1, 0, 0);
+        assert!(ring.entries().is_empty(), "off: nothing kept");
+        ring.restart(2);
+        for i in 0..3 {
+            ring.record(TraceAction::Alloc, i, 512, 1, 0, 0);
+        }
+        let addrs: Vec<u64> = ring.entries().iter().map(|e| e.addr).collect();
+        assert_eq!(addrs, [1, 2]);
+        ring.restart(0);
+        ring.record(TraceAction::Alloc, 9, 512, 1, 0, 0);
+        assert!(ring.entries().is_empty() && ring.allocated() == 0 && !ring.enabled());
+    }
+
+    #[test]
+    fn ring_memory_grows_with_use_not_with_the_limit() {
+        // issue 12, item 6: `trace_entries:67108864` on 64 devices reserved 64 x 3.5 GiB at start.
+        let mut ring = TraceRing::new(1 << 26);
+        assert_eq!(ring.allocated(), 0, "nothing is reserved before the first entry");
+        for i in 0..1000 {
+            ring.record(TraceAction::Alloc, i, 512, 1, 0, 0);
+        }
+        assert!(ring.allocated() < 4096, "{}", ring.allocated());
+        assert_eq!(ring.entries().len(), 1000);
+        assert_eq!(ring.dropped(), 0);
+        // Wrapping past a limit that is not a multiple of the growth step keeps the order.
+        let mut ring = TraceRing::new(100);
+        for i in 0..250 {
+            ring.record(TraceAction::Alloc, i, 512, 1, 0, 0);
+        }
+        let addrs: Vec<u64> = ring.entries().iter().map(|e| e.addr).collect();
+        assert_eq!(addrs, (150..250).collect::<Vec<u64>>());
+        assert_eq!((ring.dropped(), ring.allocated()), (150, 100));
     }
 }

@@ -9,11 +9,13 @@ mkdir -p "$OUT"
 ${CC:-cc} -std=gnu11 -O1 -g -Wall -Wextra -Werror -fPIC -shared -pthread \
     -Wl,-soname,libcuda.so.1 -o "$OUT/libcuda.so.1" testdrv/hostcuda.c
 ln -sf libcuda.so.1 "$OUT/libcuda.so"
-# The stub CUDA runtime and NVML for real PyTorch (testdrv/README.md, "Real PyTorch"), linked to
-# the driver beside them.
+# The stub CUDA runtime and NVML for real PyTorch (testdrv/README.md, "Real PyTorch"), in their
+# own folder: LD_LIBRARY_PATH=$OUT gives programs only the driver; real PyTorch over the driver
+# preloads $OUT/runtime/libcudart.so.13 and adds $OUT/runtime for NVML.
+mkdir -p "$OUT/runtime"
 ${CC:-cc} -std=gnu11 -O1 -g -Wall -Wextra -Werror -fPIC -shared -pthread \
     -Wl,-soname,libcudart.so.13 -Wl,--version-script=testdrv/cudart.map \
-    -o "$OUT/libcudart.so.13" testdrv/hostcudart.c -L"$OUT" -l:libcuda.so.1 -ldl -Wl,-rpath,'$ORIGIN'
+    -o "$OUT/runtime/libcudart.so.13" testdrv/hostcudart.c -L"$OUT" -l:libcuda.so.1 -ldl -Wl,-rpath,'$ORIGIN/..'
 ${CC:-cc} -std=gnu11 -O1 -g -Wall -Wextra -Werror -fPIC -shared \
-    -Wl,-soname,libnvidia-ml.so.1 -o "$OUT/libnvidia-ml.so.1" testdrv/hostnvml.c \
-    -L"$OUT" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN'
+    -Wl,-soname,libnvidia-ml.so.1 -o "$OUT/runtime/libnvidia-ml.so.1" testdrv/hostnvml.c \
+    -L"$OUT" -l:libcuda.so.1 -Wl,-rpath,'$ORIGIN/..'

@@ -3,10 +3,10 @@
 
 Fails, listing each missing name, when:
 - torch's libraries import a CUDA runtime function (`cuda*@libcudart.so.N`) that
-  target/hostcuda/libcudart.so.N does not export, or name a runtime soname the stub is not;
+  target/hostcuda/runtime/libcudart.so.N does not export, or name a runtime soname the stub is not;
 - c10 resolves a driver function (through cudaGetDriverEntryPointByVersion, by name) that
   target/hostcuda/libcuda.so.1 exports neither as NAME nor as NAME_v2;
-- torch names an NVML function (dlsym by name) that target/hostcuda/libnvidia-ml.so.1 lacks.
+- torch names an NVML function (dlsym by name) that target/hostcuda/runtime/libnvidia-ml.so.1 lacks.
 torch's imports change between releases (85 runtime functions in 2.5, 92 in 2.9, 113 in 2.15),
 so bumping the torch that CI pins without updating the stubs stops here, with the list.
 
@@ -66,10 +66,10 @@ def main() -> int:
             if m:
                 runtime.setdefault(m.group(2), set()).add(m.group(1))
     for soname, needed in sorted(runtime.items()):
-        stub = stub_dir / soname
+        stub = stub_dir / "runtime" / soname
         if not stub.exists():
             problems.append(f"torch imports {len(needed)} functions from {soname}; the stub runtime is not {soname} "
-                            f"(testdrv/build.sh builds {', '.join(p.name for p in stub_dir.glob('libcudart.so.*'))})")
+                            f"(testdrv/build.sh builds {', '.join(p.name for p in (stub_dir / 'runtime').glob('libcudart.so.*'))})")
             continue
         for name in sorted(needed - exports(stub)):
             problems.append(f"runtime: {name} (imported by torch from {soname}; add it to testdrv/hostcudart.c)")
@@ -81,7 +81,7 @@ def main() -> int:
         if name not in driver and f"{name}_v2" not in driver:
             problems.append(f"driver: {name} (c10 resolves it by name; add it to testdrv/hostcuda.c)")
 
-    nvml = exports(stub_dir / "libnvidia-ml.so.1")
+    nvml = exports(stub_dir / "runtime" / "libnvidia-ml.so.1")
     wanted_nvml: set[str] = set()
     for lib in (c10, torch_dir / "lib" / "libtorch_cuda.so"):
         if lib.exists():

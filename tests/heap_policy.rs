@@ -391,3 +391,37 @@ fn no_memory_is_freed_or_waited_for_during_a_graph_capture() {
     a.free(0, p, 50 * MIB).unwrap();
     a.release_pool(0, (1, 1)).unwrap();
 }
+
+/// `exact_fit` takes PyTorch's choice: the smallest fitting free block, the lowest address among
+/// equal sizes; the default takes the head of the size class (the most recently freed there).
+#[test]
+fn exact_fit_takes_the_smallest_block_then_the_lowest_address() {
+    for (conf, exact) in [("", false), ("exact_fit:True", true)] {
+        let a = sim(conf);
+        // Two equal free blocks, the lower one freed first.
+        let low = a.malloc(0, 4096, S0).unwrap();
+        let sep1 = a.malloc(0, 512, S0).unwrap();
+        let high = a.malloc(0, 4096, S0).unwrap();
+        let sep2 = a.malloc(0, 512, S0).unwrap();
+        // Two free blocks in one size class (41472 and 40960 bytes), the larger freed last.
+        let larger = a.malloc(0, 41472, S0).unwrap();
+        let sep3 = a.malloc(0, 512, S0).unwrap();
+        let smaller = a.malloc(0, 40960, S0).unwrap();
+        let _sep4 = a.malloc(0, 512, S0).unwrap();
+        a.free(0, low, 4096).unwrap();
+        a.free(0, high, 4096).unwrap();
+        a.free(0, smaller, 40960).unwrap();
+        a.free(0, larger, 41472).unwrap();
+        let equal = a.malloc(0, 4096, S0).unwrap();
+        let within = a.malloc(0, 40960, S0).unwrap();
+        if exact {
+            assert_eq!((equal, within), (low, smaller), "{conf}");
+        } else {
+            assert_eq!((equal, within), (high, larger), "{conf}");
+        }
+        for (p, n) in [(sep1, 512), (sep2, 512), (sep3, 512)] {
+            a.free(0, p, n).unwrap();
+        }
+        a.check_invariants().unwrap();
+    }
+}

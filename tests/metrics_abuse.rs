@@ -6,6 +6,8 @@
 //!
 //! Its own test binary, so that the thread count and memory figures are the endpoint's alone.
 
+mod common;
+
 use std::io::{Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -13,7 +15,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, Instant};
 use stepalloc::metrics;
-use stepalloc::{Allocator, Config, Stream};
+use stepalloc::{Allocator, Config};
 
 /// Clients of each kind; each concurrent kind runs on its own threads.
 const GARBAGE_CLIENTS: usize = 60;
@@ -21,8 +23,7 @@ const OVERSIZED_CLIENTS: usize = 10;
 const OVERSIZED_BYTES: usize = 256 * 1024;
 const SILENT_CLIENTS: usize = 2;
 const CONCURRENT_SCRAPERS: usize = 48;
-/// A malloc/free pair that waited this long would mean the endpoint blocked the hot path
-/// (a silent client holds the server for the whole 1 s request timeout).
+/// A malloc/free pair that waited this long would mean the endpoint blocked the hot path.
 const MAX_HOT_PATH_GAP: Duration = Duration::from_millis(500);
 
 fn connect(addr: SocketAddr) -> TcpStream {
@@ -74,33 +75,12 @@ fn abuse_neither_blocks_the_allocator_nor_the_endpoint() {
     // The hot path: malloc/free pairs, recording the longest wait between two completions.
     let stop = Arc::new(AtomicBool::new(false));
     let pairs = Arc::new(AtomicU64::new(0));
-    let worker = {
-        let (a, stop, pairs) = (Arc::clone(&a), Arc::clone(&stop), Arc::clone(&pairs));
-        thread::spawn(move || {
-            let mut max_gap = Duration::ZERO;
-            let mut last = Instant::now();
-            let mut i = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let size = 512 + (i * 7919) % (4 << 20);
-                let p = a.malloc(0, size, Stream::DEFAULT).expect("malloc");
-                a.free(0, p, size).expect("free");
-                pairs.fetch_add(1, Ordering::Relaxed);
-                let now = Instant::now();
-                max_gap = max_gap.max(now - last);
-                last = now;
-                i += 1;
-                if i % 64 == 0 {
-                    thread::yield_now();
-                }
-            }
-            max_gap
-        })
-    };
+    let worker = common::spawn_churn(Arc::clone(&a), Arc::clone(&stop), Arc::clone(&pairs));
 
     let started = Instant::now();
     let pairs_at_start = pairs.load(Ordering::Relaxed);
     let mut clients = Vec::new();
-    // Never-finished requests: each holds the server until its request timeout.
+    // Never-finished requests: each holds its connection until the request timeout.
     for i in 0..SILENT_CLIENTS {
         clients.push(thread::spawn(move || {
             let request: &[u8] = if i % 2 == 0 { b"" } else { b"GET /metr" };
@@ -162,9 +142,8 @@ fn abuse_neither_blocks_the_allocator_nor_the_endpoint() {
     let garbage_answered: usize =
         answers.iter().filter(|((k, s), _)| *k == "garbage" && s.is_some_and(|s| s >= 400)).map(|(_, n)| n).sum();
     assert_eq!(garbage_answered, GARBAGE_CLIENTS, "{answers:?}");
-    let silent_timed_out: usize =
-        answers.iter().filter(|((k, s), _)| *k == "silent" && *s == Some(408)).map(|(_, n)| n).sum();
-    assert_eq!(silent_timed_out, SILENT_CLIENTS, "{answers:?}");
+    // A client that never finishes its request is closed at the header timeout, unanswered.
+    assert_eq!(answers.get(&("no answer", None)), Some(&SILENT_CLIENTS), "{answers:?}");
     assert_eq!(peak_threads, 1, "the endpoint serves on one thread");
     // 10 clients sent 256 KiB each; the server keeps one 8 KiB buffer.
     let growth = rss_bytes().saturating_sub(rss_before);

@@ -65,12 +65,12 @@ fn op_strategy() -> impl Strategy<Value = Op> {
 /// Configurations the programs run under: small devices so the OOM path runs often.
 const CONFIGS: &[&str] = &[
     "backend:sim,sim_devices:2,sim_capacity_mb:160,sim_fail_prob:0.03",
-    "backend:sim,sim_devices:2,sim_capacity_mb:128,max_split_size_mb:24,sim_event_delay_us:20",
+    "backend:sim,sim_devices:2,sim_capacity_mb:128,max_split_size_mb:24,exact_fit:True,sim_event_delay_us:20",
     "backend:sim,sim_devices:2,sim_capacity_mb:256,roundup_power2_divisions:[1:2,>:4],sim_fail_nth:5",
     "backend:sim,sim_devices:2,sim_capacity_mb:200,per_process_memory_fraction:0.5,garbage_collection_threshold:0.6,cache_limit_mb:16",
     "backend:sim,sim_devices:2,sim_capacity_mb:160,release_idle_steps:1,phase_trim:True,phase_trim_margin:0",
     // Virtual memory: PyTorch's expandable segments, then stepalloc's page policies on top.
-    "backend:sim,sim_devices:2,sim_capacity_mb:160,expandable_segments:True,sim_fail_prob:0.03,sim_fail_map_prob:0.03,sim_event_delay_us:20",
+    "backend:sim,sim_devices:2,sim_capacity_mb:160,expandable_segments:True,exact_fit:True,sim_fail_prob:0.03,sim_fail_map_prob:0.03,sim_event_delay_us:20",
     "backend:sim,sim_devices:2,sim_capacity_mb:128,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True,cache_limit_mb:16,sim_fail_nth:7,sim_event_delay_us:20",
     "backend:sim,sim_devices:2,sim_capacity_mb:200,expandable_segments:True,max_split_size_mb:24,page_reuse:True,per_process_memory_fraction:0.6,sim_fail_prob:0.02,sim_fail_map_prob:0.05",
 ];

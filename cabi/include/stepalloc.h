@@ -61,6 +61,14 @@ extern "C" {
 // `conf` must be NULL or a NUL-terminated string.
 int stepalloc_configure(const char *conf);
 
+// `stepalloc_configure` for a string of `len` bytes that need not end in a NUL: a NUL
+// character inside it is an error (`STEPALLOC_CONFIG`, naming the key), not the end of the
+// string. What language bindings should call.
+//
+// # Safety
+// `conf` must be NULL or point to `len` readable bytes.
+int stepalloc_configure_len(const char *conf, size_t len);
+
 // Every configuration key with its default, accepted form and meaning, one per line.
 //
 // # Safety
@@ -74,8 +82,21 @@ size_t stepalloc_config_help(char *buf, size_t cap);
 // `phase` must be NULL or a NUL-terminated string.
 int stepalloc_step_begin(const char *phase);
 
+// `stepalloc_step_begin` for a name of `len` bytes that need not end in a NUL: a NUL
+// character inside it is refused (`STEPALLOC_INVALID_ARGUMENT`), not the end of the name.
+//
+// # Safety
+// `phase` must be NULL or point to `len` readable bytes.
+int stepalloc_step_begin_len(const char *phase, size_t len);
+
 // Ends the current step on every device. Returns a status.
 int stepalloc_step_end(void);
+
+// Starts recording allocator events anew on every device (what snapshots show in
+// `device_traces` and `stepalloc_trace_jsonl` writes), keeping the newest `max_entries` (at
+// most 2^26); 0 stops recording and drops the history. Writes the limit in force to `*limit`
+// when it is not NULL. Returns a status. For `torch.cuda.memory._record_memory_history`.
+int stepalloc_record_history(uint64_t max_entries, uint64_t *limit);
 
 // Resets the `.peak` statistics of `device` to their current values. Returns a status.
 int stepalloc_reset_peak_stats(int device);
@@ -110,6 +131,11 @@ int stepalloc_config_device_count(const char *conf);
 size_t stepalloc_stats_json(int device, char *buf, size_t cap);
 
 // The whole state as JSON in the layout of `torch.cuda.memory._snapshot()`.
+//
+// Measuring (`buf` NULL or `cap` 0) renders the snapshot and keeps it on this thread; the next
+// call with a buffer on the same thread writes that same text (the state as of the measuring
+// call, whose length the caller sized the buffer for) instead of building it again. A call
+// with a buffer and nothing measured renders afresh.
 //
 // # Safety
 // `buf` must be NULL or point to `cap` writable bytes.

@@ -47,6 +47,20 @@ unsafe fn c_str<'a>(s: *const c_char, what: &str) -> Result<&'a str, AbiError> {
     s.to_str().map_err(|_| AbiError::invalid(format!("{what} is not valid UTF-8")))
 }
 
+/// A string argument given with its length (it may hold NUL characters, which are then
+/// refused by the callee, where a C string would silently end at the first one).
+///
+/// # Safety
+/// `s` must be NULL or point to `len` readable bytes.
+unsafe fn str_with_len<'a>(s: *const c_char, len: usize, what: &str) -> Result<&'a str, AbiError> {
+    if s.is_null() {
+        return Err(AbiError::invalid(format!("{what} is NULL")));
+    }
+    // Safety: non-NULL, and `len` readable bytes by the caller's contract.
+    let bytes = unsafe { std::slice::from_raw_parts(s.cast::<u8>(), len) };
+    std::str::from_utf8(bytes).map_err(|_| AbiError::invalid(format!("{what} is not valid UTF-8")))
+}
+
 /// Sets the configuration (`STEPALLOC_CONF` syntax, `key:value,...`) before the first use;
 /// afterwards the configuration is fixed and this fails with `STEPALLOC_INVALID_ARGUMENT`.
 /// A bad key or value fails with `STEPALLOC_CONFIG`, naming the key and the accepted form,
@@ -59,6 +73,22 @@ pub unsafe extern "C" fn stepalloc_configure(conf: *const c_char) -> c_int {
     guard_status(|| {
         // Safety: forwarded caller contract.
         let text = unsafe { c_str(conf, "configuration string") }?;
+        stepalloc::configure_global(text)?;
+        Ok(())
+    })
+}
+
+/// `stepalloc_configure` for a string of `len` bytes that need not end in a NUL: a NUL
+/// character inside it is an error (`STEPALLOC_CONFIG`, naming the key), not the end of the
+/// string. What language bindings should call.
+///
+/// # Safety
+/// `conf` must be NULL or point to `len` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_configure_len(conf: *const c_char, len: usize) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let text = unsafe { str_with_len(conf, len, "configuration string") }?;
         stepalloc::configure_global(text)?;
         Ok(())
     })
@@ -89,11 +119,46 @@ pub unsafe extern "C" fn stepalloc_step_begin(phase: *const c_char) -> c_int {
     })
 }
 
+/// `stepalloc_step_begin` for a name of `len` bytes that need not end in a NUL: a NUL
+/// character inside it is refused (`STEPALLOC_INVALID_ARGUMENT`), not the end of the name.
+///
+/// # Safety
+/// `phase` must be NULL or point to `len` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_step_begin_len(phase: *const c_char, len: usize) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let phase = unsafe { str_with_len(phase, len, "phase") }?;
+        stepalloc::step::validate_phase(phase)?;
+        allocator()?.step_begin(phase)?;
+        Ok(())
+    })
+}
+
 /// Ends the current step on every device. Returns a status.
 #[no_mangle]
 pub extern "C" fn stepalloc_step_end() -> c_int {
     guard_status(|| {
         allocator()?.step_end()?;
+        Ok(())
+    })
+}
+
+/// Starts recording allocator events anew on every device (what snapshots show in
+/// `device_traces` and `stepalloc_trace_jsonl` writes), keeping the newest `max_entries` (at
+/// most 2^26); 0 stops recording and drops the history. Writes the limit in force to `*limit`
+/// when it is not NULL. Returns a status. For `torch.cuda.memory._record_memory_history`.
+#[no_mangle]
+// `limit` is NULL or a valid out-parameter (documented); checked before the one write.
+#[allow(clippy::not_unsafe_ptr_arg_deref)]
+pub extern "C" fn stepalloc_record_history(max_entries: u64, limit: *mut u64) -> c_int {
+    guard_status(|| {
+        let entries = usize::try_from(max_entries).unwrap_or(usize::MAX);
+        let in_force = allocator()?.record_history(entries) as u64;
+        if !limit.is_null() {
+            // Safety: the caller passes NULL or a valid, writable u64 (documented above).
+            unsafe { *limit = in_force };
+        }
         Ok(())
     })
 }
@@ -175,17 +240,35 @@ pub unsafe extern "C" fn stepalloc_stats_json(device: c_int, buf: *mut c_char, c
     })
 }
 
+thread_local! {
+    /// The snapshot text a measuring call (`buf` NULL) rendered on this thread, kept for the
+    /// call with a buffer that follows, so that measure-then-fill builds the snapshot once.
+    static MEASURED_SNAPSHOT: std::cell::RefCell<Option<String>> = const { std::cell::RefCell::new(None) };
+}
+
 /// The whole state as JSON in the layout of `torch.cuda.memory._snapshot()`.
+///
+/// Measuring (`buf` NULL or `cap` 0) renders the snapshot and keeps it on this thread; the next
+/// call with a buffer on the same thread writes that same text (the state as of the measuring
+/// call, whose length the caller sized the buffer for) instead of building it again. A call
+/// with a buffer and nothing measured renders afresh.
 ///
 /// # Safety
 /// `buf` must be NULL or point to `cap` writable bytes.
 #[no_mangle]
 pub unsafe extern "C" fn stepalloc_snapshot_json(buf: *mut c_char, cap: usize) -> usize {
     guard(|| {
-        let text = match stepalloc::allocator::global_if_initialised() {
-            Some(allocator) => allocator.snapshot().to_string(),
+        let render = || match stepalloc::allocator::global_if_initialised() {
+            Some(allocator) => allocator.snapshot_json(),
             None => Allocator::empty_snapshot().to_string(),
         };
+        if buf.is_null() || cap == 0 {
+            let text = render();
+            let len = text.len();
+            MEASURED_SNAPSHOT.with(|m| *m.borrow_mut() = Some(text));
+            return Ok(len);
+        }
+        let text = MEASURED_SNAPSHOT.with(|m| m.borrow_mut().take()).unwrap_or_else(render);
         // Safety: forwarded caller contract.
         Ok(unsafe { write_text(&text, buf, cap) })
     })

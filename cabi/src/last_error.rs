@@ -30,9 +30,13 @@ pub fn set_ok() {
 }
 
 /// Records a failed call with its status and message.
-pub fn set_error(status: c_int, message: String) {
+pub fn set_error(status: c_int, mut message: String) {
     ANY_FAILURE.store(true, Ordering::Relaxed);
     LAST_STATUS.with(|s| s.set(status));
+    // The message leaves as a C string: a NUL inside would cut it short.
+    if message.contains('\0') {
+        message = message.replace('\0', "\\0");
+    }
     // try_borrow_mut: never panic here, even if a caller re-entered during a read.
     LAST_MESSAGE.with(|m| {
         if let Ok(mut m) = m.try_borrow_mut() {

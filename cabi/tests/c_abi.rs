@@ -39,6 +39,11 @@ fn invalid_configuration_strings() {
 }
 
 #[test]
+fn a_snapshot_is_built_once_per_measure_and_fill() {
+    scenario("snapshot_once", &[]);
+}
+
+#[test]
 fn invalid_configuration_in_the_environment() {
     scenario("bad_env", &[("STEPALLOC_CONF", "backend:sim,max_split_size_mb:abc")]);
 }

@@ -17,7 +17,8 @@ Typical use::
 
 Layer map: ``_lib`` (the ctypes handle, errors), ``steps`` (step hooks), ``stats``
 (torch-compatible statistics), ``snapshot`` (memory-viewer snapshots), ``metrics``
-(Prometheus), ``torch`` (install / mempool / patch_torch), ``integrations`` (framework
+(Prometheus), ``ranks`` (torchrun: the rank's device, Prometheus targets, gathering every
+rank's figures), ``torch`` (install / mempool / patch_torch), ``integrations`` (framework
 callbacks, agent loops). Importing this package loads no library and imports neither torch
 nor any framework: everything happens on first use.
 """
@@ -39,6 +40,7 @@ from ._lib import (
 )
 from .integrations import AgentLoop, PhaseRecord, hf_callback, lightning_callback
 from .metrics import StepallocCollector, metrics_text, register_prometheus, serve_metrics
+from .ranks import RankInfo, gather_stats, prometheus_target, rank_device, rank_info, write_prometheus_targets
 from .snapshot import dump_snapshot, dump_trace, memory_snapshot, trace_jsonl
 from .stats import (
     max_memory_allocated,
@@ -77,6 +79,7 @@ __all__ = [
     "Installation",
     "LibraryNotFoundError",
     "PhaseRecord",
+    "RankInfo",
     "StepallocCollector",
     "StepallocError",
     "config_help",
@@ -86,6 +89,7 @@ __all__ = [
     "dump_trace",
     "empty_cache",
     "find_library",
+    "gather_stats",
     "hf_callback",
     "install",
     "installation",
@@ -103,6 +107,9 @@ __all__ = [
     "mempool",
     "metrics_text",
     "patch_torch",
+    "prometheus_target",
+    "rank_device",
+    "rank_info",
     "raw_alloc",
     "raw_free",
     "register_prometheus",
@@ -116,4 +123,5 @@ __all__ = [
     "trace_jsonl",
     "unpatch_torch",
     "version",
+    "write_prometheus_targets",
 ]

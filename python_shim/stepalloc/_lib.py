@@ -115,8 +115,8 @@ def find_library() -> str:
     raise LibraryNotFoundError(
         f"{LIBRARY_NAME} not found. Looked in:\n  ${ENV_LIBRARY}: (unset)\n"
         + "\n".join(tried)
-        + "\nBuild it with `cargo build --release -p stepalloc-cabi` in the stepalloc repository and "
-        "reinstall the package (`pip install ./python_shim` copies it in), or set "
+        + "\nIn the stepalloc repository, reinstall the package with `pip install ./python_shim` (it "
+        "builds the library with cargo) or build it with `cargo build --release -p stepalloc-cabi`; or set "
         f"{ENV_LIBRARY}=/path/to/{LIBRARY_NAME}."
     )
 
@@ -163,6 +163,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_empty_cache": ([], None),
         "stepalloc_set_memory_fraction": ([c_double, c_int], None),
         "stepalloc_set_mempool_mode": ([c_int], c_int),
+        "stepalloc_record_history": ([ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)], c_int),
     }
     for name, (argtypes, restype) in table.items():
         fn = getattr(cdll, name)  # AttributeError names a missing symbol: an outdated library.

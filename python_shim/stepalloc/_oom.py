@@ -58,10 +58,21 @@ def _build(torch: Any) -> Path:
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         built = Path(tmp) / out.name
         cmd = [
-            compiler, "-shared", "-fPIC", "-O1", "-std=c++17", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            *includes, str(SOURCE), "-o", str(built), f"-L{torch_lib}", "-lc10", f"-Wl,-rpath,{torch_lib}",
+            compiler,
+            "-shared",
+            "-fPIC",
+            "-O1",
+            "-std=c++17",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            *includes,
+            str(SOURCE),
+            "-o",
+            str(built),
+            f"-L{torch_lib}",
+            "-lc10",
+            f"-Wl,-rpath,{torch_lib}",
         ]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        result = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if result.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd[:3])} ... failed: {result.stderr.strip()[-2000:]}")
         os.replace(built, out)  # atomic: concurrent processes never load a half-written file

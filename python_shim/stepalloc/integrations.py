@@ -6,17 +6,38 @@ Invariants:
   ``__getattr__``); ``import stepalloc`` never imports them.
 - Every callback keeps at most one step open: a begin while a step is open ends that step
   first, so an exception that skipped an end hook cannot wedge the phase accounting.
+- Under torchrun every callback names its rank: ``callback.rank`` and the line it logs (logger
+  ``stepalloc``) when training ends, so the ranks' reports can be told apart in a merged log.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 from . import steps
-from .stats import stepalloc_stats
+from .ranks import rank_info
+from .stats import _fmt_bytes, device_index, memory_stats, stepalloc_stats
+
+logger = logging.getLogger("stepalloc")
+
+
+def rank_report(phases: tuple[str, ...], device: Any = None) -> str:
+    """One line naming this rank (under torchrun) and its device's peaks and step counts, e.g.
+    ``stepalloc rank 1 (local rank 1, node 0), device 1: peak reserved 96 MiB, peak allocated
+    80 MiB; steps: train 3``; the callbacks log it when training ends."""
+    who = rank_info().describe()
+    index = device_index(device)
+    stats = memory_stats(index, include_stepalloc=True)
+    counts = ", ".join(f"{p} {int(stats.get(f'stepalloc.steps.{p}', 0))}" for p in phases)
+    return (
+        f"stepalloc {who + ', ' if who else ''}device {index}: "
+        f"peak reserved {_fmt_bytes(stats.get('reserved_bytes.all.peak', 0))}, "
+        f"peak allocated {_fmt_bytes(stats.get('allocated_bytes.all.peak', 0))}; steps: {counts}"
+    )
 
 
 class _StepTracker:
@@ -56,7 +77,12 @@ def _hf_callback_class() -> type:
 
             def __init__(self, phase: str = "train") -> None:
                 self.phase = phase
+                self.rank = rank_info().rank  # None outside torchrun
                 self._steps = _StepTracker()
+
+            def report(self) -> str:
+                """This rank's peaks and step count (see ``stepalloc.integrations.rank_report``)."""
+                return rank_report((self.phase,))
 
             def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 self._steps.begin(self.phase)
@@ -66,6 +92,7 @@ def _hf_callback_class() -> type:
 
             def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
                 self._steps.end()
+                logger.info("%s", self.report())
 
         _hf_class = StepallocTrainerCallback
     return _hf_class
@@ -100,7 +127,16 @@ def _lightning_callback_class() -> type:
                 super().__init__()
                 self.train_phase = train_phase
                 self.eval_phase = eval_phase
+                self.rank = rank_info().rank  # None outside torchrun
                 self._steps = _StepTracker()
+
+            def report(self) -> str:
+                """This rank's peaks and step counts (see ``stepalloc.integrations.rank_report``)."""
+                return rank_report((self.train_phase, self.eval_phase))
+
+            def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+                self._steps.end()
+                logger.info("%s", self.report())
 
             def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
                 self._steps.begin(self.train_phase)
@@ -160,6 +196,7 @@ class PhaseRecord:
     peak_reserved_bytes: int
     device_mallocs: int
     step_fragmentation: float
+    rank: int | None = None  # under torchrun, the rank that recorded it
 
 
 class AgentLoop:
@@ -175,11 +212,13 @@ class AgentLoop:
         print(loop.history[-2:])
 
     ``phase(name)`` opens a step of any phase; keep the set of names small (metric labels).
-    ``device`` is the device whose figures ``history`` records.
+    ``device`` is the device whose figures ``history`` records (None: torch's current device,
+    else under torchrun the rank's device, else device 0, as the statistics read it).
     """
 
-    def __init__(self, device: int = 0, keep: int = 1000) -> None:
+    def __init__(self, device: int | None = None, keep: int = 1000) -> None:
         self.device = device
+        self.rank = rank_info().rank
         self.iteration = 0
         self.keep = keep
         self.history: list[PhaseRecord] = []
@@ -198,6 +237,7 @@ class AgentLoop:
                 peak_reserved_bytes=int(own.get("last_step.peak_reserved_bytes", 0)),
                 device_mallocs=int(own.get("last_step.device_mallocs", 0)),
                 step_fragmentation=float(own.get("fragmentation.step", 0.0)),
+                rank=self.rank,
             )
         )
         del self.history[: -self.keep]

@@ -24,6 +24,7 @@ from typing import Any
 from . import _lib
 
 DEFAULT_PORT = 9835
+_served: str | None = None  # the address serve_metrics() started the endpoint on
 _register_lock = threading.Lock()  # check-then-register in `register_prometheus`
 
 
@@ -51,7 +52,15 @@ def serve_metrics(port: int | None = None, host: str = "127.0.0.1") -> str:
             _lib.UNAVAILABLE,
         )
     _lib.check(_lib.lib().stepalloc_metrics_serve(address))
-    return served_address(port, host)
+    global _served
+    _served = served_address(port, host)
+    return _served
+
+
+def current_address() -> str | None:
+    """Where ``serve_metrics()`` (or ``install(metrics_port=...)``) started the endpoint in this
+    process, or None (an endpoint started by the ``metrics_addr`` key is not known here)."""
+    return _served
 
 
 def served_address(port: int | None, host: str = "127.0.0.1") -> str:

@@ -31,8 +31,9 @@ def device_index(device: Device = None) -> int:
     """The device ordinal for ``device`` as torch reads it, in 0..2**31-1 (``OverflowError``
     above, ``ValueError`` below).
 
-    ``None`` is torch's current device when torch has initialised CUDA, else device 0 (asking
-    torch would initialise CUDA, which ``install()`` must precede).
+    ``None`` is torch's current device when torch has initialised CUDA, else the rank's device
+    under torchrun (``rank_device()``), else device 0 (asking torch would initialise CUDA, which
+    ``install()`` must precede).
     """
     return _lib.c_int_arg(_device_number(device), f"device {device!r}: index")
 
@@ -42,7 +43,9 @@ def _device_number(device: Device) -> int:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             return int(torch.cuda.current_device())
-        return 0
+        from .ranks import rank_device
+
+        return rank_device()
     if isinstance(device, bool):
         raise TypeError("device must be an int, a str, a torch.device or None")
     if isinstance(device, int):
@@ -162,8 +165,12 @@ def _fmt_count(n: float) -> str:
 def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
     """A readable table of ``device``'s statistics, laid out like ``torch.cuda.memory_summary``
     (current / peak / total allocated / total freed, split by pool), followed by stepalloc's
-    fragmentation and step figures. ``abbreviated`` leaves out the per-pool rows."""
+    fragmentation and step figures. ``abbreviated`` leaves out the per-pool rows. Under torchrun
+    the title names the rank (``rank 3 (local rank 1, node 1), device ID 1``)."""
+    from .ranks import rank_info
+
     index = device_index(device)
+    who = rank_info().describe()
     stats = memory_stats(index, include_stepalloc=True)
     rows: list[tuple[str, str, bool]] = [
         # (title, key, counts bytes)
@@ -186,7 +193,7 @@ def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
 
     out = [
         line,
-        f"| {'stepalloc memory summary, device ID ' + str(index):<{width - 1}}|",
+        f"| {'stepalloc memory summary, ' + (who + ', ' if who else '') + 'device ID ' + str(index):<{width - 1}}|",
         thin,
         f"| {'num_alloc_retries: ' + str(stats.get('num_alloc_retries', 0)):<36}"
         f"{'num_ooms: ' + str(stats.get('num_ooms', 0)):<{width - 37}}|",

@@ -17,12 +17,15 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import os
+import sys
 import threading
+import warnings
 from typing import Any, Callable
 
-from . import _lib, _oom, snapshot, stats
+from . import _lib, _oom, ranks, snapshot, stats
 from .metrics import served_address
 
 # PyTorch's optional hooks: the setter on the pluggable allocator -> the library's symbol.
@@ -66,6 +69,8 @@ class Installation:
         hooks: each PyTorch setter called -> the library symbol it was given.
         metrics_address: where the Prometheus endpoint serves (None: not started here).
         torch_patched: whether torch.cuda's statistics functions were routed to stepalloc.
+        device: the rank's device under torchrun (``LOCAL_RANK``, see ``stepalloc.rank_device``),
+            made torch's current device when CUDA initialises; None outside torchrun.
     """
 
     library_path: str
@@ -77,6 +82,7 @@ class Installation:
     metrics_address: str | None
     torch_patched: bool
     mode: str = "process-wide"
+    device: int | None = None
 
 
 _lock = threading.RLock()
@@ -128,13 +134,19 @@ def install(
         patch_torch: route ``torch.cuda.memory_stats`` and friends to stepalloc (they raise
             under a pluggable allocator otherwise); see ``patch_torch()``.
 
+    Under torchrun (``LOCAL_RANK`` set) the rank's device (``stepalloc.rank_device()``:
+    ``LOCAL_RANK`` when the process sees every GPU of its node, device 0 when it sees only its
+    own) becomes torch's current device when CUDA initialises, as
+    ``torch.cuda.set_device(local_rank)`` would; a later ``set_device`` still wins.
+
     Returns the ``Installation``; calling again with compatible arguments returns the same one
     (``patch_torch=True`` or a ``metrics_port`` on a later call are applied then).
 
     Raises:
         RuntimeError: CUDA is already initialised (the message says how to fix it), or torch
             lacks CUDA support.
-        ValueError: ``conf`` was rejected, or differs from the installed configuration.
+        ValueError: ``conf`` was rejected, or differs from the installed configuration, or
+            ``LOCAL_RANK`` names no device this process sees.
     """
     global _installation
     with _lock, _lib._config_lock:
@@ -149,6 +161,8 @@ def install(
             _lib.configure(conf)
         else:
             _lib.adopt_environment()  # a bad STEPALLOC_CONF fails here, not at the first tensor
+        # Under torchrun, the rank's device; a LOCAL_RANK without a device fails before the swap.
+        device = ranks.rank_device() if ranks.rank_info().local_rank is not None else None
         path = _lib.library_path()
         _lib.lib()  # load through ctypes first: a missing symbol gives our message, not torch's
         allocator = torch.cuda.memory.CUDAPluggableAllocator(path, ALLOC_FN, FREE_FN)
@@ -168,6 +182,8 @@ def install(
         except RuntimeError as e:
             raise RuntimeError(f"{_CUDA_INITIALISED_MESSAGE} (PyTorch said: {e})") from e
         _keep_alive.append(allocator)
+        if device is not None:
+            _queue_rank_device(torch, device)
         # Out of memory raises torch.OutOfMemoryError (else RuntimeError, with a warning).
         _oom.enable(torch)
         # Recorded before the optional extras: if serving metrics fails, the swap still stands
@@ -181,10 +197,31 @@ def install(
             hooks=wired,
             metrics_address=None,
             torch_patched=False,
+            device=device,
         )
         # PyTorch now allocates through the library: the configuration is the one it will use.
         _lib.fix_configuration("install()")
         return _update_installation(None, metrics_port, patch_torch)
+
+
+def _queue_rank_device(torch: Any, device: int) -> None:
+    """Makes ``device`` torch's current device when CUDA initialises (``set_device`` now would
+    initialise CUDA here, in ``install()``)."""
+
+    def stepalloc_set_rank_device() -> None:
+        torch.cuda.set_device(device)
+
+    # torch's own queue of calls that wait for CUDA's initialisation (torch.cuda.manual_seed
+    # uses it); private, so a torch without it gets a warning instead of a failed install().
+    lazy_call = getattr(torch.cuda, "_lazy_call", None)
+    if lazy_call is None:
+        warnings.warn(
+            f"stepalloc.install(): torch {torch.__version__} has no torch.cuda._lazy_call; call "
+            f"torch.cuda.set_device({device}) yourself to put this rank's tensors on its device",
+            stacklevel=3,
+        )
+        return
+    lazy_call(stepalloc_set_rank_device)
 
 
 def _update_installation(conf: str | None, metrics_port: int | None, patch: bool) -> Installation:
@@ -262,6 +299,31 @@ def _torch_snapshot(device: stats.Device = None, augment_with_fx_traces: bool = 
     return snapshot.memory_snapshot()
 
 
+def _torch_record_memory_history(
+    enabled: str | None = "all",
+    context: str | None = "all",
+    stacks: str = "all",
+    max_entries: int = sys.maxsize,
+    device: Any = None,
+    clear_history: bool = False,
+    **_ignored: Any,
+) -> None:
+    """``torch.cuda.memory._record_memory_history`` answered by stepalloc.
+
+    Starts stepalloc's event ring anew on every device with room for the newest
+    ``max_entries`` events (at most 2**26; ``trace_entries`` in the configuration sets the
+    ring at start), which ``_snapshot`` / ``_dump_snapshot`` then show as ``device_traces``;
+    ``enabled=None`` stops recording and drops the history. stepalloc records no Python
+    stacks, so ``context`` and ``stacks`` are accepted and change nothing; the history is
+    always started anew, so ``clear_history`` changes nothing either.
+    """
+    if enabled not in (None, "state", "all"):
+        raise ValueError(f"enabled must be None, 'state' or 'all', not {enabled!r}")
+    entries = 0 if enabled is None else max(0, min(int(max_entries), 1 << 26))
+    limit = ctypes.c_uint64(0)
+    _lib.check(_lib.lib().stepalloc_record_history(entries, ctypes.byref(limit)))
+
+
 def _torch_memory_snapshot(mempool_id: Any = None, include_traces: bool = True) -> list[dict[str, Any]]:
     """``torch.cuda.memory_snapshot`` answered by stepalloc: the segments list."""
     segments = snapshot.memory_snapshot()["segments"]
@@ -287,6 +349,7 @@ REPLACEMENTS: dict[str, Callable[..., Any]] = {
     "memory_summary": stats.memory_summary,
     "memory_snapshot": _torch_memory_snapshot,
     "_snapshot": _torch_snapshot,
+    "_record_memory_history": _torch_record_memory_history,
 }
 
 
@@ -297,7 +360,8 @@ def patch_torch() -> list[str]:
     ``memory_allocated``, ``memory_reserved``, ``max_memory_*``, ``reset_peak_memory_stats``,
     ``memory_summary`` and ``memory_snapshot`` raise; after this they answer from stepalloc
     (in ``torch.cuda`` and ``torch.cuda.memory``), so HF Trainer's memory metrics, Lightning's
-    ``DeviceStatsMonitor`` and ``torch.cuda.memory._dump_snapshot`` keep working.
+    ``DeviceStatsMonitor``, ``torch.cuda.memory._record_memory_history`` and
+    ``torch.cuda.memory._dump_snapshot`` keep working.
     Idempotent; ``unpatch_torch()`` restores the originals.
     """
     global _patched

@@ -1,8 +1,14 @@
-"""`pip install ./python_shim`: the wheel carries the prebuilt library and is tagged for the
-platform. Built without build isolation, so it runs offline (needs setuptools >= 70.1)."""
+"""`pip wheel ./python_shim` in this workspace: the wheel carries the library and is tagged for
+the platform. Built without build isolation, so it runs offline; it needs setuptools >= 70.1
+and setuptools-rust installed here, and cargo (which finds the workspace's release build up to
+date after `cargo build --release -p stepalloc-cabi`). test_pip_build.py builds from nothing,
+in fresh environments."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -10,18 +16,24 @@ from pathlib import Path
 
 import pytest
 
+import stepalloc
 from conftest import SHIM
 
 
-def _setuptools_new_enough() -> bool:
+def _build_tools_missing() -> str | None:
+    """Why the wheel cannot be built without build isolation here, or None."""
     try:
         from setuptools.command.bdist_wheel import bdist_wheel  # noqa: F401
     except ImportError:
-        return False
-    return True
+        return "setuptools >= 70.1 is not installed"
+    if importlib.util.find_spec("setuptools_rust") is None:
+        return "setuptools-rust is not installed"
+    if shutil.which("cargo") is None:
+        return "cargo is not installed"
+    return None
 
 
-@pytest.mark.skipif(not _setuptools_new_enough(), reason="setuptools >= 70.1 is not installed: wheel not built")
+@pytest.mark.skipif(_build_tools_missing() is not None, reason=f"{_build_tools_missing()}: wheel not built")
 def test_wheel_bundles_the_library(tmp_path: Path) -> None:
     build = subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(SHIM)],
@@ -35,4 +47,64 @@ def test_wheel_bundles_the_library(tmp_path: Path) -> None:
     assert len(wheels) == 1, wheels
     assert wheels[0].name.startswith("stepalloc-0.1.0-py3-none-linux_"), wheels[0].name
     names = set(zipfile.ZipFile(wheels[0]).namelist())
-    assert {"stepalloc/lib/libstepalloc.so", "stepalloc/py.typed", "stepalloc/_lib.py"} <= names
+    expected = {"stepalloc/lib/libstepalloc.so", "stepalloc/py.typed", "stepalloc/_lib.py", "stepalloc/oom_error.cpp"}
+    assert expected <= names, names
+
+
+def _wheel_without_cargo(out: Path, **env: str) -> subprocess.CompletedProcess:
+    """`pip wheel` with no cargo or rustc on PATH and no workspace build visible, plus ``env``."""
+    path = os.pathsep.join(
+        d
+        for d in os.environ.get("PATH", "").split(os.pathsep)
+        if d and not any(os.path.exists(os.path.join(d, tool)) for tool in ("cargo", "rustc"))
+    )
+    full_env = {k: v for k, v in os.environ.items() if k not in ("STEPALLOC_LIBRARY", "CARGO")}
+    full_env.update({"PATH": path, "CARGO_TARGET_DIR": str(out / "no-target"), "PIP_DISABLE_PIP_VERSION_CHECK": "1"})
+    full_env.update(env)
+    return subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(SHIM)],
+        env=full_env,
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+@pytest.mark.skipif(
+    _build_tools_missing() not in (None, "cargo is not installed"), reason=f"{_build_tools_missing()}: wheel not built"
+)
+def test_without_cargo_the_build_fails_saying_how_unless_given_a_library(tmp_path: Path) -> None:
+    # No cargo and no prebuilt library: the build fails (it used to install a package without
+    # its library) and says what to do.
+    failed = _wheel_without_cargo(tmp_path)
+    assert failed.returncode != 0, failed.stdout + failed.stderr
+    text = failed.stdout + failed.stderr
+    assert "cannot build libstepalloc.so: cargo ('cargo') is not on PATH" in text, text
+    assert "STEPALLOC_LIBRARY=/path/to/libstepalloc.so" in text, text
+    assert not list(tmp_path.glob("*.whl"))
+
+    # STEPALLOC_LIBRARY at build time: that file is bundled as it is, no cargo needed.
+    given = stepalloc.library_path()
+    built = _wheel_without_cargo(tmp_path, STEPALLOC_LIBRARY=given)
+    assert built.returncode == 0, built.stdout + built.stderr
+    (wheel,) = tmp_path.glob("stepalloc-*.whl")
+    assert wheel.name.startswith("stepalloc-0.1.0-py3-none-linux_"), wheel.name
+    assert zipfile.ZipFile(wheel).read("stepalloc/lib/libstepalloc.so") == Path(given).read_bytes()
+
+    # A prebuilt library in the target folder: bundled as it is, no cargo needed.
+    target = tmp_path / "target"
+    (target / "release").mkdir(parents=True)
+    shutil.copy2(given, target / "release" / "libstepalloc.so")
+    wheel.unlink()
+    reused = _wheel_without_cargo(tmp_path, CARGO_TARGET_DIR=str(target))
+    assert reused.returncode == 0, reused.stdout + reused.stderr
+    (wheel,) = tmp_path.glob("stepalloc-*.whl")
+    assert zipfile.ZipFile(wheel).read("stepalloc/lib/libstepalloc.so") == Path(given).read_bytes()
+
+    # A STEPALLOC_LIBRARY that names no file fails, naming it.
+    bad = _wheel_without_cargo(tmp_path, STEPALLOC_LIBRARY=str(tmp_path / "missing.so"))
+    assert bad.returncode != 0
+    assert f"STEPALLOC_LIBRARY='{tmp_path / 'missing.so'}' (build environment) does not name a file" in (
+        bad.stdout + bad.stderr
+    )

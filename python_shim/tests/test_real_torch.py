@@ -16,11 +16,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
+
 from conftest import check_child, run_python, torch_available
 
 ROOT = Path(__file__).resolve().parents[2]
 HOSTCUDA = ROOT / "target" / "hostcuda"
-STUB_RUNTIME = HOSTCUDA / "libcudart.so.13"
+RUNTIME = HOSTCUDA / "runtime"
+STUB_RUNTIME = RUNTIME / "libcudart.so.13"
 
 pytestmark = pytest.mark.skipif(
     not STUB_RUNTIME.exists() or not torch_available(),
@@ -33,7 +35,7 @@ CAPACITY_MB = 1024
 
 def run_torch(code: str, delay_us: int = 0, extra_env: dict[str, str] | None = None) -> str:
     """Runs ``code`` with torch over the stub runtime; returns its stdout (fails on error)."""
-    library_path = [str(HOSTCUDA), str(HOSTCUDA / "standins"), os.environ.get("LD_LIBRARY_PATH", "")]
+    library_path = [str(RUNTIME), str(HOSTCUDA), str(HOSTCUDA / "standins"), os.environ.get("LD_LIBRARY_PATH", "")]
     env = {
         "LD_PRELOAD": str(STUB_RUNTIME),
         "LD_LIBRARY_PATH": os.pathsep.join(p for p in library_path if p),
@@ -84,6 +86,29 @@ def test_tensors_of_many_sizes_round_trip_through_stepalloc() -> None:
         """
     )
     assert values(out)["after"] == "0"
+
+
+def test_install_under_torchrun_puts_the_ranks_tensors_on_its_device() -> None:
+    # Rank 1 of a node whose two GPUs every rank sees: LOCAL_RANK picks the device, without
+    # the script calling torch.cuda.set_device.
+    out = run_torch(
+        """
+        h = stepalloc.install("backend:cuda")
+        assert h.device == 1, h
+        x = torch.empty(4 * MIB, dtype=torch.uint8, device="cuda")
+        print("tensor_device=" + str(x.device))
+        print("current=" + str(torch.cuda.current_device()))
+        print("on_1=" + str(stepalloc.memory_stats(1)["allocated_bytes.all.current"]))
+        print("on_0=" + str(stepalloc.memory_stats(0)["allocated_bytes.all.current"]))
+        print("default=" + str(stepalloc.memory_allocated()))
+        print(stepalloc.memory_summary().splitlines()[1])
+        """,
+        extra_env={"RANK": "1", "LOCAL_RANK": "1", "GROUP_RANK": "0"},
+    )
+    v = values(out)
+    assert v["tensor_device"] == "cuda:1" and v["current"] == "1", out
+    assert int(v["on_1"]) == int(v["default"]) >= 4 << 20 and v["on_0"] == "0", out
+    assert "stepalloc memory summary, rank 1 (local rank 1, node 0), device ID 1" in out
 
 
 def test_empty_cache_and_memory_fraction_reach_stepalloc() -> None:
@@ -288,26 +313,55 @@ def test_many_threads_allocate_copy_and_free() -> None:
     assert values(out)["allocated"] == "0"
 
 
-def test_patch_torch_dump_snapshot_under_stepalloc(tmp_path: Path) -> None:
+def test_record_memory_history_and_dump_snapshot_under_stepalloc(tmp_path: Path) -> None:
     path = tmp_path / "snap.pickle"
     out = run_torch(
         f"""
         import pickle
-        stepalloc.install("backend:cuda,trace_entries:1024", patch_torch=True)
-        xs = [torch.empty(n * MIB, dtype=torch.uint8, device="cuda") for n in (1, 2, 3)]
+        stepalloc.install("backend:cuda", patch_torch=True)  # no trace ring configured
+        torch.cuda.memory._record_memory_history(max_entries=100000)
+        keep = [torch.empty(n * MIB, dtype=torch.uint8, device="cuda") for n in (1, 2, 3)]
+        for step in range(4):
+            scratch = [torch.empty((step + 1) * 700_000, dtype=torch.uint8, device="cuda") for _ in range(5)]
+            del scratch
         print("allocated=" + str(torch.cuda.memory_allocated()))
+        print("peak_reserved=" + str(torch.cuda.max_memory_reserved()))
         torch.cuda.memory._dump_snapshot({str(path)!r})
         with open({str(path)!r}, "rb") as f:
             snap = pickle.load(f)
         print("keys=" + ",".join(sorted(snap)))
+        print("events=" + str(len(snap["device_traces"][0])))
         sizes = sorted(b["size"] for s in snap["segments"] for b in s["blocks"] if b["state"] == "active_allocated")
         print("blocks=" + ",".join(str(s) for s in sizes))
+        torch.cuda.memory._record_memory_history(enabled=None)
+        torch.cuda.memory._dump_snapshot({str(path) + ".off"!r})
+        with open({str(path) + ".off"!r}, "rb") as f:
+            print("events_after_stop=" + str(len(pickle.load(f)["device_traces"][0])))
         """
     )
     v = values(out)
     assert int(v["allocated"]) >= 6 << 20
     assert {"segments", "device_traces"} <= set(v["keys"].split(","))
+    assert int(v["events"]) >= 3 + 4 * 5 * 2
     assert v["blocks"] == f"{1 << 20},{2 << 20},{3 << 20}"
+    assert v["events_after_stop"] == "0"
+    # The dumped snapshot replays to the recorded peak.
+    stress = ROOT / "target" / "debug" / "stepalloc-stress"
+    if not stress.exists():
+        pytest.skip("stepalloc-stress is not built (cargo build -p stepalloc-stress)")
+    import json
+    import subprocess
+
+    # The recorded run's own configuration (backend:cuda's defaults: PyTorch's rules with the
+    # size-class lookup), replayed on the simulated device.
+    report = subprocess.run(
+        [str(stress), "replay", str(path), "--json", "--compare", "recorded=exact_fit:False"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    (run,) = json.loads(report.stdout)["runs"]
+    assert run["peak_reserved"] == int(v["peak_reserved"]), run
 
 
 # The same allocation script under PyTorch's own allocator (default, expandable segments) and
@@ -327,7 +381,10 @@ for step in range(30):
 
 
 def peak_reserved(setup: str, read: str, alloc_conf: str = "") -> int:
-    out = run_torch(setup + ALLOCATION_SCRIPT + "print('peak=' + str(" + read + "))", extra_env={"PYTORCH_CUDA_ALLOC_CONF": alloc_conf})
+    out = run_torch(
+        setup + ALLOCATION_SCRIPT + "print('peak=' + str(" + read + "))",
+        extra_env={"PYTORCH_CUDA_ALLOC_CONF": alloc_conf},
+    )
     return int(values(out)["peak"])
 
 
@@ -355,17 +412,52 @@ def test_drift_check_names_what_the_installed_torch_needs_and_a_stub_lacks(tmp_p
     ok = subprocess.run([sys.executable, str(drift), str(HOSTCUDA)], capture_output=True, text=True, check=False)
     assert ok.returncode == 0, ok.stderr
     # A runtime without cudaStreamGetPriority (as when a new torch starts importing a function).
-    for name in ("libcuda.so.1", "libnvidia-ml.so.1"):
-        shutil.copy(HOSTCUDA / name, tmp_path / name)
+    (tmp_path / "runtime").mkdir()
+    shutil.copy(HOSTCUDA / "libcuda.so.1", tmp_path / "libcuda.so.1")
+    shutil.copy(RUNTIME / "libnvidia-ml.so.1", tmp_path / "runtime" / "libnvidia-ml.so.1")
     source = (ROOT / "testdrv" / "hostcudart.c").read_text()
     source = source.replace("cudaError_t cudaStreamGetPriority(", "static cudaError_t cudaStreamGetPriority(")
     (tmp_path / "hostcudart.c").write_text(source)
     subprocess.run(
-        ["cc", "-shared", "-fPIC", "-w", f"-Wl,--version-script={ROOT / 'testdrv' / 'cudart.map'}",
-         "-o", str(tmp_path / "libcudart.so.13"), str(tmp_path / "hostcudart.c"),
-         f"-L{tmp_path}", "-l:libcuda.so.1", "-ldl"],
+        [
+            "cc",
+            "-shared",
+            "-fPIC",
+            "-w",
+            f"-Wl,--version-script={ROOT / 'testdrv' / 'cudart.map'}",
+            "-o",
+            str(tmp_path / "runtime" / "libcudart.so.13"),
+            str(tmp_path / "hostcudart.c"),
+            f"-L{tmp_path}",
+            "-l:libcuda.so.1",
+            "-ldl",
+        ],
         check=True,
     )
     bad = subprocess.run([sys.executable, str(drift), str(tmp_path)], capture_output=True, text=True, check=False)
     assert bad.returncode == 1
     assert "runtime: cudaStreamGetPriority" in bad.stderr
+
+
+def test_without_a_compiler_out_of_memory_is_still_a_runtime_error_with_the_same_text(tmp_path: Path) -> None:
+    out = run_torch(
+        """
+        import warnings
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            stepalloc.install("backend:cuda")
+        print("warned=" + str(any("RuntimeError, not torch.OutOfMemoryError" in str(w.message) for w in caught)))
+        try:
+            torch.empty(4096 * MIB, dtype=torch.uint8, device="cuda")
+        except torch.cuda.OutOfMemoryError:
+            print("type=OutOfMemoryError")
+        except RuntimeError as e:
+            print("type=RuntimeError")
+            print("text_ok=" + str(str(e).startswith("CUDA out of memory.")))
+        """,
+        extra_env={"CXX": "no-such-compiler", "STEPALLOC_CACHE_DIR": str(tmp_path)},
+    )
+    v = values(out)
+    assert v["warned"] == "True"
+    assert v["type"] == "RuntimeError"
+    assert v["text_ok"] == "True"

@@ -117,9 +117,11 @@ impl SimDevice {
         (z >> 11) as f64 / (1u64 << 53) as f64
     }
 
+    /// Charges a modelled driver call. The clock saturates at `u64::MAX` ns (585 years): an
+    /// event delay or a trace's timestamps near the limit stop the clock there, never wrap it.
     fn charge(&mut self, ns: u64) -> u64 {
         if self.config.cost_model {
-            self.now_ns += ns;
+            self.now_ns = self.now_ns.saturating_add(ns);
             ns
         } else {
             0
@@ -179,7 +181,7 @@ impl Backend for SimDevice {
     fn reserve(&mut self, bytes: u64) -> Result<u64> {
         self.reserves += 1;
         let cost = self.charge(COST_RESERVE_NS + COST_RESERVE_PER_GIB_NS * (bytes >> 30));
-        self.time.reserve_ns += cost;
+        self.time.reserve_ns = self.time.reserve_ns.saturating_add(cost);
         if self.inject_failure() || bytes > self.config.capacity - self.used {
             return Err(Error::OutOfMemory(Box::<OomReport>::default()));
         }
@@ -194,7 +196,7 @@ impl Backend for SimDevice {
 
     fn release(&mut self, ptr: u64, bytes: u64) -> Result<()> {
         let cost = self.charge(COST_RELEASE_NS);
-        self.time.release_ns += cost;
+        self.time.release_ns = self.time.release_ns.saturating_add(cost);
         let offset = ptr.wrapping_sub(self.base());
         match self.live.get(&offset) {
             Some(&size) if size == bytes && !self.ranges.contains_key(&offset) => {
@@ -208,8 +210,10 @@ impl Backend for SimDevice {
 
     fn record_event(&mut self, _stream: Stream) -> Result<Event> {
         let cost = self.charge(COST_EVENT_RECORD_NS);
-        self.time.event_ns += cost;
-        let done = self.now_ns + self.config.event_delay_ns;
+        self.time.event_ns = self.time.event_ns.saturating_add(cost);
+        // Saturating: a delay near u64::MAX must make the event complete (almost) never, not
+        // wrap into the past and complete at once while the block is still in use.
+        let done = self.now_ns.saturating_add(self.config.event_delay_ns);
         self.last_completion_ns = self.last_completion_ns.max(done);
         let id = match self.free_events.pop() {
             Some(id) => {
@@ -226,14 +230,14 @@ impl Backend for SimDevice {
 
     fn event_done(&mut self, event: Event) -> Result<bool> {
         let cost = self.charge(COST_EVENT_QUERY_NS);
-        self.time.event_ns += cost;
+        self.time.event_ns = self.time.event_ns.saturating_add(cost);
         Ok(self.event_slot(event)? <= self.now_ns)
     }
 
     fn wait_event(&mut self, event: Event) -> Result<()> {
         let done = self.event_slot(event)?;
         if done > self.now_ns {
-            self.time.sync_ns += done - self.now_ns;
+            self.time.sync_ns = self.time.sync_ns.saturating_add(done - self.now_ns);
             self.now_ns = done;
         }
         Ok(())
@@ -248,7 +252,7 @@ impl Backend for SimDevice {
 
     fn synchronize(&mut self) -> Result<()> {
         if self.last_completion_ns > self.now_ns {
-            self.time.sync_ns += self.last_completion_ns - self.now_ns;
+            self.time.sync_ns = self.time.sync_ns.saturating_add(self.last_completion_ns - self.now_ns);
             self.now_ns = self.last_completion_ns;
         }
         Ok(())
@@ -264,7 +268,7 @@ impl Backend for SimDevice {
 
     fn reserve_address(&mut self, bytes: u64) -> Result<u64> {
         let cost = self.charge(COST_ADDRESS_NS);
-        self.time.map_ns += cost;
+        self.time.map_ns = self.time.map_ns.saturating_add(cost);
         if bytes == 0 || bytes % GRANULARITY != 0 {
             return Err(invalid("cuMemAddressReserve"));
         }
@@ -290,7 +294,7 @@ impl Backend for SimDevice {
     fn create_physical(&mut self, bytes: u64) -> Result<PhysHandle> {
         self.reserves += 1;
         let cost = self.charge(COST_CREATE_NS + COST_CREATE_PER_GIB_NS * (bytes >> 30));
-        self.time.create_ns += cost;
+        self.time.create_ns = self.time.create_ns.saturating_add(cost);
         if bytes == 0 || bytes % GRANULARITY != 0 {
             return Err(invalid("cuMemCreate"));
         }
@@ -305,7 +309,7 @@ impl Backend for SimDevice {
 
     fn release_physical(&mut self, handle: PhysHandle) -> Result<()> {
         let cost = self.charge(COST_RELEASE_PHYSICAL_NS);
-        self.time.create_ns += cost;
+        self.time.create_ns = self.time.create_ns.saturating_add(cost);
         match self.physical.get_mut(&handle.0) {
             Some(p) if !p.released => p.released = true,
             _ => return Err(invalid("cuMemRelease")),
@@ -316,7 +320,7 @@ impl Backend for SimDevice {
 
     fn map(&mut self, addr: u64, bytes: u64, handle: PhysHandle) -> Result<()> {
         let cost = self.charge(COST_MAP_NS);
-        self.time.map_ns += cost;
+        self.time.map_ns = self.time.map_ns.saturating_add(cost);
         let offset = addr.wrapping_sub(self.base());
         let in_range = self
             .ranges
@@ -344,7 +348,7 @@ impl Backend for SimDevice {
 
     fn unmap(&mut self, addr: u64, bytes: u64) -> Result<()> {
         let cost = self.charge(COST_UNMAP_NS);
-        self.time.map_ns += cost;
+        self.time.map_ns = self.time.map_ns.saturating_add(cost);
         let offset = addr.wrapping_sub(self.base());
         // The range must be exactly whole mappings, without gaps (cuMemUnmap's rule).
         let mut cursor = offset;
@@ -374,12 +378,12 @@ impl Backend for SimDevice {
     fn synchronize_stream(&mut self, _stream: Stream) -> Result<()> {
         // Events do not record their stream here: waiting for the whole device is the safe bound.
         let cost = self.charge(COST_SYNC_NS);
-        self.time.sync_ns += cost;
+        self.time.sync_ns = self.time.sync_ns.saturating_add(cost);
         self.synchronize()
     }
 
     fn advance_time(&mut self, ns: u64) {
-        self.now_ns += ns;
+        self.now_ns = self.now_ns.saturating_add(ns);
     }
 }
 
@@ -434,6 +438,25 @@ mod tests {
         assert_eq!(d.driver_time().sync_ns, 10_000);
         d.free_event(e);
         assert!(d.event_done(e).is_err(), "a freed event is not live");
+    }
+
+    #[test]
+    fn a_huge_event_delay_never_completes_at_once() {
+        // issue 12, item 7: now + delay wrapped in a release build, so the event was complete
+        // at once and its block was reused while another stream still used it.
+        let mut d = device("sim_event_delay_us:18446744073709551,sim_cost_model:True");
+        d.reserve(2 * MIB).unwrap(); // the cost model moves the clock past 0
+        let e = d.record_event(Stream(1)).unwrap();
+        assert!(!d.event_done(e).unwrap());
+        d.advance_time(u64::MAX / 2);
+        assert!(!d.event_done(e).unwrap());
+        // The clock saturates at its end instead of wrapping back.
+        d.advance_time(u64::MAX);
+        assert!(d.event_done(e).unwrap());
+        let f = d.record_event(Stream(1)).unwrap();
+        d.wait_event(f).unwrap();
+        d.synchronize().unwrap();
+        assert!(d.event_done(f).unwrap());
     }
 
     #[test]

@@ -298,7 +298,7 @@ impl Heap {
             }
             self.stats.num_map += 1;
             if moved {
-                self.stats.moved_bytes += page;
+                self.stats.moved_bytes = self.stats.moved_bytes.saturating_add(page);
             }
             self.page_slot(seg_id, first + i).replace(handle);
         }
@@ -344,7 +344,7 @@ impl Heap {
     /// Modelled time of the virtual-memory calls so far (0 on CUDA, where time is measured).
     fn vm_driver_ns(&self) -> u64 {
         let t = self.backend.driver_time();
-        t.create_ns + t.map_ns
+        t.create_ns.saturating_add(t.map_ns)
     }
 
     /// Undoes the first `count` page maps of a failed `map_block` (pages from `first`); their
@@ -468,7 +468,7 @@ impl Heap {
         s.reserved_bytes.decrease(small, bytes);
         s.num_device_free += 1;
         if let Unmapped::Release(reason) = what {
-            s.released_bytes[reason as usize] += bytes;
+            s.released_bytes[reason as usize] = s.released_bytes[reason as usize].saturating_add(bytes);
         }
         self.trace.record(TraceAction::SegmentUnmap, start, bytes, 0, seg_stream.0, 0);
         self.merge_unmapped(middle);

@@ -42,7 +42,7 @@ impl Heap {
         if seg.oversize {
             s.oversize_segments.decrease(1);
         }
-        s.released_bytes[reason as usize] += seg.size;
+        s.released_bytes[reason as usize] = s.released_bytes[reason as usize].saturating_add(seg.size);
         self.trace.record(TraceAction::SegmentFree, seg.addr, seg.size, 0, seg.stream.0, 0);
         Ok(seg.size)
     }

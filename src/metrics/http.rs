@@ -1,51 +1,76 @@
-//! The `/metrics` endpoint: a small blocking HTTP/1 server on one background thread.
+//! The `/metrics` endpoint: hyper's HTTP/1 server on one background thread, which runs a
+//! current-thread tokio runtime of its own (no thread pool; nothing of it outside this thread).
 //! Layer: beside the collector; it touches the allocator only through a scrape.
 //!
-//! Why not a server crate: `tiny_http` (the obvious blocking one) reads header lines without a
-//! length limit, sets no socket timeouts and spawns a thread per concurrent connection, so a
-//! garbage or slow client grows memory and threads without bound. This server is a loop over
-//! `accept` that handles one connection at a time, and `httparse` (hyper's parser) does the
-//! parsing. Invariants that bound it:
-//! - one thread, one connection at a time; others wait in the kernel's listen backlog;
-//! - a request must arrive whole within `Limits::request_timeout` and fit in
-//!   `Limits::max_request_bytes` (a fixed buffer), else 408 / 431 and the connection closes;
-//! - writing the response is bounded by `Limits::write_timeout`;
+//! Invariants that bound it:
+//! - one thread; connections are served concurrently on it, so an idle or slow client never
+//!   delays a scrape; at most `Limits::max_connections` at a time (further ones wait in the
+//!   kernel's listen backlog until one ends);
+//! - a request's head must arrive within `Limits::request_timeout` (hyper's header read
+//!   timeout; a connection that sends nothing, or too little, is closed then), and fit in
+//!   `Limits::max_request_bytes` and `Limits::max_headers` (else hyper answers 431; garbage
+//!   gets 400);
+//! - a connection lives at most `request_timeout + write_timeout` in all: a client that does
+//!   not read its answer loses it;
 //! - only `GET` and `HEAD` (else 405), only `/metrics` (else 404), one request per connection;
-//! - after an error answer, at most 64 KiB / 50 ms of what the client still sends is drained so
-//!   that closing does not reset the connection before the client reads the answer;
+//! - when a connection ends, at most 64 KiB / 50 ms of what the client still sends is drained
+//!   so that closing does not reset the connection before the client reads the answer;
 //! - the allocator's device locks are taken only while the collector copies statistics, never
 //!   while a client is read from or written to.
 
-use std::io::{ErrorKind, Read, Write};
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, ALLOW, CONTENT_LENGTH, CONTENT_TYPE as CONTENT_TYPE_HEADER};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use std::convert::Infallible;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::rc::Rc;
 use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{oneshot, Semaphore};
 
 /// The content type of the Prometheus text exposition format.
 pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
+/// hyper's smallest read buffer; a smaller `max_request_bytes` is raised to it.
+const MIN_REQUEST_BYTES: usize = 8192;
+/// After a connection ends: what of the client's further input is read and dropped, at most.
+const DRAIN_BYTES: usize = 64 * 1024;
+const DRAIN_TIME: Duration = Duration::from_millis(50);
+
 /// Bounds on what one client may cost the server.
 #[derive(Clone, Copy, Debug)]
 pub struct Limits {
-    /// Largest request (request line and headers) accepted, in bytes.
+    /// Largest request head (request line and headers) accepted, in bytes (at least 8192).
     pub max_request_bytes: usize,
     /// Most headers accepted in a request.
     pub max_headers: usize,
-    /// Time a client has to send its whole request after the connection is accepted.
+    /// Time a client has to send its whole request head after the connection is accepted.
     pub request_timeout: Duration,
     /// Time the response may take to write.
     pub write_timeout: Duration,
+    /// Connections served at once.
+    pub max_connections: usize,
 }
 
 impl Default for Limits {
     fn default() -> Self {
         Limits {
-            max_request_bytes: 8192,
+            max_request_bytes: MIN_REQUEST_BYTES,
             max_headers: 32,
             request_timeout: Duration::from_secs(1),
             write_timeout: Duration::from_secs(2),
+            max_connections: 64,
         }
     }
 }
@@ -59,191 +84,282 @@ pub type RenderFn = Box<dyn Fn() -> String + Send + 'static>;
 pub struct MetricsServer {
     /// The address it listens on (with the port chosen by the system when asked for port 0).
     pub addr: SocketAddr,
-    stop: Arc<AtomicBool>,
+    stop: Option<oneshot::Sender<()>>,
     thread: Option<JoinHandle<()>>,
 }
 
 impl MetricsServer {
-    /// Stops the endpoint: no connection is accepted afterwards and the port is closed when
-    /// this returns.
+    /// Stops the endpoint: open connections are closed, and the port is closed when this
+    /// returns.
     pub fn shutdown(mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        // Wake the thread blocked in accept(); if the connection fails, the thread is not in
-        // accept (or the socket is gone) and sees the flag anyway.
-        let _ = TcpStream::connect_timeout(&wake_address(self.addr), Duration::from_secs(1));
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
         if let Some(thread) = self.thread.take() {
             let _ = thread.join();
         }
     }
 }
 
-/// Where to connect to reach a listener on `addr` (an unspecified address means loopback).
-fn wake_address(addr: SocketAddr) -> SocketAddr {
-    let ip = match addr.ip() {
-        IpAddr::V4(ip) if ip.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-        IpAddr::V6(ip) if ip.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
-        ip => ip,
-    };
-    SocketAddr::new(ip, addr.port())
-}
-
 /// Binds `addr` and serves `render()` at `/metrics` on one new thread. Returns once listening.
-pub fn start(addr: SocketAddr, limits: Limits, render: RenderFn) -> std::io::Result<MetricsServer> {
-    let listener = TcpListener::bind(addr)?;
+/// An address other than loopback is logged on stderr: the endpoint is then reachable from
+/// other machines.
+pub fn start(addr: SocketAddr, limits: Limits, render: RenderFn) -> io::Result<MetricsServer> {
+    let listener = std::net::TcpListener::bind(addr)?;
+    listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
-    let stop = Arc::new(AtomicBool::new(false));
-    let thread_stop = Arc::clone(&stop);
+    // Built here so that a failure is returned to the caller; it runs on the thread below only.
+    let runtime = tokio::runtime::Builder::new_current_thread().enable_io().enable_time().build()?;
+    let (stop, stopped) = oneshot::channel();
     let thread = std::thread::Builder::new()
         .name("stepalloc-http".into()) // <= 15 bytes: the kernel's thread name limit
-        .spawn(move || accept_loop(listener, limits, render, thread_stop))?;
-    Ok(MetricsServer { addr, stop, thread: Some(thread) })
+        .spawn(move || {
+            // Connections are local tasks: the render function need not be shared across threads.
+            let tasks = tokio::task::LocalSet::new();
+            tasks.block_on(&runtime, accept_loop(listener, limits, render, stopped));
+            // Dropping the runtime here drops every connection still open.
+        })?;
+    if !addr.ip().is_loopback() {
+        eprintln!(
+            "stepalloc: metrics endpoint listening on {addr}, which is not loopback: other machines \
+             can read it (configured explicitly)"
+        );
+    }
+    Ok(MetricsServer { addr, stop: Some(stop), thread: Some(thread) })
 }
 
-fn accept_loop(listener: TcpListener, limits: Limits, render: RenderFn, stop: Arc<AtomicBool>) {
-    let mut buf = vec![0u8; limits.max_request_bytes.max(64)];
-    loop {
-        let accepted = listener.accept();
-        if stop.load(Ordering::SeqCst) {
+async fn accept_loop(
+    listener: std::net::TcpListener,
+    limits: Limits,
+    render: RenderFn,
+    stopped: oneshot::Receiver<()>,
+) {
+    let listener = match tokio::net::TcpListener::from_std(listener) {
+        Ok(listener) => listener,
+        Err(e) => {
+            eprintln!("stepalloc: metrics endpoint stopped: {e}");
             return;
         }
-        match accepted {
-            Ok((stream, _)) => handle(stream, &limits, &mut buf, &render),
-            // Out of file descriptors or similar: back off instead of spinning.
-            Err(_) => std::thread::sleep(Duration::from_millis(10)),
+    };
+    let render = Rc::new(render);
+    let slots = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+    // Only an explicit stop ends the loop; a dropped handle leaves the endpoint running.
+    let stop = async {
+        if stopped.await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    };
+    tokio::pin!(stop);
+    loop {
+        let slot = tokio::select! {
+            _ = &mut stop => return,
+            slot = Arc::clone(&slots).acquire_owned() => match slot {
+                Ok(slot) => slot,
+                Err(_) => return,
+            },
+        };
+        let stream = tokio::select! {
+            _ = &mut stop => return,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => stream,
+                Err(_) => {
+                    // Out of file descriptors or similar: back off instead of spinning.
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    continue;
+                }
+            },
+        };
+        let render = Rc::clone(&render);
+        tokio::task::spawn_local(async move {
+            serve_connection(stream, limits, render).await;
+            drop(slot);
+        });
+    }
+}
+
+/// The HTTP/1 settings every connection is served with.
+fn builder(limits: &Limits) -> http1::Builder {
+    let mut builder = http1::Builder::new();
+    builder
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.request_timeout)
+        .max_buf_size(limits.max_request_bytes.max(MIN_REQUEST_BYTES))
+        .max_headers(limits.max_headers)
+        .keep_alive(false)
+        // A client may shut its side after sending the request and still read the answer.
+        .half_close(true)
+        .title_case_headers(true);
+    builder
+}
+
+async fn serve_connection(stream: TcpStream, limits: Limits, render: Rc<RenderFn>) {
+    let _ = stream.set_nodelay(true);
+    let (io, reclaimed) = Reclaim::new(stream);
+    let service = service_fn(move |request: Request<Incoming>| {
+        let response = respond(request.method(), request.uri().path(), &**render);
+        async move { Ok::<_, Infallible>(response) }
+    });
+    let connection = builder(&limits).serve_connection(TokioIo::new(io), service);
+    // Ends on completion, on a protocol error (after hyper's automatic 400 / 431), on the
+    // header timeout, or at the connection's whole-life limit; dropping it closes nothing yet.
+    let _ = tokio::time::timeout(limits.request_timeout.saturating_add(limits.write_timeout), connection).await;
+    if let Ok(mut stream) = reclaimed.await {
+        drain(&mut stream).await;
+    }
+}
+
+/// Reads and drops what the client still sends, briefly and boundedly: closing a socket with
+/// unread input resets the connection, and the client could lose an answer it has not read.
+async fn drain(stream: &mut TcpStream) {
+    let deadline = tokio::time::Instant::now() + DRAIN_TIME;
+    let mut buf = [0u8; 4096];
+    let mut drained = 0;
+    while drained < DRAIN_BYTES {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => drained += n,
+            _ => return,
+        }
+    }
+}
+
+/// The connection's stream as hyper's I/O; when hyper drops it (the connection is over, even
+/// after an error), the stream comes back through the channel instead of closing, so that it
+/// can be drained first.
+struct Reclaim {
+    stream: Option<TcpStream>,
+    back: Option<oneshot::Sender<TcpStream>>,
+}
+
+impl Reclaim {
+    fn new(stream: TcpStream) -> (Reclaim, oneshot::Receiver<TcpStream>) {
+        let (back, reclaimed) = oneshot::channel();
+        (Reclaim { stream: Some(stream), back: Some(back) }, reclaimed)
+    }
+}
+
+impl Drop for Reclaim {
+    fn drop(&mut self) {
+        if let (Some(stream), Some(back)) = (self.stream.take(), self.back.take()) {
+            let _ = back.send(stream);
+        }
+    }
+}
+
+impl AsyncRead for Reclaim {
+    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut().stream.as_mut() {
+            Some(stream) => Pin::new(stream).poll_read(cx, buf),
+            None => Poll::Ready(Ok(())),
+        }
+    }
+}
+
+impl AsyncWrite for Reclaim {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        match self.get_mut().stream.as_mut() {
+            Some(stream) => Pin::new(stream).poll_write(cx, buf),
+            None => Poll::Ready(Err(io::ErrorKind::NotConnected.into())),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut().stream.as_mut() {
+            Some(stream) => Pin::new(stream).poll_flush(cx),
+            None => Poll::Ready(Ok(())),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut().stream.as_mut() {
+            Some(stream) => Pin::new(stream).poll_shutdown(cx),
+            None => Poll::Ready(Ok(())),
         }
     }
 }
 
 /// What a request asked for, as far as this server cares.
+#[derive(Debug, PartialEq)]
 enum Outcome {
     Metrics { head: bool },
-    Status { code: u16, reason: &'static str },
+    Status(StatusCode),
 }
 
-fn handle(mut stream: TcpStream, limits: &Limits, buf: &mut [u8], render: &RenderFn) {
-    let _ = stream.set_nodelay(true);
-    let Some(outcome) = read_request(&mut stream, limits, buf) else {
-        return; // the client went away
+fn route(method: &Method, path: &str) -> Outcome {
+    let head = match *method {
+        Method::GET => false,
+        Method::HEAD => true,
+        _ => return Outcome::Status(StatusCode::METHOD_NOT_ALLOWED),
     };
-    let deadline = Instant::now() + limits.write_timeout;
-    let failed = matches!(outcome, Outcome::Status { .. });
-    let response = match outcome {
-        Outcome::Metrics { head } => {
-            let body = render();
-            let header = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
-                body.len()
-            );
-            let mut bytes = header.into_bytes();
-            if !head {
-                bytes.extend_from_slice(body.as_bytes());
-            }
-            bytes
-        }
-        Outcome::Status { code, reason } => {
-            let allow = if code == 405 { "Allow: GET, HEAD\r\n" } else { "" };
-            format!(
-                "HTTP/1.1 {code} {reason}\r\n{allow}Content-Type: text/plain; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{reason}\n",
-                reason.len() + 1
-            )
-            .into_bytes()
-        }
-    };
-    write_by(&mut stream, &response, deadline);
-    let _ = stream.shutdown(std::net::Shutdown::Write);
-    if failed {
-        drain(&mut stream, buf);
-    }
-}
-
-/// After an error response, reads and drops what the client still sends, briefly and boundedly:
-/// closing a socket with unread input resets the connection, and the client could lose the
-/// response it has not read yet.
-fn drain(stream: &mut TcpStream, buf: &mut [u8]) {
-    const DRAIN_BYTES: usize = 64 * 1024;
-    const DRAIN_TIME: Duration = Duration::from_millis(50);
-    let deadline = Instant::now() + DRAIN_TIME;
-    let mut drained = 0;
-    while drained < DRAIN_BYTES {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || stream.set_read_timeout(Some(left)).is_err() {
-            return;
-        }
-        match stream.read(buf) {
-            Ok(0) | Err(_) => return,
-            Ok(n) => drained += n,
-        }
-    }
-}
-
-/// Reads one request into `buf` and decides the answer; `None` when the client closed or the
-/// connection failed before a request arrived.
-fn read_request(stream: &mut TcpStream, limits: &Limits, buf: &mut [u8]) -> Option<Outcome> {
-    let deadline = Instant::now() + limits.request_timeout;
-    let mut len = 0;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Some(Outcome::Status { code: 408, reason: "Request Timeout" });
-        }
-        if stream.set_read_timeout(Some(left)).is_err() {
-            return None;
-        }
-        match stream.read(&mut buf[len..]) {
-            Ok(0) => return None,
-            Ok(n) => len += n,
-            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                return Some(Outcome::Status { code: 408, reason: "Request Timeout" })
-            }
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(_) => return None,
-        }
-        // A few reads per request at most: a fresh header table each time is cheap.
-        let mut headers = vec![httparse::EMPTY_HEADER; limits.max_headers];
-        let mut request = httparse::Request::new(&mut headers);
-        match request.parse(&buf[..len]) {
-            Ok(httparse::Status::Complete(_)) => return Some(route(request.method, request.path)),
-            Ok(httparse::Status::Partial) if len == buf.len() => {
-                return Some(Outcome::Status { code: 431, reason: "Request Header Fields Too Large" })
-            }
-            Ok(httparse::Status::Partial) => continue,
-            Err(httparse::Error::TooManyHeaders) => {
-                return Some(Outcome::Status { code: 431, reason: "Request Header Fields Too Large" })
-            }
-            Err(_) => return Some(Outcome::Status { code: 400, reason: "Bad Request" }),
-        }
-    }
-}
-
-fn route(method: Option<&str>, path: Option<&str>) -> Outcome {
-    let head = match method {
-        Some("GET") => false,
-        Some("HEAD") => true,
-        _ => return Outcome::Status { code: 405, reason: "Method Not Allowed" },
-    };
-    let path = path.unwrap_or("");
-    let path = path.split_once('?').map_or(path, |(p, _)| p);
     if path == "/metrics" {
         Outcome::Metrics { head }
     } else {
-        Outcome::Status { code: 404, reason: "Not Found" }
+        Outcome::Status(StatusCode::NOT_FOUND)
     }
 }
 
-/// Writes `bytes`, giving up at `deadline` (a client that does not read loses its answer).
-fn write_by(stream: &mut TcpStream, mut bytes: &[u8], deadline: Instant) {
-    while !bytes.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() || stream.set_write_timeout(Some(left)).is_err() {
-            return;
+/// The answer to one parsed request (`path` without its query).
+fn respond(method: &Method, path: &str, render: &dyn Fn() -> String) -> Response<Full<Bytes>> {
+    let (status, body, content_type, allow) = match route(method, path) {
+        Outcome::Metrics { head } => {
+            let page = render();
+            let length = page.len();
+            // HEAD: the length the GET body would have, no body.
+            let body = if head { Bytes::new() } else { Bytes::from(page) };
+            (StatusCode::OK, (body, length), CONTENT_TYPE, false)
         }
-        match stream.write(bytes) {
-            Ok(0) => return,
-            Ok(n) => bytes = &bytes[n..],
-            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(_) => return,
+        Outcome::Status(status) => {
+            let text = format!("{}\n", status.canonical_reason().unwrap_or(""));
+            let length = text.len();
+            (status, (Bytes::from(text), length), "text/plain; charset=utf-8", status == StatusCode::METHOD_NOT_ALLOWED)
         }
+    };
+    let (body, length) = body;
+    let mut response = Response::new(Full::new(body));
+    *response.status_mut() = status;
+    let headers = response.headers_mut();
+    headers.insert(CONTENT_TYPE_HEADER, HeaderValue::from_static(content_type));
+    headers.insert(CONTENT_LENGTH, HeaderValue::from(length));
+    if allow {
+        headers.insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
     }
+    response
+}
+
+/// Serves one connection whose client sends `request` and then closes its side, exactly as the
+/// endpoint would (same HTTP settings, same routing), and returns the bytes answered. For the
+/// fuzz target and tests: the whole request path without a socket. Bounded in time (the
+/// connection's limits) and in memory (the request head is bounded; `render`'s page is the
+/// only body).
+pub fn respond_to_bytes(request: &[u8], limits: Limits, render: &dyn Fn() -> String) -> Vec<u8> {
+    thread_local! {
+        static RUNTIME: Option<tokio::runtime::Runtime> =
+            tokio::runtime::Builder::new_current_thread().enable_time().build().ok();
+    }
+    RUNTIME.with(|runtime| {
+        let Some(runtime) = runtime else {
+            return Vec::new();
+        };
+        runtime.block_on(async {
+            let (server_io, mut client) = tokio::io::duplex(64 * 1024);
+            let service = service_fn(|request: Request<Incoming>| {
+                let response = respond(request.method(), request.uri().path(), render);
+                async move { Ok::<_, Infallible>(response) }
+            });
+            let lifetime = limits.request_timeout.saturating_add(limits.write_timeout);
+            let server = async {
+                let connection = builder(&limits).serve_connection(TokioIo::new(server_io), service);
+                let _ = tokio::time::timeout(lifetime, connection).await;
+            };
+            let client = async {
+                let _ = client.write_all(request).await;
+                let _ = client.shutdown().await;
+                let mut answer = Vec::new();
+                let _ = tokio::time::timeout(lifetime, client.read_to_end(&mut answer)).await;
+                answer
+            };
+            tokio::join!(server, client).1
+        })
+    })
 }
 
 #[cfg(test)]
@@ -252,18 +368,31 @@ mod tests {
 
     #[test]
     fn routes() {
-        assert!(matches!(route(Some("GET"), Some("/metrics")), Outcome::Metrics { head: false }));
-        assert!(matches!(route(Some("HEAD"), Some("/metrics?x=1")), Outcome::Metrics { head: true }));
-        assert!(matches!(route(Some("GET"), Some("/")), Outcome::Status { code: 404, .. }));
-        assert!(matches!(route(Some("GET"), Some("/metricsx")), Outcome::Status { code: 404, .. }));
-        assert!(matches!(route(Some("POST"), Some("/metrics")), Outcome::Status { code: 405, .. }));
+        assert_eq!(route(&Method::GET, "/metrics"), Outcome::Metrics { head: false });
+        assert_eq!(route(&Method::HEAD, "/metrics"), Outcome::Metrics { head: true });
+        assert_eq!(route(&Method::GET, "/"), Outcome::Status(StatusCode::NOT_FOUND));
+        assert_eq!(route(&Method::GET, "/metricsx"), Outcome::Status(StatusCode::NOT_FOUND));
+        assert_eq!(route(&Method::POST, "/metrics"), Outcome::Status(StatusCode::METHOD_NOT_ALLOWED));
     }
 
     #[test]
-    fn unspecified_addresses_are_woken_on_loopback() {
-        let a: SocketAddr = "0.0.0.0:9835".parse().expect("addr");
-        assert_eq!(wake_address(a), "127.0.0.1:9835".parse().expect("addr"));
-        let a: SocketAddr = "[::]:1".parse().expect("addr");
-        assert_eq!(wake_address(a), "[::1]:1".parse().expect("addr"));
+    fn request_bytes_get_the_endpoints_answers() {
+        let limits = Limits { request_timeout: Duration::from_millis(200), ..Limits::default() };
+        let page = || "# a page\n".to_string();
+        let answer = |request: &[u8]| String::from_utf8_lossy(&respond_to_bytes(request, limits, &page)).to_string();
+        let ok = answer(b"GET /metrics?x=1 HTTP/1.1\r\nHost: x\r\n\r\n");
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n") && ok.ends_with("\r\n\r\n# a page\n"), "{ok}");
+        assert!(ok.contains("Content-Type: text/plain; version=0.0.4"), "{ok}");
+        let head = answer(b"HEAD /metrics HTTP/1.1\r\n\r\n");
+        assert!(head.contains("Content-Length: 9\r\n") && head.ends_with("\r\n\r\n"), "{head}");
+        assert!(answer(b"GET / HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));
+        assert!(answer(b"PUT /metrics HTTP/1.1\r\nContent-Length: 0\r\n\r\n").contains("Allow: GET, HEAD"));
+        let garbage = answer(b"\x00\xff garbage\r\n\r\n");
+        assert!(garbage.starts_with("HTTP/1.1 400"), "{garbage:?}");
+        let mut big = b"GET /metrics HTTP/1.1\r\nX: ".to_vec();
+        big.resize(100_000, b'a');
+        assert!(answer(&big).starts_with("HTTP/1.1 431"));
+        assert_eq!(answer(b"GET /metr"), "", "an unfinished request gets no answer");
+        assert_eq!(answer(b""), "");
     }
 }

@@ -3,12 +3,14 @@
 //!
 //! - [`collector`]: a `prometheus` `Collector` in a registry of our own, reading each device's
 //!   statistics when scraped. [`METRICS`] lists every metric with its HELP text.
-//! - [`http`]: `/metrics` on one background thread, started only on request: by
-//!   [`serve`] (the C ABI's `stepalloc_metrics_serve`) or the `metrics_addr` configuration key
-//!   when the process-wide allocator is created.
+//! - [`http`]: `/metrics` on one background thread (hyper on a current-thread runtime confined
+//!   to it, connections served concurrently), started only on request: by [`serve`] (the C
+//!   ABI's `stepalloc_metrics_serve`) or the `metrics_addr` configuration key when the
+//!   process-wide allocator is created.
 //!
 //! Addresses: `host:port`, `:port` or `port`; the empty string means `127.0.0.1:9835`
-//! ([`DEFAULT_HOST`], [`DEFAULT_PORT`]). Under torchrun (`LOCAL_RANK` set) each rank listens on
+//! ([`DEFAULT_HOST`], [`DEFAULT_PORT`]). A host name must resolve to loopback; serving beyond
+//! this machine takes an IP address written out (`0.0.0.0:9835`), and is logged on stderr. Under torchrun (`LOCAL_RANK` set) each rank listens on
 //! `port + LOCAL_RANK`, so the ranks of one node do not collide; port 0 (any free port) is left
 //! as is. Under torchrun every sample also carries a `rank` label (`RANK`, else `LOCAL_RANK`).
 
@@ -16,11 +18,11 @@ pub mod collector;
 pub mod http;
 
 pub use collector::{Kind, MetricSpec, FREE_BLOCK_RANGE_LABELS, METRICS};
-pub use http::{Limits, MetricsServer, CONTENT_TYPE};
+pub use http::{respond_to_bytes, Limits, MetricsServer, CONTENT_TYPE};
 
 use crate::allocator::Allocator;
 use crate::error::{Error, Result};
-use std::net::{SocketAddr, ToSocketAddrs};
+use std::net::{IpAddr, SocketAddr, ToSocketAddrs};
 use std::sync::{Arc, OnceLock};
 
 /// Port of the endpoint when none is given (under torchrun: plus `LOCAL_RANK`).
@@ -59,27 +61,49 @@ pub fn serve_with(allocator: Arc<Allocator>, addr: &str, limits: Limits) -> Resu
 /// Turns an address as configured into the socket address to bind, adding `local_rank` to a
 /// non-zero port.
 pub fn resolve_addr(addr: &str, local_rank: Option<u16>) -> Result<SocketAddr> {
-    let bad = |why: &str| {
+    parse_addr(addr, local_rank).map_err(|why| {
         Error::InvalidArgument(format!(
             "metrics address `{addr}`: {why}; expected host:port, :port or port (default {DEFAULT_HOST}:{DEFAULT_PORT})"
         ))
-    };
-    let addr_trimmed = addr.trim();
-    let (host, port) = if addr_trimmed.is_empty() {
+    })
+}
+
+/// [`resolve_addr`]'s work, with the reason for a refusal as plain text.
+///
+/// Serving beyond this machine must be an explicit choice: a host name is accepted only where
+/// it resolves to a loopback address, and any other address must be written as an IP address
+/// (`0.0.0.0:9835`, `10.1.2.3:9835`); binding one is logged on stderr.
+pub(crate) fn parse_addr(addr: &str, local_rank: Option<u16>) -> std::result::Result<SocketAddr, String> {
+    let addr = addr.trim();
+    let (host, port) = if addr.is_empty() {
         (DEFAULT_HOST, DEFAULT_PORT.to_string())
-    } else if let Some((host, port)) = addr_trimmed.rsplit_once(':').filter(|(h, _)| !h.ends_with(':')) {
+    } else if let Some((host, port)) = addr.rsplit_once(':').filter(|(h, _)| !h.ends_with(':')) {
         (if host.is_empty() { DEFAULT_HOST } else { host }, port.to_string())
     } else {
-        (DEFAULT_HOST, addr_trimmed.to_string())
+        (DEFAULT_HOST, addr.to_string())
     };
     let host = host.strip_prefix('[').and_then(|h| h.strip_suffix(']')).unwrap_or(host);
-    let base: u16 = port.parse().map_err(|_| bad("the port is not a number from 0 to 65535"))?;
+    let base: u16 = port.parse().map_err(|_| format!("the port `{port}` is not a number from 0 to 65535"))?;
     let port = match (base, local_rank) {
         (0, _) | (_, None) => base,
-        (base, Some(rank)) => base.checked_add(rank).ok_or_else(|| bad("port + LOCAL_RANK exceeds 65535"))?,
+        (base, Some(rank)) => {
+            base.checked_add(rank).ok_or_else(|| format!("port {base} + LOCAL_RANK {rank} exceeds 65535"))?
+        }
     };
-    let mut found = (host, port).to_socket_addrs().map_err(|e| bad(&format!("cannot resolve the host ({e})")))?;
-    found.next().ok_or_else(|| bad("the host resolves to no address"))
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    let found: Vec<SocketAddr> =
+        (host, port).to_socket_addrs().map_err(|e| format!("cannot resolve the host `{host}` ({e})"))?.collect();
+    match found.iter().find(|a| a.ip().is_loopback()) {
+        Some(loopback) => Ok(*loopback),
+        None if found.is_empty() => Err(format!("the host `{host}` resolves to no address")),
+        None => Err(format!(
+            "the host `{host}` resolves to {}, not to loopback; to serve beyond this machine, write \
+             the IP address to bind (e.g. 0.0.0.0:{port})",
+            found.iter().map(|a| a.ip().to_string()).collect::<Vec<_>>().join(", ")
+        )),
+    }
 }
 
 /// `LOCAL_RANK` when running under torchrun.

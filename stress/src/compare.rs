@@ -41,6 +41,20 @@ pub struct Base {
 }
 
 impl Base {
+    /// Checks the base keys alone, so that an error names the flag they come from, not the
+    /// `--compare` entry they are prefixed to.
+    pub fn validate(&self) -> Result<(), String> {
+        stepalloc::Config::parse(&self.keys()).map(|_| ()).map_err(|e| {
+            if self.cuda {
+                format!("--backend cuda: {e}")
+            } else if self.devices > 1 {
+                format!("--capacity-mb {} (the trace uses {} devices): {e}", self.capacity_mb, self.devices)
+            } else {
+                format!("--capacity-mb {}: {e}", self.capacity_mb)
+            }
+        })
+    }
+
     fn keys(&self) -> String {
         if self.cuda {
             "backend:cuda".into()
@@ -65,6 +79,7 @@ pub fn resolve_one(name: &str, base: &Base) -> Result<RunConfig, String> {
             None => (name.to_string(), name.to_string()),
         },
     };
+    base.validate()?;
     let empty = name == "empty_cache_every_step";
     let full = if conf.is_empty() { base.keys() } else { format!("{},{conf}", base.keys()) };
     // Refuse a bad string before any run starts.
@@ -74,5 +89,6 @@ pub fn resolve_one(name: &str, base: &Base) -> Result<RunConfig, String> {
 
 /// Resolves preset names and raw strings into run configurations.
 pub fn resolve(names: &[String], base: &Base) -> Result<Vec<RunConfig>, String> {
+    base.validate()?;
     names.iter().map(|name| resolve_one(name, base)).collect()
 }

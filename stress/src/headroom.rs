@@ -20,6 +20,11 @@ use std::fmt::Write as _;
 /// The smallest scale tried: below it the headroom is reported as 0.
 pub const MIN_SCALE: f64 = 1.0 / 64.0;
 
+/// The largest `--max-scale` (scaled dimensions must still pass `AgentSpec::validate`).
+pub const MAX_SCALE: f64 = 1024.0;
+/// The most bisection steps (each halves the uncertainty: 52 exhaust an f64).
+pub const MAX_PROBES: u32 = 52;
+
 /// Which dimensions the scale multiplies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
@@ -121,8 +126,11 @@ pub fn run(
     if base.cuda {
         return Err("headroom runs on the simulated device only (--backend sim)".into());
     }
-    if args.max_scale.is_nan() || args.max_scale < 1.0 {
-        return Err("--max-scale must be at least 1".into());
+    if !(1.0..=MAX_SCALE).contains(&args.max_scale) {
+        return Err(format!("--max-scale {} is out of range: accepted 1..={MAX_SCALE}", args.max_scale));
+    }
+    if args.probes > MAX_PROBES {
+        return Err(format!("--probes {} is out of range: accepted 0..={MAX_PROBES}", args.probes));
     }
     let mut rows = Vec::new();
     for rc in configs {
@@ -138,7 +146,8 @@ pub fn run(
 }
 
 fn probe(spec: &AgentSpec, args: &HeadroomArgs, rc: &RunConfig, scale: f64) -> Result<(Probe, u64), String> {
-    let program = agent::generate(&scaled(spec, scale, args.dimension));
+    let program =
+        agent::generate(&scaled(spec, scale, args.dimension)).map_err(|e| format!("at scale {scale}: {e}"))?;
     let rc = RunConfig { stop_at_first_oom: true, explain: false, ..rc.clone() };
     let run = replay::run(&program, &rc, None, None)?;
     Ok((Probe { scale, fits: run.ooms == 0, peak_reserved: run.peak_reserved, floor: run.floor }, run.errors))

@@ -11,11 +11,11 @@ use std::time::Instant;
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::export::{self, ExportFormat};
 use stepalloc_stress::headroom::{self, HeadroomArgs};
-use stepalloc_stress::ops::Program;
-use stepalloc_stress::replay::{self, RunConfig};
+use stepalloc_stress::ops::{Program, SourceNotes};
+use stepalloc_stress::replay::{self, OpSource, RunConfig};
 use stepalloc_stress::report::{self, Report};
 use stepalloc_stress::trace;
-use stepalloc_stress::workload::agent::{self, AgentArgs};
+use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, AgentStream};
 use stepalloc_stress::workload::random::{self, RandomArgs};
 
 #[derive(Parser)]
@@ -116,20 +116,22 @@ fn run(cli: Cli) -> Result<i32, String> {
     let capacity_mb = if g.h200 { 143_771 } else { g.capacity_mb };
     let command = cli.command.unwrap_or_else(|| Command::Agent(AgentArgs::default()));
     let started = Instant::now();
-    let (program, workload, defaults) = match command {
+    // The agent workload is generated as it runs (one iteration at a time, again for every
+    // configuration); a trace is read once.
+    let (input, workload, defaults) = match command {
         Command::Agent(args) => {
             let spec = args.spec()?;
             let name = format!("agent {} (seed {})", spec.preset, spec.seed);
-            (agent::generate(&spec), name, compare::DEFAULT_AGENT)
+            (Input::Agent(spec), name, compare::DEFAULT_AGENT)
         }
         Command::Replay { file } => {
             let program = trace::load(&file).map_err(|e| format!("{}: {e}", file.display()))?;
-            (program, format!("replay {}", file.display()), compare::DEFAULT_OTHER)
+            (Input::Trace(program), format!("replay {}", file.display()), compare::DEFAULT_OTHER)
         }
         Command::Random(args) => return run_random(g, &args, capacity_mb),
         Command::Headroom { agent, search } => return run_headroom(g, &agent, &search, capacity_mb),
         Command::GenTrace { agent, format, out } => {
-            let program = agent::generate(&agent.spec()?);
+            let program = agent::generate(&agent.spec()?)?;
             let file = std::fs::File::create(&out).map_err(|e| format!("{}: {e}", out.display()))?;
             let mut w = std::io::BufWriter::new(file);
             let events = export::export(&program, format, &mut w)?;
@@ -139,21 +141,39 @@ fn run(cli: Cli) -> Result<i32, String> {
         }
     };
     let parse_s = started.elapsed().as_secs_f64();
-    if g.timing {
-        eprintln!("timing: {} ops built in {:.3} s", program.ops.len(), parse_s);
-    }
-    let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: program.devices };
+    let (devices, notes) = match &input {
+        Input::Trace(program) => {
+            if g.timing {
+                eprintln!("timing: {} ops built in {:.3} s", program.ops.len(), parse_s);
+            }
+            (program.devices, program.notes.clone())
+        }
+        Input::Agent(spec) => {
+            (1, SourceNotes { format: format!("agent {} (seed {})", spec.preset, spec.seed), ..Default::default() })
+        }
+    };
+    let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices };
     let mut configs = resolve(g, defaults, &base)?;
     for rc in &mut configs {
         rc.explain = g.explain;
     }
-    let mut report = Report { workload, source: program.notes.clone(), parse_s, runs: Vec::new() };
+    let mut report = Report { workload, source: notes, parse_s, runs: Vec::new() };
     for rc in &configs {
-        let pb = progress(&program, rc);
-        let run = replay::run(&program, rc, pb.as_ref(), g.metrics_addr.as_deref())?;
-        if let Some(pb) = pb {
-            pb.finish_and_clear();
-        }
+        let run = match &input {
+            Input::Trace(program) => {
+                let pb = progress(program.ops.len() as u64, rc);
+                let run = replay::run(program, rc, pb.as_ref(), g.metrics_addr.as_deref());
+                finish(pb);
+                run?
+            }
+            Input::Agent(spec) => {
+                let mut stream = AgentStream::new(spec)?;
+                let pb = progress(stream.len_hint(), rc);
+                let run = replay::run_source(&mut stream, rc, pb.as_ref(), g.metrics_addr.as_deref());
+                finish(pb);
+                run?
+            }
+        };
         if g.timing {
             print_timing(&rc.name, &run);
         }
@@ -161,6 +181,18 @@ fn run(cli: Cli) -> Result<i32, String> {
     }
     emit(g, &report)?;
     Ok(0)
+}
+
+/// What `agent` and `replay` run: a workload generated as it runs, or a trace read whole.
+enum Input {
+    Agent(AgentSpec),
+    Trace(Program),
+}
+
+fn finish(pb: Option<ProgressBar>) {
+    if let Some(pb) = pb {
+        pb.finish_and_clear();
+    }
 }
 
 /// The configurations of `--compare`, or the default comparison.
@@ -189,11 +221,11 @@ fn run_headroom(g: &Global, agent: &AgentArgs, search: &HeadroomArgs, capacity_m
     Ok(0)
 }
 
-fn progress(program: &Program, rc: &RunConfig) -> Option<ProgressBar> {
+fn progress(ops: u64, rc: &RunConfig) -> Option<ProgressBar> {
     if !std::io::stderr().is_terminal() {
         return None;
     }
-    let pb = ProgressBar::new(program.ops.len() as u64);
+    let pb = ProgressBar::new(ops);
     if let Ok(style) = ProgressStyle::with_template("{msg:>24} [{bar:40}] {pos}/{len} ops ({eta})") {
         pb.set_style(style.progress_chars("=> "));
     }

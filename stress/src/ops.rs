@@ -1,11 +1,26 @@
 //! The event stream every workload and trace parser produces and the runner consumes.
 //!
 //! Invariants of a `Program` built through `ProgramBuilder`: allocation ids are dense
-//! (0..ids), each id is allocated at most once and freed at most once after its allocation;
+//! (0..ids); an id is freed at most once after its allocation, and handed out again only after
+//! that free (so ids stay below the most blocks ever live at once, however long the stream);
 //! `StepBegin` phases index `phases`; devices are below `devices`. Parsers of foreign traces
 //! keep these invariants by skipping (and counting) events that would break them.
+//!
+//! Bounds (every producer goes through `ProgramBuilder`, so none can exceed them): at most
+//! `MAX_OPS` events, devices below `MAX_DEVICES`, at most `stepalloc::step::MAX_PHASES` phases,
+//! and simulated time that never passes `MAX_TIME_NS` in total. The first bound an input
+//! crosses is kept as the builder's `limit_error`; from then on the builder records nothing,
+//! and the producer reports the error (with its own position) instead of a program.
 
 use serde::Serialize;
+
+/// Events in one program at most: 2^26 events take about 1.6 GB (24 bytes each).
+pub const MAX_OPS: usize = 1 << 26;
+/// Devices a program may use: the simulated device's limit (`sim_devices` 1..64).
+pub const MAX_DEVICES: u16 = 64;
+/// Simulated time a program may advance in total (2^62 ns, about 146 years): jumps beyond it
+/// are cut so the device's clock, which adds its own delays on top, never overflows.
+pub const MAX_TIME_NS: u64 = 1 << 62;
 
 /// One event of a workload or trace.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -51,9 +66,12 @@ pub struct SourceNotes {
     pub native: Option<NativeFigures>,
 }
 
-/// PyTorch's native allocator's reserved bytes, from a snapshot's segment events and segments.
+/// The recording allocator's reserved bytes, from a snapshot's segment events and segments.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct NativeFigures {
+    /// Which allocator recorded them: PyTorch's native allocator, or stepalloc (its own
+    /// snapshots).
+    pub allocator: String,
     /// Peak reserved over the trace, from replaying segment_alloc / segment_free on top of
     /// the reserved bytes the trace started from (derived from `segments` when present).
     pub peak_reserved: Option<u64>,
@@ -68,7 +86,7 @@ pub struct NativeFigures {
 pub struct Program {
     pub ops: Vec<Op>,
     pub phases: Vec<String>,
-    /// Number of allocation ids used (ids are 0..ids).
+    /// Number of allocation ids used (ids are 0..ids; an id is reused after its free).
     pub ids: u32,
     /// Number of devices the program touches.
     pub devices: u16,
@@ -82,58 +100,177 @@ impl Program {
 }
 
 /// Builds a `Program`, handing out ids and interning phase names.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct ProgramBuilder {
     program: Program,
+    /// Simulated time advanced so far (at most `MAX_TIME_NS`).
+    time_ns: u64,
+    /// The first bound crossed (see the module docs); nothing is recorded after it.
+    limit_error: Option<String>,
+    /// Events at most (`MAX_OPS` unless lowered), counted since the last `take_ops`.
+    max_ops: usize,
+    /// Ids freed and not handed out again (reused last freed first).
+    free_ids: Vec<u32>,
+    /// By id: whether it is allocated now (only such an id is recycled at its free, so a
+    /// producer's double free never hands one id to two live blocks).
+    live_ids: Vec<bool>,
+}
+
+impl Default for ProgramBuilder {
+    fn default() -> ProgramBuilder {
+        ProgramBuilder::new("")
+    }
 }
 
 impl ProgramBuilder {
     pub fn new(format: &str) -> ProgramBuilder {
-        let mut b = ProgramBuilder::default();
-        b.program.notes.format = format.to_string();
-        b.program.devices = 1;
-        b
+        let mut program = Program::default();
+        program.notes.format = format.to_string();
+        program.devices = 1;
+        ProgramBuilder {
+            program,
+            time_ns: 0,
+            limit_error: None,
+            max_ops: MAX_OPS,
+            free_ids: Vec::new(),
+            live_ids: Vec::new(),
+        }
     }
 
+    /// Lowers the bound on events below `MAX_OPS` (tests, callers with less memory).
+    pub fn with_max_ops(mut self, max_ops: usize) -> ProgramBuilder {
+        self.max_ops = max_ops.min(MAX_OPS);
+        self
+    }
+
+    /// Records the first bound crossed; later ones add nothing.
+    fn fail(&mut self, what: String) {
+        self.limit_error.get_or_insert(what);
+    }
+
+    /// Whether one more event fits; records the error when it does not.
+    fn room(&mut self) -> bool {
+        if self.limit_error.is_some() {
+            return false;
+        }
+        if self.program.ops.len() >= self.max_ops {
+            self.fail(format!("more than {} events: over the limit of one program", self.max_ops));
+            return false;
+        }
+        true
+    }
+
+    /// The first bound the program crossed, if any (see the module docs).
+    pub fn limit_error(&self) -> Option<&str> {
+        self.limit_error.as_deref()
+    }
+
+    /// Allocates a new id. Once a bound is crossed nothing is recorded and the id returned is
+    /// a placeholder (the program is never finished then).
     pub fn alloc(&mut self, size: u64, stream: u64, device: u16) -> u32 {
-        let id = self.program.ids;
-        self.program.ids += 1;
+        if device >= MAX_DEVICES {
+            self.fail(format!("device {device} is out of range (devices 0..{} at most)", MAX_DEVICES - 1));
+        }
+        if !self.room() {
+            return 0;
+        }
+        // New ids stay below the most blocks live at once.
+        let id = match self.free_ids.pop() {
+            Some(id) => id,
+            None if self.program.ids == u32::MAX => {
+                self.fail(format!("more than {} blocks live at once", u32::MAX));
+                return 0;
+            }
+            None => {
+                self.program.ids += 1;
+                self.live_ids.push(false);
+                self.program.ids - 1
+            }
+        };
+        self.live_ids[id as usize] = true;
         self.program.devices = self.program.devices.max(device + 1);
         self.program.ops.push(Op::Alloc { id, size, stream, device });
         id
     }
 
     pub fn free(&mut self, id: u32) {
-        self.program.ops.push(Op::Free { id });
+        if self.room() {
+            self.program.ops.push(Op::Free { id });
+            if let Some(live) = self.live_ids.get_mut(id as usize) {
+                if *live {
+                    *live = false;
+                    self.free_ids.push(id);
+                }
+            }
+        }
     }
 
     pub fn record_stream(&mut self, id: u32, stream: u64) {
-        self.program.ops.push(Op::RecordStream { id, stream });
+        if self.room() {
+            self.program.ops.push(Op::RecordStream { id, stream });
+        }
     }
 
     pub fn step_begin(&mut self, phase: &str) {
         let index = match self.program.phases.iter().position(|p| p == phase) {
             Some(i) => i,
+            None if self.program.phases.len() >= stepalloc::step::MAX_PHASES => {
+                return self.fail(format!(
+                    "phase `{phase}` is one more than the {} distinct phases allowed",
+                    stepalloc::step::MAX_PHASES
+                ));
+            }
             None => {
                 self.program.phases.push(phase.to_string());
                 self.program.phases.len() - 1
             }
         };
-        self.program.ops.push(Op::StepBegin { phase: index as u16 });
+        if self.room() {
+            // Below MAX_PHASES, so it fits u16.
+            self.program.ops.push(Op::StepBegin { phase: index as u16 });
+        }
     }
 
     pub fn step_end(&mut self) {
-        self.program.ops.push(Op::StepEnd);
+        if self.room() {
+            self.program.ops.push(Op::StepEnd);
+        }
     }
 
     pub fn empty_cache(&mut self) {
-        self.program.ops.push(Op::EmptyCache);
+        if self.room() {
+            self.program.ops.push(Op::EmptyCache);
+        }
     }
 
+    /// Simulated time passes; the program's total is cut at `MAX_TIME_NS`.
     pub fn advance(&mut self, ns: u64) {
-        if ns > 0 {
+        let ns = ns.min(MAX_TIME_NS - self.time_ns);
+        if ns > 0 && self.room() {
+            self.time_ns += ns;
             self.program.ops.push(Op::Advance { ns });
         }
+    }
+
+    /// Takes the events recorded so far (a stream hands them out in chunks); the bound on
+    /// events counts from here again. Ids, phases and devices carry on.
+    pub fn take_ops(&mut self) -> Vec<Op> {
+        std::mem::take(&mut self.program.ops)
+    }
+
+    /// The phases seen so far (`StepBegin` indexes them).
+    pub fn phases(&self) -> &[String] {
+        &self.program.phases
+    }
+
+    /// Ids handed out so far (every id is below it).
+    pub fn ids(&self) -> u32 {
+        self.program.ids
+    }
+
+    /// Simulated time advanced so far.
+    pub fn time_ns(&self) -> u64 {
+        self.time_ns
     }
 
     pub fn notes_mut(&mut self) -> &mut SourceNotes {
@@ -148,8 +285,12 @@ impl ProgramBuilder {
         self.program.ops.is_empty()
     }
 
-    pub fn finish(self) -> Program {
-        self.program
+    /// The program, or the first bound it crossed.
+    pub fn finish(self) -> Result<Program, String> {
+        match self.limit_error {
+            Some(e) => Err(e),
+            None => Ok(self.program),
+        }
     }
 }
 

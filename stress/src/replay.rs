@@ -35,6 +35,43 @@ pub struct RunConfig {
     pub stop_at_first_oom: bool,
 }
 
+/// A chunk of events and the phases known so far (`StepBegin` indexes them).
+pub type Chunk<'a> = (&'a [Op], &'a [String]);
+
+/// Events handed to the runner in chunks: a whole `Program` is one chunk, a generated workload
+/// one chunk per iteration (`workload::agent::AgentStream`), so it is never held whole.
+pub trait OpSource {
+    /// The next chunk of events and the phases known so far, or `None` at the end.
+    fn next_chunk(&mut self) -> Result<Option<Chunk<'_>>, String>;
+    /// Events in total, or an estimate (for the timeline's sampling and progress).
+    fn len_hint(&self) -> u64;
+    /// Devices the events use.
+    fn devices(&self) -> u16;
+}
+
+/// A whole program as one chunk.
+struct Whole<'a> {
+    program: &'a Program,
+    done: bool,
+}
+
+impl OpSource for Whole<'_> {
+    fn next_chunk(&mut self) -> Result<Option<Chunk<'_>>, String> {
+        if std::mem::replace(&mut self.done, true) {
+            return Ok(None);
+        }
+        Ok(Some((&self.program.ops, &self.program.phases)))
+    }
+
+    fn len_hint(&self) -> u64 {
+        self.program.ops.len() as u64
+    }
+
+    fn devices(&self) -> u16 {
+        self.program.devices
+    }
+}
+
 /// Runs `program` under `rc`. `metrics_addr`: serve live metrics while it runs.
 pub fn run(
     program: &Program,
@@ -42,50 +79,66 @@ pub fn run(
     progress: Option<&ProgressBar>,
     metrics_addr: Option<&str>,
 ) -> Result<RunReport, String> {
+    run_source(&mut Whole { program, done: false }, rc, progress, metrics_addr)
+}
+
+/// Runs the events of `source` under `rc`, chunk by chunk. `metrics_addr`: serve live metrics
+/// while it runs.
+pub fn run_source(
+    source: &mut dyn OpSource,
+    rc: &RunConfig,
+    progress: Option<&ProgressBar>,
+    metrics_addr: Option<&str>,
+) -> Result<RunReport, String> {
     let config = Config::parse(&rc.conf).map_err(|e| format!("configuration `{}`: {e}", rc.conf))?;
     let devices = config.sim.devices.max(1);
-    if config.backend == stepalloc::BackendKind::Sim && devices < program.devices as usize {
-        return Err(format!("the program uses {} devices but the configuration has {devices}", program.devices));
+    if config.backend == stepalloc::BackendKind::Sim && devices < source.devices() as usize {
+        return Err(format!("the program uses {} devices but the configuration has {devices}", source.devices()));
     }
     let allocator = Arc::new(Allocator::new(config).map_err(|e| format!("cannot create the allocator: {e}"))?);
+    // The endpoint serves this run only: it is shut down (its port closed) when the run ends,
+    // however it ends, so the next configuration can serve on the same address.
     let _server = match metrics_addr {
-        Some(addr) => match stepalloc::metrics::serve(allocator.clone(), addr) {
-            Ok(server) => {
-                eprintln!("serving live metrics of `{}` on http://{}/metrics", rc.name, server.addr);
-                Some(server)
-            }
-            Err(e) => {
-                eprintln!("warning: metrics endpoint not started: {e}");
-                None
-            }
-        },
+        Some(addr) => {
+            let server = stepalloc::metrics::serve(allocator.clone(), addr)
+                .map_err(|e| format!("--metrics-addr `{addr}` for `{}`: {e}", rc.name))?;
+            eprintln!("serving live metrics of `{}` on http://{}/metrics", rc.name, server.addr);
+            Some(ServerGuard(Some(server)))
+        }
         None => None,
     };
-    let mut runner = Runner::new(&allocator, program);
+    let mut runner = Runner::new(&allocator);
     runner.explain = rc.explain;
     let started = Instant::now();
-    let stride = (program.ops.len() / TIMELINE_POINTS).max(1);
-    for (i, &op) in program.ops.iter().enumerate() {
-        runner.apply(op, i, rc.empty_cache_every_step)?;
-        if rc.stop_at_first_oom && runner.ooms > 0 {
-            break;
-        }
-        if i % stride == 0 {
-            runner.sample(i as u64);
-        }
-        if i % 8192 == 0 {
-            if let Some(pb) = progress {
-                pb.set_position(i as u64);
+    let stride = usize::try_from(source.len_hint() / TIMELINE_POINTS as u64).unwrap_or(usize::MAX).max(1);
+    // Index of the next event over all chunks.
+    let mut i = 0usize;
+    'chunks: while let Some((ops, phases)) = source.next_chunk()? {
+        for &op in ops {
+            runner.apply(op, i, phases, rc.empty_cache_every_step)?;
+            if rc.stop_at_first_oom && runner.ooms > 0 {
+                i += 1;
+                break 'chunks;
             }
+            if i % stride == 0 {
+                runner.sample(i as u64);
+            }
+            if i % 8192 == 0 {
+                if let Some(pb) = progress {
+                    pb.set_position(i as u64);
+                }
+            }
+            i += 1;
         }
     }
+    let ops = i as u64;
     let wall = started.elapsed().as_secs_f64();
-    runner.sample(program.ops.len() as u64);
+    runner.sample(ops);
     if let Err(e) = allocator.check_invariants() {
         return Err(format!("allocator invariants broken after `{}`: {e}", rc.name));
     }
     let live: Vec<(u16, u64)> = runner.live.iter().flatten().map(|l| (l.device, l.ptr)).collect();
-    let report = runner.finish(rc, program, wall);
+    let report = runner.finish(rc, ops, wall);
     // Give the memory back before the next configuration runs: on a GPU every run of the
     // comparison shares the one device (the allocator itself never releases at drop).
     for (device, addr) in live {
@@ -93,6 +146,17 @@ pub fn run(
     }
     let _ = allocator.empty_cache();
     Ok(report)
+}
+
+/// Shuts the metrics endpoint down when dropped.
+struct ServerGuard(Option<stepalloc::metrics::MetricsServer>);
+
+impl Drop for ServerGuard {
+    fn drop(&mut self) {
+        if let Some(server) = self.0.take() {
+            server.shutdown();
+        }
+    }
 }
 
 /// Running totals of the driver's work (see `Runner::driver_totals`).
@@ -112,7 +176,6 @@ struct Live {
 
 struct Runner<'a> {
     allocator: &'a Allocator,
-    phases: &'a [String],
     devices: usize,
     /// By id: the live allocation, if any.
     live: Vec<Option<Live>>,
@@ -137,14 +200,11 @@ struct Runner<'a> {
 }
 
 impl<'a> Runner<'a> {
-    fn new(allocator: &'a Allocator, program: &'a Program) -> Runner<'a> {
-        let mut live = Vec::with_capacity(program.ids as usize);
-        live.resize_with(program.ids as usize, || None);
+    fn new(allocator: &'a Allocator) -> Runner<'a> {
         Runner {
             allocator,
-            phases: &program.phases,
             devices: allocator.device_count(),
-            live,
+            live: Vec::new(),
             requested: 0,
             floor: 0,
             ooms: 0,
@@ -173,11 +233,15 @@ impl<'a> Runner<'a> {
         }
     }
 
-    fn apply(&mut self, op: Op, index: usize, empty_cache_every_step: bool) -> Result<(), String> {
+    fn apply(&mut self, op: Op, index: usize, phases: &[String], empty_cache_every_step: bool) -> Result<(), String> {
         match op {
             Op::Alloc { id, size, stream, device } => {
                 match self.allocator.malloc(device as usize, size, Stream(stream)) {
                     Ok(ptr) => {
+                        // Ids are dense: the table grows as new ones appear.
+                        if id as usize >= self.live.len() {
+                            self.live.resize_with(id as usize + 1, || None);
+                        }
                         self.live[id as usize] = Some(Live { device, ptr, size });
                         self.requested += size;
                         self.floor = self.floor.max(self.requested);
@@ -210,7 +274,7 @@ impl<'a> Runner<'a> {
                 }
             }
             Op::StepBegin { phase } => {
-                let name = self.phases.get(phase as usize).map_or("step", String::as_str);
+                let name = phases.get(phase as usize).map_or("step", String::as_str);
                 self.allocator.step_begin(name).map_err(|e| format!("op {index}: step_begin: {e}"))?;
                 self.step_floor = self.requested;
                 self.step_ooms = 0;
@@ -320,7 +384,7 @@ impl<'a> Runner<'a> {
         self.timeline.push(Sample { op, requested: self.requested, allocated, reserved });
     }
 
-    fn finish(self, rc: &RunConfig, program: &Program, wall: f64) -> RunReport {
+    fn finish(self, rc: &RunConfig, ops: u64, wall: f64) -> RunReport {
         let mut r = RunReport { name: rc.name.clone(), conf: rc.conf.clone(), ..Default::default() };
         for d in 0..self.devices {
             let Ok(s) = self.allocator.stats(d) else { continue };
@@ -341,7 +405,7 @@ impl<'a> Runner<'a> {
             add_opt(&mut r.moved_bytes, stat_u64(&map, MOVED_BYTES_KEYS));
             r.driver_time_s += driver_seconds(&map);
         }
-        r.ops = program.ops.len() as u64;
+        r.ops = ops;
         r.floor = self.floor;
         r.reserved_over_floor = ratio(r.peak_reserved, r.floor);
         r.allocated_over_floor = ratio(r.peak_allocated, r.floor);

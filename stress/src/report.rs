@@ -290,7 +290,8 @@ pub fn table(report: &Report) -> String {
     if let Some(native) = &n.native {
         let _ = writeln!(
             out,
-            "PyTorch's native allocator in this snapshot: peak reserved {} GiB, reserved at snapshot {} GiB ({} segment allocs, {} segment frees)",
+            "{} in this snapshot: peak reserved {} GiB, reserved at snapshot {} GiB ({} segment allocs, {} segment frees)",
+            native.allocator,
             native.peak_reserved.map_or("?".into(), gib),
             native.current_reserved.map_or("?".into(), gib),
             native.segment_allocs,

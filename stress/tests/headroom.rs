@@ -23,7 +23,7 @@ fn search(names: &[&str], capacity_mb: u64, probes: u32) -> HeadroomReport {
 }
 
 fn ooms_at(rc: &RunConfig, scale: f64) -> u64 {
-    let program = agent::generate(&headroom::scaled(&small_vlm(), scale, Dimension::Batch));
+    let program = agent::generate(&headroom::scaled(&small_vlm(), scale, Dimension::Batch)).unwrap();
     replay::run(&program, rc, None, None).unwrap().ooms
 }
 

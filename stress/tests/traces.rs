@@ -80,7 +80,8 @@ fn free_requested_is_used_when_no_free_completed_exists() {
         vec![
             Op::Alloc { id: 0, size: 100, stream: 0, device: 0 },
             Op::Free { id: 0 },
-            Op::Alloc { id: 1, size: 200, stream: 5, device: 0 },
+            // A freed id is handed out again.
+            Op::Alloc { id: 0, size: 200, stream: 5, device: 0 },
         ]
     );
     assert_eq!(p.notes.duplicate_allocs, 0);

@@ -36,20 +36,20 @@ fn run_all(program: &Program, names: &[&str], capacity_mb: u64) -> Report {
 #[test]
 fn same_seed_same_report() {
     let names = ["pytorch", "empty_cache_every_step", "stepalloc"];
-    let a = run_all(&agent::generate(&small_vlm(7)), &names, 81920);
-    let b = run_all(&agent::generate(&small_vlm(7)), &names, 81920);
+    let a = run_all(&agent::generate(&small_vlm(7)).unwrap(), &names, 81920);
+    let b = run_all(&agent::generate(&small_vlm(7)).unwrap(), &names, 81920);
     let ja = report::without_wall_clock(a.to_json(true, true));
     let jb = report::without_wall_clock(b.to_json(true, true));
     assert_eq!(ja, jb);
     assert!(ja["runs"][0].get("wall_s").is_none());
-    let other = agent::generate(&small_vlm(8));
-    assert_ne!(agent::generate(&small_vlm(7)).ops, other.ops, "the seed matters");
+    let other = agent::generate(&small_vlm(8)).unwrap();
+    assert_ne!(agent::generate(&small_vlm(7)).unwrap().ops, other.ops, "the seed matters");
 }
 
 #[test]
 fn agent_workload_follows_its_dimensions() {
     let spec = small_vlm(3);
-    let p = agent::generate(&spec);
+    let p = agent::generate(&spec).unwrap();
     assert_eq!(p.phases, vec!["rollout".to_string(), "train".to_string()]);
     let steps = p.ops.iter().filter(|op| matches!(op, Op::StepBegin { .. })).count();
     assert_eq!(steps as u64, 2 * spec.iterations);
@@ -87,18 +87,18 @@ fn agent_workload_follows_its_dimensions() {
 #[test]
 fn presets_and_flags_change_the_workload() {
     let sft = AgentArgs { preset: Some(Preset::Llm7bSft), iterations: Some(6), ..Default::default() }.spec().unwrap();
-    let p = agent::generate(&sft);
+    let p = agent::generate(&sft).unwrap();
     assert!(!p.phases.contains(&"rollout".to_string()));
     assert!(p.phases.contains(&"eval".to_string()), "SFT evaluates every 6 steps");
     let ckpt = AgentArgs { grad_checkpointing: Some(false), iterations: Some(1), ..Default::default() }.spec().unwrap();
-    let with = agent::generate(&AgentSpec { iterations: 1, ..AgentSpec::preset(Preset::Vlm7b) });
-    let without = agent::generate(&ckpt);
+    let with = agent::generate(&AgentSpec { iterations: 1, ..AgentSpec::preset(Preset::Vlm7b) }).unwrap();
+    let without = agent::generate(&ckpt).unwrap();
     let r_with = run_all(&with, &["pytorch"], 1 << 20);
     let r_without = run_all(&without, &["pytorch"], 1 << 20);
     let train_floor = |r: &Report| r.runs[0].steps.iter().find(|s| s.phase == "train").unwrap().peak_requested;
     assert!(train_floor(&r_without) > train_floor(&r_with), "checkpointing saves activation memory");
     let trained = AgentArgs { train_vision: Some(true), iterations: Some(1), ..Default::default() }.spec().unwrap();
-    let r_trained = run_all(&agent::generate(&trained), &["pytorch"], 1 << 20);
+    let r_trained = run_all(&agent::generate(&trained).unwrap(), &["pytorch"], 1 << 20);
     assert!(train_floor(&r_trained) > train_floor(&r_with), "a trained vision encoder keeps activations and state");
     let bad = AgentArgs { heads: Some(5), ..Default::default() }.spec();
     assert!(bad.is_err());
@@ -106,7 +106,7 @@ fn presets_and_flags_change_the_workload() {
 
 #[test]
 fn out_of_memory_is_counted_and_the_run_goes_on() {
-    let p = agent::generate(&small_vlm(1));
+    let p = agent::generate(&small_vlm(1)).unwrap();
     let r = run_all(&p, &["pytorch"], 30 * 1024);
     let run = &r.runs[0];
     assert!(run.ooms > 0, "30 GiB is too small for this workload");
@@ -118,7 +118,7 @@ fn out_of_memory_is_counted_and_the_run_goes_on() {
 
 #[test]
 fn empty_cache_every_step_leaves_only_live_memory_at_step_ends() {
-    let p = agent::generate(&small_vlm(2));
+    let p = agent::generate(&small_vlm(2)).unwrap();
     let r = run_all(&p, &["pytorch", "empty_cache_every_step"], 81920);
     let (native, emptied) = (&r.runs[0], &r.runs[1]);
     assert!(emptied.reserved_at_step_end_mean < native.reserved_at_step_end_mean);
@@ -131,7 +131,7 @@ fn empty_cache_every_step_leaves_only_live_memory_at_step_ends() {
 
 #[test]
 fn exported_traces_replay_to_the_same_figures() {
-    let p = agent::generate(&AgentSpec { iterations: 1, ..AgentSpec::preset(Preset::Llm7bSft) });
+    let p = agent::generate(&AgentSpec { iterations: 1, ..AgentSpec::preset(Preset::Llm7bSft) }).unwrap();
     let original = run_all(&p, &["pytorch"], 81920).runs.remove(0);
     for format in [ExportFormat::Jsonl, ExportFormat::Rmm, ExportFormat::TorchJson] {
         let mut buf = Vec::new();
@@ -178,7 +178,7 @@ fn peak_explanation_accounts_for_every_reserved_byte() {
     assert_eq!((e.segments, e.free_in_used_segments, e.whole_free_segments, e.whole_free_bytes), (3, 50, 2, 100));
     assert_eq!(e.whole_free_by_size, vec![(50, 2)]);
 
-    let p = agent::generate(&small_vlm(5));
+    let p = agent::generate(&small_vlm(5)).unwrap();
     let mut configs = compare::resolve(&["pytorch".into()], &base(81920)).unwrap();
     configs[0].explain = true;
     let run = replay::run(&p, &configs[0], None, None).unwrap();
@@ -200,7 +200,7 @@ fn shadow_map_finds_overlaps() {
 
 #[test]
 fn plot_draws_three_lines_per_configuration() {
-    let p = agent::generate(&small_vlm(4));
+    let p = agent::generate(&small_vlm(4)).unwrap();
     let r = run_all(&p, &["pytorch", "split128", "stepalloc"], 81920);
     let svg = report::svg(&r);
     assert!(svg.starts_with("<svg") && svg.trim_end().ends_with("</svg>"));
@@ -271,7 +271,7 @@ fn every_preset_is_accepted() {
 
 #[test]
 fn driver_time_per_step_is_the_runs_time_over_its_steps() {
-    let p = agent::generate(&small_vlm(6));
+    let p = agent::generate(&small_vlm(6)).unwrap();
     let r = run_all(&p, &["pytorch", "empty_cache_every_step"], 81920);
     for run in &r.runs {
         assert!(run.driver_time_s > 0.0, "{}: the cost model charges device mallocs", run.name);
@@ -296,7 +296,7 @@ fn driver_time_per_step_is_the_runs_time_over_its_steps() {
 #[test]
 fn stepalloc_beats_expandable_segments_on_agent_presets() {
     for preset in [Preset::Vlm7b, Preset::Llm7bSft] {
-        let p = agent::generate(&AgentSpec::preset(preset));
+        let p = agent::generate(&AgentSpec::preset(preset)).unwrap();
         let names: Vec<String> = ["pytorch_expandable", "stepalloc"].iter().map(|s| s.to_string()).collect();
         let configs = compare::resolve(&names, &base(81920)).unwrap();
         let runs: Vec<_> = configs.iter().map(|rc| replay::run(&p, rc, None, None).unwrap()).collect();

@@ -264,6 +264,10 @@ static void scenario_edge(void) {
 static void scenario_bad_config(void) {
     CHECK(p_stepalloc_configure("max_split_size_mb:abc") == STEPALLOC_CONFIG, "bad value");
     CHECK(strstr(last_error(), "max_split_size_mb") != NULL, "names the key: %s", last_error());
+    CHECK(strstr(last_error(), "stepalloc_configure") != NULL, "names the source: %s", last_error());
+    CHECK(p_stepalloc_configure("sim_capacity_mb:0") == STEPALLOC_CONFIG, "capacity 0");
+    CHECK(strstr(last_error(), "`0`") != NULL && strstr(last_error(), "1..16777216") != NULL, "value and range: %s",
+          last_error());
     CHECK(p_stepalloc_configure("no_such_key:1") == STEPALLOC_CONFIG, "unknown key");
     CHECK(strstr(last_error(), "no_such_key") != NULL && strstr(last_error(), "accepted keys") != NULL, "%s",
           last_error());
@@ -271,11 +275,43 @@ static void scenario_bad_config(void) {
     CHECK(p_stepalloc_configure("backend:sim,page_reuse:True") == STEPALLOC_CONFIG, "page_reuse needs expandable segments");
     CHECK(p_stepalloc_configure(NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL");
     CHECK(p_stepalloc_configure("backend:sim,\xff:1") == STEPALLOC_INVALID_ARGUMENT, "not UTF-8");
+    /* With a length, an embedded NUL is refused, not read as the end (issue 12, item 14). */
+    static const char with_nul[] = "backend:sim\0garbage";
+    CHECK(p_stepalloc_configure_len(with_nul, sizeof with_nul - 1) == STEPALLOC_CONFIG, "NUL inside");
+    CHECK(strstr(last_error(), "NUL character") != NULL && strstr(last_error(), "garbage") != NULL, "%s",
+          last_error());
+    CHECK(p_stepalloc_configure_len(NULL, 0) == STEPALLOC_INVALID_ARGUMENT, "NULL with a length");
     /* Nothing was applied: a good configuration still can be. */
-    CHECK(p_stepalloc_configure("backend:sim,sim_capacity_mb:1024") == STEPALLOC_OK, "%s", last_error());
+    static const char good[] = "backend:sim,sim_capacity_mb:1024,trailing bytes not read";
+    CHECK(p_stepalloc_configure_len(good, 32) == STEPALLOC_OK, "%s", last_error());
+    static const char phase[] = "ab\0cd";
+    CHECK(p_stepalloc_step_begin_len(phase, sizeof phase - 1) == STEPALLOC_INVALID_ARGUMENT, "NUL in a phase");
+    CHECK(strstr(last_error(), "ab\\0cd") != NULL, "the whole name, escaped: %s", last_error());
+    CHECK(p_stepalloc_step_begin_len("train!", 5) == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_step_end() == STEPALLOC_OK, "%s", last_error());
     check_roundtrip(0);
     CHECK(stat(0, "stepalloc.device_total_bytes") == 1024.0 * MIB, "capacity");
     check_stats(0, 0, 0);
+}
+
+/* memory_snapshot in one pass (issue 12, item 21): the fill that follows a measuring call
+ * writes the text measured then, so the snapshot is built once even if the state changed. */
+static void scenario_snapshot_once(void) {
+    CHECK(p_stepalloc_configure("backend:sim") == STEPALLOC_OK, "%s", last_error());
+    void *a = p_stepalloc_malloc(4096, 0, NULL);
+    CHECK(a != NULL, "malloc: %s", last_error());
+    size_t n = p_stepalloc_snapshot_json(NULL, 0);
+    CHECK(n > 0, "measure: %s", last_error());
+    void *b = p_stepalloc_malloc(3 << 20, 0, NULL); /* a new segment after the measure */
+    CHECK(b != NULL, "malloc: %s", last_error());
+    char *buf = (char *)malloc(n + 1);
+    CHECK(p_stepalloc_snapshot_json(buf, n + 1) == n, "the fill writes the measured text");
+    CHECK(strlen(buf) == n && buf[0] == '{' && buf[n - 1] == '}', "whole JSON object");
+    /* Without a measure first, a fill renders afresh: now longer (the new segment). */
+    CHECK(p_stepalloc_snapshot_json(buf, n + 1) > n, "fresh text includes the new segment");
+    free(buf);
+    p_stepalloc_free(a, 4096, 0, NULL);
+    p_stepalloc_free(b, 3 << 20, 0, NULL);
 }
 
 /* STEPALLOC_CONF is bad (set by the caller): use fails with a clear error until configured. */
@@ -283,6 +319,7 @@ static void scenario_bad_env(void) {
     CHECK(p_stepalloc_malloc(100, 0, NULL) == NULL, "malloc with a bad STEPALLOC_CONF");
     CHECK(status() == STEPALLOC_CONFIG, "status %d", status());
     CHECK(strstr(last_error(), "max_split_size_mb") != NULL, "%s", last_error());
+    CHECK(strstr(last_error(), "STEPALLOC_CONF") != NULL, "names the source: %s", last_error());
     CHECK(p_stepalloc_device_count() == -1, "device_count");
     CHECK(p_stepalloc_configure("backend:sim") == STEPALLOC_OK, "recover: %s", last_error());
     check_roundtrip(0);
@@ -362,6 +399,7 @@ int main(int argc, char **argv) {
     else if (strcmp(scenario, "edge") == 0) scenario_edge();
     else if (strcmp(scenario, "bad_config") == 0) scenario_bad_config();
     else if (strcmp(scenario, "bad_env") == 0) scenario_bad_env();
+    else if (strcmp(scenario, "snapshot_once") == 0) scenario_snapshot_once();
     else if (strcmp(scenario, "no_backend") == 0) scenario_no_backend();
     else if (strcmp(scenario, "oom") == 0) scenario_oom();
     else if (strcmp(scenario, "mempool") == 0) scenario_mempool();

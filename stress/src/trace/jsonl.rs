@@ -1,10 +1,17 @@
 //! stepalloc's own trace (what `Allocator::trace_jsonl` writes): one JSON object per line,
 //! `{"op":"alloc"|"free","device","addr","size","stream","t_us"}`, `{"op":"step_begin","phase"}`
-//! and `{"op":"step_end"}`. Blank lines are allowed.
+//! and `{"op":"step_end"}`. Blank lines are allowed; a line is at most `MAX_LINE` bytes.
+//!
+//! Read line by line: memory is the program plus one line. Every error names its line (and its
+//! column when the JSON parser knows it).
 
-use super::TraceError;
+use super::{json_column, json_message, TraceError};
 use crate::ops::{AddressMap, Program, ProgramBuilder};
 use serde::Deserialize;
+use std::io::{BufRead, Read};
+
+/// The longest line accepted (stepalloc writes lines of about 100 bytes).
+pub const MAX_LINE: usize = 1 << 20;
 
 #[derive(Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -33,32 +40,49 @@ enum Line {
 }
 
 pub fn parse(data: &[u8]) -> Result<Program, TraceError> {
-    let text = std::str::from_utf8(data).map_err(|e| {
-        let line = data[..e.valid_up_to()].iter().filter(|&&c| c == b'\n').count() as u64 + 1;
-        TraceError::at_line(line, "not UTF-8 text")
-    })?;
+    read(data)
+}
+
+/// Reads the trace line by line from `reader`.
+pub fn read<R: BufRead>(mut reader: R) -> Result<Program, TraceError> {
     let mut b = ProgramBuilder::new("stepalloc trace (JSON lines)");
     let mut map = AddressMap::default();
-    let mut last_t = None;
+    let mut last_t: Option<u64> = None;
     let mut in_step = false;
-    let mut advance = |b: &mut ProgramBuilder, t: Option<u64>| {
-        if let Some(t) = t {
-            if let Some(prev) = last_t {
-                if t > prev {
-                    b.advance((t - prev).saturating_mul(1000));
-                }
-            }
-            last_t = Some(t);
+    let mut raw = Vec::new();
+    let mut line_no = 0u64;
+    loop {
+        line_no += 1;
+        raw.clear();
+        let n = (&mut reader)
+            .take(MAX_LINE as u64 + 1)
+            .read_until(b'\n', &mut raw)
+            .map_err(|e| TraceError::at_line(line_no, format!("cannot read: {e}")))?;
+        if n == 0 {
+            break;
         }
-    };
-    for (i, raw) in text.lines().enumerate() {
-        let line_no = i as u64 + 1;
-        if raw.trim().is_empty() {
+        // The newline does not count: a line of MAX_LINE bytes and its newline is accepted.
+        if raw.len() > MAX_LINE && raw.last() != Some(&b'\n') {
+            return Err(TraceError::at_line(line_no, format!("line longer than {MAX_LINE} bytes")));
+        }
+        let text = std::str::from_utf8(&raw).map_err(|_| TraceError::at_line(line_no, "not UTF-8 text"))?;
+        if text.trim().is_empty() {
             continue;
         }
-        let line: Line = serde_json::from_str(raw).map_err(|e| {
-            TraceError::at_line(line_no, format!("column {}: bad stepalloc trace line: {e}", e.column()))
+        let line: Line = serde_json::from_str(text).map_err(|e| {
+            TraceError::at_line(line_no, format!("{}bad stepalloc trace line: {}", json_column(&e), json_message(&e)))
         })?;
+        // Time: only forward jumps advance the simulated clock (the builder bounds the total).
+        let mut advance = |b: &mut ProgramBuilder, t: Option<u64>| {
+            if let Some(t) = t {
+                if let Some(prev) = last_t {
+                    if t > prev {
+                        b.advance((t - prev).saturating_mul(1000));
+                    }
+                }
+                last_t = Some(t);
+            }
+        };
         match line {
             Line::Alloc { device, addr, size, stream, t_us } => {
                 advance(&mut b, t_us);
@@ -81,6 +105,9 @@ pub fn parse(data: &[u8]) -> Result<Program, TraceError> {
                 in_step = false;
             }
         }
+        if let Some(e) = b.limit_error() {
+            return Err(TraceError::at_line(line_no, e.to_string()));
+        }
     }
-    Ok(b.finish())
+    b.finish().map_err(|e| TraceError::at_line(line_no, e))
 }

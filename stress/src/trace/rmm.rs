@@ -15,7 +15,12 @@ fn number(text: &str) -> Option<u64> {
 }
 
 pub fn parse(data: &[u8]) -> Result<Program, TraceError> {
-    let mut reader = csv::ReaderBuilder::new().has_headers(true).trim(csv::Trim::All).from_reader(data);
+    read(data)
+}
+
+/// Reads the log row by row from `input` (memory: the program plus one row).
+pub fn read<R: std::io::Read>(input: R) -> Result<Program, TraceError> {
+    let mut reader = csv::ReaderBuilder::new().has_headers(true).trim(csv::Trim::All).from_reader(input);
     let headers = reader.headers().map_err(|e| TraceError::at_line(1, format!("bad RMM CSV header: {e}")))?.clone();
     let col = |name: &str| -> Result<usize, TraceError> {
         headers.iter().position(|h| h == name).ok_or_else(|| {
@@ -61,6 +66,9 @@ pub fn parse(data: &[u8]) -> Result<Program, TraceError> {
                 ))
             }
         }
+        if let Some(e) = b.limit_error() {
+            return Err(TraceError::at_line(line, e.to_string()));
+        }
     }
-    Ok(b.finish())
+    b.finish().map_err(|e| TraceError { position: "file".into(), message: e })
 }

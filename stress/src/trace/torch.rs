@@ -7,11 +7,26 @@
 //! `free_completed` at all, `free_requested` frees instead. Events of several devices are merged
 //! by `time_us`. `segment_alloc` / `segment_free` (and `segment_map` / `segment_unmap`) give the
 //! native allocator's reserved bytes over time; `segments` gives reserved at snapshot time.
+//!
+//! stepalloc's own snapshots (`Allocator::snapshot`, recognised by the `requested_size` of their
+//! trace entries) have the same layout: their segment figures are stepalloc's, and their step
+//! markers (`external_annotations`, START/END) become steps of the replay, placed by their
+//! `trace_index` (the position in the device's trace where they happened) or else by time.
+//!
+//! Bounds: a pickle is read whole up to `MAX_PICKLE_BYTES` and its nesting is measured before it
+//! is decoded (`pickle_depth`: at most `MAX_PICKLE_DEPTH` levels); at most `ops::MAX_DEVICES`
+//! device traces.
 
-use super::TraceError;
-use crate::ops::{AddressMap, NativeFigures, Program, ProgramBuilder};
+use super::{json_column, json_message, pickle_depth, TraceError};
+use crate::ops::{AddressMap, NativeFigures, Program, ProgramBuilder, MAX_DEVICES};
 use serde::Deserialize;
 use std::io::Read;
+
+/// The largest pickle read (the decoded values take several times more memory).
+pub const MAX_PICKLE_BYTES: u64 = 2 << 30;
+/// How deeply a pickle's values may nest. A snapshot nests 6 levels (dict, device_traces,
+/// a device's list, an entry, its frames, a frame).
+pub const MAX_PICKLE_DEPTH: u32 = 64;
 
 #[derive(Deserialize, Default)]
 struct Snapshot {
@@ -19,6 +34,24 @@ struct Snapshot {
     segments: Vec<Segment>,
     #[serde(default)]
     device_traces: Vec<Vec<TraceEntry>>,
+    #[serde(default)]
+    external_annotations: Vec<Annotation>,
+}
+
+/// A step marker of a stepalloc snapshot (torch writes the same shape for its annotations).
+#[derive(Deserialize)]
+struct Annotation {
+    #[serde(default)]
+    device: u64,
+    #[serde(default)]
+    name: String,
+    #[serde(default)]
+    stage: String,
+    #[serde(default)]
+    time_us: u64,
+    /// stepalloc: the position in `device_traces[device]` where the marker happened.
+    #[serde(default)]
+    trace_index: Option<u64>,
 }
 
 #[derive(Deserialize, Default)]
@@ -60,10 +93,34 @@ impl Read for Counting<'_> {
 }
 
 pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
+    if pickle_depth::depth(data, MAX_PICKLE_DEPTH) > MAX_PICKLE_DEPTH {
+        return Err(TraceError {
+            position: "file".into(),
+            message: format!(
+                "the pickle nests deeper than {MAX_PICKLE_DEPTH} levels (a PyTorch snapshot nests 6): not a memory snapshot"
+            ),
+        });
+    }
+    let options = || serde_pickle::DeOptions::new().replace_unresolved_globals().replace_recursive_structures();
     let mut reader = Counting { data, pos: 0 };
-    let options = serde_pickle::DeOptions::new().replace_unresolved_globals().replace_recursive_structures();
-    let snapshot: Snapshot = match serde_pickle::from_reader(&mut reader, options) {
+    let snapshot: Snapshot = match serde_pickle::from_reader(&mut reader, options()) {
         Ok(s) => s,
+        // serde_pickle refuses integers beyond i64 even in fields the snapshot skips (stepalloc
+        // writes max_split_size 2^64-1): read such a pickle through values (slower, but
+        // integers up to u64 are kept).
+        Err(serde_pickle::Error::Syntax(serde_pickle::ErrorCode::InvalidValue(m))) if m == "integer too large" => {
+            let value = serde_pickle::value_from_slice(data, options())
+                .map_err(|e| TraceError::at_byte(0, format!("not a PyTorch memory snapshot ({e})")))?;
+            match pickle_to_json(value) {
+                serde_json::Value::Object(m) => {
+                    serde_json::from_value(serde_json::Value::Object(m)).map_err(|e| TraceError {
+                        position: "file".into(),
+                        message: format!("not a PyTorch memory snapshot ({})", json_message(&e)),
+                    })?
+                }
+                _ => Snapshot::default(),
+            }
+        }
         Err(serde_pickle::Error::Eval(code, pos)) => {
             return Err(TraceError::at_byte(pos as u64, format!("bad pickle: {code}")))
         }
@@ -78,15 +135,85 @@ pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
         }
     };
     check_has_trace(&snapshot)?;
-    Ok(replay(snapshot, "torch snapshot (pickle)"))
+    replay(snapshot, "torch snapshot (pickle)")
+}
+
+/// A decoded pickle as a JSON value: integers beyond u64 and non-finite floats become null,
+/// bytes become text (lossy), sets and tuples arrays, dict keys text. Recursive, but only
+/// after `pickle_depth` bounded the nesting.
+fn pickle_to_json(v: serde_pickle::Value) -> serde_json::Value {
+    use serde_json::Value as J;
+    use serde_pickle::{HashableValue as H, Value as P};
+    fn number(n: impl Into<serde_json::Number>) -> J {
+        J::Number(n.into())
+    }
+    fn hashable(h: H) -> J {
+        match h {
+            H::None => J::Null,
+            H::Bool(b) => J::Bool(b),
+            H::I64(i) => number(i),
+            H::Int(b) => u64::try_from(&b).map_or(J::Null, number),
+            H::F64(f) => serde_json::Number::from_f64(f).map_or(J::Null, J::Number),
+            H::Bytes(b) => J::String(String::from_utf8_lossy(&b).into_owned()),
+            H::String(s) => J::String(s),
+            H::Tuple(items) => J::Array(items.into_iter().map(hashable).collect()),
+            H::FrozenSet(items) => J::Array(items.into_iter().map(hashable).collect()),
+        }
+    }
+    match v {
+        P::None => J::Null,
+        P::Bool(b) => J::Bool(b),
+        P::I64(i) => number(i),
+        P::Int(b) => u64::try_from(&b).map_or(J::Null, number),
+        P::F64(f) => serde_json::Number::from_f64(f).map_or(J::Null, J::Number),
+        P::Bytes(b) => J::String(String::from_utf8_lossy(&b).into_owned()),
+        P::String(s) => J::String(s),
+        P::List(items) | P::Tuple(items) => J::Array(items.into_iter().map(pickle_to_json).collect()),
+        P::Set(items) | P::FrozenSet(items) => J::Array(items.into_iter().map(hashable).collect()),
+        P::Dict(map) => J::Object(
+            map.into_iter()
+                .map(|(k, v)| {
+                    let key = match hashable(k) {
+                        J::String(s) => s,
+                        other => other.to_string(),
+                    };
+                    (key, pickle_to_json(v))
+                })
+                .collect(),
+        ),
+    }
+}
+
+/// Reads a pickle (whole, up to `MAX_PICKLE_BYTES`) and parses it.
+pub fn read_pickle<R: Read>(reader: R) -> Result<Program, TraceError> {
+    let mut data = Vec::new();
+    reader
+        .take(MAX_PICKLE_BYTES + 1)
+        .read_to_end(&mut data)
+        .map_err(|e| TraceError::at_byte(data.len() as u64, format!("cannot read: {e}")))?;
+    if data.len() as u64 > MAX_PICKLE_BYTES {
+        return Err(TraceError::at_byte(
+            MAX_PICKLE_BYTES,
+            format!("the pickle is larger than {} GiB, the most this reader takes", MAX_PICKLE_BYTES >> 30),
+        ));
+    }
+    parse_pickle(&data)
 }
 
 pub fn parse_json(data: &[u8]) -> Result<Program, TraceError> {
-    let snapshot: Snapshot = serde_json::from_slice(data).map_err(|e| {
-        TraceError::at_line(e.line() as u64, format!("column {}: bad PyTorch snapshot JSON: {e}", e.column()))
+    read_json(data)
+}
+
+/// Parses a JSON snapshot as it is read (serde_json limits nesting to 128 levels).
+pub fn read_json<R: Read>(reader: R) -> Result<Program, TraceError> {
+    let snapshot: Snapshot = serde_json::from_reader(reader).map_err(|e| {
+        TraceError::at_line(
+            e.line() as u64,
+            format!("{}bad PyTorch snapshot JSON: {}", json_column(&e), json_message(&e)),
+        )
     })?;
     check_has_trace(&snapshot)?;
-    Ok(replay(snapshot, "torch snapshot (JSON)"))
+    replay(snapshot, "torch snapshot (JSON)")
 }
 
 /// A snapshot without `device_traces` entries has nothing to replay (history was not recorded).
@@ -104,24 +231,101 @@ fn check_has_trace(snapshot: &Snapshot) -> Result<(), TraceError> {
     Ok(())
 }
 
-fn replay(snapshot: Snapshot, format: &str) -> Program {
-    let mut b = ProgramBuilder::new(format);
+/// Where an event of the merged stream comes from.
+#[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Source {
+    /// A step marker (index into `external_annotations`): before the entry at the same place.
+    Marker(usize),
+    /// A trace entry (index into its device's trace).
+    Entry(usize),
+}
+
+fn replay(snapshot: Snapshot, format: &str) -> Result<Program, TraceError> {
+    if snapshot.device_traces.len() > MAX_DEVICES as usize {
+        return Err(TraceError {
+            position: "file".into(),
+            message: format!(
+                "device_traces has {} devices; at most {MAX_DEVICES} are replayed",
+                snapshot.device_traces.len()
+            ),
+        });
+    }
+    let stepalloc = snapshot.device_traces.iter().flatten().any(|e| e.requested_size.is_some());
+    let format = if stepalloc { format.replace("torch snapshot", "stepalloc snapshot") } else { format.to_string() };
+    let mut b = ProgramBuilder::new(&format);
     let mut map = AddressMap::default();
     let use_completed = snapshot.device_traces.iter().flatten().any(|e| e.action == "free_completed");
     let free_action = if use_completed { "free_completed" } else { "free_requested" };
-    // Merge devices by time (stable: same-time events keep their order within a device).
-    let mut order: Vec<(u64, u16, usize)> = Vec::new();
+    // Merge devices by time (stable: same-time events keep their order within a device); one
+    // device keeps its order. Device numbers are below MAX_DEVICES (checked above): u16.
+    let by_time = snapshot.device_traces.len() > 1;
+    let key = |t: u64| if by_time { t } else { 0 };
+    let mut order: Vec<(u64, u16, usize, Source)> = Vec::new();
     for (device, trace) in snapshot.device_traces.iter().enumerate() {
-        order.extend(trace.iter().enumerate().map(|(i, e)| (e.time_us, device as u16, i)));
+        order.extend(trace.iter().enumerate().map(|(i, e)| (key(e.time_us), device as u16, i, Source::Entry(i))));
     }
-    if snapshot.device_traces.len() > 1 {
-        order.sort();
+    if stepalloc {
+        // stepalloc marks every step on every device: one device's markers are the steps.
+        let marked = snapshot.external_annotations.iter().map(|a| a.device).min();
+        for (k, a) in snapshot.external_annotations.iter().enumerate() {
+            if Some(a.device) != marked || a.device >= snapshot.device_traces.len() as u64 {
+                continue;
+            }
+            let device = a.device as usize;
+            let trace = &snapshot.device_traces[device];
+            // Before the entry it preceded (its trace_index), else before the first entry later
+            // than it (START) or after every entry of its time (END).
+            let at = match a.trace_index {
+                Some(i) => (i as usize).min(trace.len()),
+                None if a.stage == "START" => trace.partition_point(|e| e.time_us < a.time_us),
+                None => trace.partition_point(|e| e.time_us <= a.time_us),
+            };
+            let time = match trace.get(at) {
+                Some(e) => e.time_us,
+                None => trace.last().map_or(a.time_us, |e| e.time_us.max(a.time_us)),
+            };
+            order.push((key(time), device as u16, at, Source::Marker(k)));
+        }
     }
+    order.sort();
     let (mut seg_now, mut seg_min, mut seg_max) = (0i128, 0i128, 0i128);
-    let mut native = NativeFigures::default();
+    let mut native = NativeFigures {
+        allocator: if stepalloc { "stepalloc (the recorded run)" } else { "PyTorch's native allocator" }.to_string(),
+        ..NativeFigures::default()
+    };
     let mut last_time = None;
-    for (time, device, i) in order {
+    let mut in_step = false;
+    for (_, device, _, source) in order {
+        let i = match source {
+            Source::Marker(k) => {
+                let a = &snapshot.external_annotations[k];
+                match a.stage.as_str() {
+                    "START" => {
+                        stepalloc::step::validate_phase(&a.name).map_err(|e| TraceError {
+                            position: "file".into(),
+                            message: format!("external_annotations[{k}]: bad step name: {e}"),
+                        })?;
+                        b.step_begin(&a.name);
+                        in_step = true;
+                    }
+                    "END" if in_step => {
+                        b.step_end();
+                        in_step = false;
+                    }
+                    _ => b.notes_mut().ignored_events += 1,
+                }
+                if let Some(e) = b.limit_error() {
+                    return Err(TraceError {
+                        position: "file".into(),
+                        message: format!("external_annotations[{k}]: {e}"),
+                    });
+                }
+                continue;
+            }
+            Source::Entry(i) => i,
+        };
         let e = &snapshot.device_traces[device as usize][i];
+        let time = e.time_us;
         if let Some(t) = last_time {
             if time > t {
                 b.advance((time - t).saturating_mul(1000));
@@ -146,10 +350,17 @@ fn replay(snapshot: Snapshot, format: &str) -> Program {
             "oom" => b.notes_mut().recorded_failures += 1,
             _ => b.notes_mut().ignored_events += 1,
         }
+        if let Some(err) = b.limit_error() {
+            return Err(TraceError {
+                position: "file".into(),
+                message: format!("device_traces[{device}][{i}]: {err}"),
+            });
+        }
     }
     let has_segments = !snapshot.segments.is_empty();
     if has_segments {
-        native.current_reserved = Some(snapshot.segments.iter().map(|s| s.total_size).sum());
+        // Saturating: sizes come from the file.
+        native.current_reserved = Some(snapshot.segments.iter().fold(0u64, |s, seg| s.saturating_add(seg.total_size)));
     }
     if native.segment_allocs + native.segment_frees > 0 || has_segments {
         // Reserved when recording began: what the snapshot holds minus the net change over the
@@ -158,8 +369,8 @@ fn replay(snapshot: Snapshot, format: &str) -> Program {
             Some(current) => (current as i128 - seg_now).max(-seg_min),
             None => -seg_min,
         };
-        native.peak_reserved = Some((start + seg_max).max(0) as u64);
+        native.peak_reserved = Some(u64::try_from((start + seg_max).max(0)).unwrap_or(u64::MAX));
         b.notes_mut().native = Some(native);
     }
-    b.finish()
+    b.finish().map_err(|message| TraceError { position: "file".into(), message })
 }

@@ -24,7 +24,7 @@ use rand_xorshift::XorShiftRng;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{mpsc, Arc, Barrier, Mutex};
+use std::sync::{mpsc, Arc, Mutex};
 use std::time::Instant;
 use stepalloc::backend::cuda::tools::DeviceTools;
 use stepalloc::{Allocator, BackendKind, Config, Error, Stream};
@@ -302,11 +302,43 @@ fn size(rng: &mut XorShiftRng, dist: SizeDist) -> u64 {
     }
 }
 
-/// Runs the random workload under `rc`; returns the run's figures and the integrity findings.
-pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), String> {
-    if args.threads == 0 || args.streams == 0 {
-        return Err("--threads and --streams must be at least 1".into());
+/// Threads at most (each has its own channel and streams).
+pub const MAX_THREADS: usize = 1024;
+/// Streams per thread at most.
+pub const MAX_STREAMS: u64 = 1024;
+
+impl RandomArgs {
+    /// Checks every flag against its range; the error names the flag, its value and the range.
+    pub fn validate(&self) -> Result<(), String> {
+        if !(1..=MAX_THREADS).contains(&self.threads) {
+            return Err(format!("--threads {} is out of range: accepted 1..={MAX_THREADS}", self.threads));
+        }
+        if !(1..=MAX_STREAMS).contains(&self.streams) {
+            return Err(format!("--streams {} is out of range: accepted 1..={MAX_STREAMS}", self.streams));
+        }
+        // The report counts ops over all threads in a u64.
+        if self.ops.checked_mul(self.threads as u64).is_none() {
+            return Err(format!("--ops {} times --threads {} overflows", self.ops, self.threads));
+        }
+        for (name, p) in [("cross-free", self.cross_free), ("record-stream", self.record_stream)] {
+            if !(0.0..=1.0).contains(&p) {
+                return Err(format!("--{name} {p} is out of range: a probability, accepted 0..=1"));
+            }
+        }
+        if !(self.live_fraction > 0.0 && self.live_fraction <= 1.0) {
+            return Err(format!("--live-fraction {} is out of range: accepted above 0, at most 1", self.live_fraction));
+        }
+        if self.tag_kib.checked_mul(1024).is_none() {
+            return Err(format!("--tag-kib {} is out of range: at most {}", self.tag_kib, u64::MAX / 1024));
+        }
+        Ok(())
     }
+}
+
+/// Runs the random workload under `rc`; returns the run's figures and the integrity findings.
+/// A worker that panics ends the run with an error (the others finish their work first).
+pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), String> {
+    args.validate()?;
     let config = Config::parse(&rc.conf).map_err(|e| format!("configuration `{}`: {e}", rc.conf))?;
     let cuda = config.backend != BackendKind::Sim;
     let allocator = Arc::new(Allocator::new(config).map_err(|e| format!("cannot create the allocator: {e}"))?);
@@ -351,13 +383,12 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
         streams,
     });
     let budget = (capacity as f64 * args.live_fraction / args.threads as f64) as u64;
-    let barrier = Arc::new(Barrier::new(args.threads));
     let (senders, receivers): (Vec<_>, Vec<_>) = (0..args.threads).map(|_| mpsc::channel::<Block>()).unzip();
     let started = Instant::now();
     let mut handles = Vec::new();
     for (i, rx) in receivers.into_iter().enumerate() {
         let to_next = senders[(i + 1) % args.threads].clone();
-        let (shared, barrier, args) = (shared.clone(), barrier.clone(), args.clone());
+        let (shared, args) = (shared.clone(), args.clone());
         handles.push(std::thread::spawn(move || {
             let mut rng = XorShiftRng::seed_from_u64(args.seed.wrapping_mul(1_000_003).wrapping_add(i as u64));
             let mut mine: Vec<Block> = Vec::new();
@@ -403,12 +434,13 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
                     }
                 }
             }
-            // Everyone stops sending before anyone drains its channel for the last time.
-            barrier.wait();
-            while let Ok(b) = rx.try_recv() {
-                mine.push(b);
-            }
+            // Stop sending, then take what the previous thread sends until it stops too (its
+            // sender is dropped when it finishes or panics, so this never waits forever).
+            drop(to_next);
             for b in mine {
+                shared.free(b);
+            }
+            for b in rx.iter() {
                 shared.free(b);
             }
             if i == 0 && args.step_every > 0 {
@@ -417,15 +449,22 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
         }));
     }
     drop(senders);
-    let mut panicked = false;
-    for h in handles {
-        panicked |= h.join().is_err();
+    let mut panicked = None;
+    for (i, h) in handles.into_iter().enumerate() {
+        if let Err(payload) = h.join() {
+            let what = payload
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| payload.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            panicked.get_or_insert(format!("worker thread {i} panicked: {what}"));
+        }
     }
-    if panicked {
+    if let Some(what) = panicked {
         if let Some(tools) = &tools {
             destroy_streams(tools, &shared.streams);
         }
-        return Err("a worker thread panicked".to_string());
+        return Err(what);
     }
     let wall = started.elapsed().as_secs_f64();
     let stats = allocator.stats(0).map_err(|e| e.to_string())?;

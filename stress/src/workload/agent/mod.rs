@@ -23,7 +23,8 @@ mod spec;
 pub use spec::{AgentArgs, AgentSpec, Optimizer, Preset};
 
 use super::lognormal;
-use crate::ops::{Program, ProgramBuilder};
+use crate::ops::{Op, Program, ProgramBuilder};
+use crate::replay::{Chunk, OpSource};
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
 
@@ -31,24 +32,108 @@ const COMPUTE: u64 = 0;
 /// The host-to-device copy stream of the data loader.
 const COPY: u64 = 7;
 
-/// Generates the whole event stream of `spec`.
-pub fn generate(spec: &AgentSpec) -> Program {
+/// Generates the whole event stream of `spec` as one program (for exports, headroom and tests;
+/// runs use `AgentStream`, which never holds more than an iteration). Errors: a dimension out
+/// of its range (`AgentSpec::validate`), or a program over the bounds of `ops`
+/// (`ops::MAX_OPS` events), named with the iteration where it was reached.
+pub fn generate(spec: &AgentSpec) -> Result<Program, String> {
+    generate_within(spec, crate::ops::MAX_OPS)
+}
+
+/// `generate` with at most `max_ops` events (below `ops::MAX_OPS`).
+pub fn generate_within(spec: &AgentSpec, max_ops: usize) -> Result<Program, String> {
+    spec.validate()?;
     let mut g = Gen::new(spec);
+    g.b = std::mem::take(&mut g.b).with_max_ops(max_ops);
     g.weights();
-    if spec.rollout {
-        for _ in 0..spec.iterations {
-            let seqs = g.rollout_step();
-            g.train_step_rl(&seqs);
-        }
-    } else {
-        for i in 0..spec.iterations {
-            g.train_step_sft();
-            if spec.eval_every > 0 && (i + 1) % spec.eval_every == 0 {
-                g.eval_step();
-            }
+    for i in 0..spec.iterations {
+        g.iteration(i);
+        if let Some(e) = g.b.limit_error() {
+            return Err(format!(
+                "the agent workload is too large: {e} (reached in iteration {} of {}); lower --iterations or the \
+                 workload's dimensions",
+                i + 1,
+                spec.iterations
+            ));
         }
     }
-    g.b.finish()
+    g.b.finish().map_err(|e| format!("the agent workload is too large: {e}"))
+}
+
+/// The agent workload generated one iteration at a time, as the runner consumes it: memory is
+/// one iteration's events (the bound of `ops::MAX_OPS` applies per iteration), whatever
+/// `--iterations`. Same spec, same events as `generate`.
+pub struct AgentStream<'a> {
+    g: Gen<'a>,
+    next_iteration: u64,
+    /// Chunks generated ahead: the weights and the first iteration (to estimate the total).
+    ready: std::collections::VecDeque<Vec<Op>>,
+    chunk: Vec<Op>,
+    len_hint: u64,
+}
+
+impl<'a> AgentStream<'a> {
+    pub fn new(spec: &'a AgentSpec) -> Result<AgentStream<'a>, String> {
+        AgentStream::within(spec, crate::ops::MAX_OPS)
+    }
+
+    /// A stream whose chunks (the weights, each iteration) hold at most `max_ops` events.
+    pub fn within(spec: &'a AgentSpec, max_ops: usize) -> Result<AgentStream<'a>, String> {
+        spec.validate()?;
+        let mut g = Gen::new(spec);
+        g.b = std::mem::take(&mut g.b).with_max_ops(max_ops);
+        g.weights();
+        if let Some(e) = g.b.limit_error() {
+            return Err(format!("the agent workload's weights are too many: {e}"));
+        }
+        let weights = g.b.take_ops();
+        let mut stream = AgentStream {
+            g,
+            next_iteration: 0,
+            ready: std::collections::VecDeque::new(),
+            chunk: Vec::new(),
+            len_hint: weights.len() as u64,
+        };
+        stream.ready.push_back(weights);
+        if spec.iterations > 0 {
+            let first = stream.iteration()?;
+            stream.len_hint = stream.len_hint.saturating_add((first.len() as u64).saturating_mul(spec.iterations));
+            stream.ready.push_back(first);
+        }
+        Ok(stream)
+    }
+
+    fn iteration(&mut self) -> Result<Vec<Op>, String> {
+        let i = self.next_iteration;
+        self.next_iteration += 1;
+        self.g.iteration(i);
+        if let Some(e) = self.g.b.limit_error() {
+            return Err(format!(
+                "iteration {} of the agent workload is too large: {e}; lower the workload's dimensions",
+                i + 1
+            ));
+        }
+        Ok(self.g.b.take_ops())
+    }
+}
+
+impl OpSource for AgentStream<'_> {
+    fn next_chunk(&mut self) -> Result<Option<Chunk<'_>>, String> {
+        self.chunk = match self.ready.pop_front() {
+            Some(chunk) => chunk,
+            None if self.next_iteration < self.g.s.iterations => self.iteration()?,
+            None => return Ok(None),
+        };
+        Ok(Some((&self.chunk, self.g.b.phases())))
+    }
+
+    fn len_hint(&self) -> u64 {
+        self.len_hint
+    }
+
+    fn devices(&self) -> u16 {
+        1
+    }
 }
 
 /// A sequence of a finished episode, as training sees it.
@@ -108,6 +193,20 @@ impl<'a> Gen<'a> {
         match self.s.optimizer {
             Optimizer::Partial => self.s.layers.saturating_sub(self.s.trainable_layers),
             _ => 0,
+        }
+    }
+
+    /// Iteration `i` (0-based): a rollout and a training step, or an SFT step and maybe an
+    /// evaluation.
+    fn iteration(&mut self, i: u64) {
+        if self.s.rollout {
+            let seqs = self.rollout_step();
+            self.train_step_rl(&seqs);
+        } else {
+            self.train_step_sft();
+            if self.s.eval_every > 0 && (i + 1) % self.s.eval_every == 0 {
+                self.eval_step();
+            }
         }
     }
 
@@ -558,6 +657,9 @@ impl<'a> Gen<'a> {
             }
             let mut x = self.alloc(b * s.hidden * e);
             for _ in 0..steps {
+                if self.b.limit_error().is_some() {
+                    break; // the program is over its bounds: generate reports it
+                }
                 self.ensure_kv(&mut kv, &mut cap, len + 1);
                 for _ in 0..s.layers {
                     x = self.layer_nograd(b, x);

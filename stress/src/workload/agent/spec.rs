@@ -131,6 +131,81 @@ impl AgentSpec {
     }
 }
 
+/// Every numeric dimension's accepted range, as (flag, value, least, most). The bounds keep
+/// every tensor size the generator computes within u64 (the largest product, logits of a
+/// training micro-batch, stays below 2^63) while covering today's models many times over.
+fn ranges(s: &AgentSpec) -> [(&'static str, u64, u64, u64); 30] {
+    const K: u64 = 1024;
+    [
+        ("iterations", s.iterations, 0, 1_000_000),
+        ("hidden", s.hidden, 1, 64 * K),
+        ("layers", s.layers, 1, K),
+        ("heads", s.heads, 1, K),
+        ("kv-heads", s.kv_heads, 1, K),
+        ("intermediate", s.intermediate, 1, 256 * K),
+        ("vocab", s.vocab, 1, K * K),
+        ("dtype-bytes", s.dtype_bytes, 1, 8),
+        ("vision-hidden", s.vision_hidden, 0, 64 * K),
+        ("vision-layers", s.vision_layers, 0, K),
+        ("vision-intermediate", s.vision_intermediate, 0, 256 * K),
+        ("patch", s.patch, 1, K),
+        ("images-min", s.images_min, 0, 16),
+        ("images-max", s.images_max, 0, 16),
+        ("prompt-median", s.prompt_median, 1, K * K),
+        ("prompt-max", s.prompt_max, 1, K * K),
+        ("observation-median", s.observation_median, 0, K * K),
+        ("response-min", s.response_min, 0, K * K),
+        ("response-max", s.response_max, 0, K * K),
+        ("rollout-batch", s.rollout_batch, 1, K),
+        ("turns-min", s.turns_min, 0, 64),
+        ("turns-max", s.turns_max, 1, 64),
+        ("kv-chunk", s.kv_chunk, 1, K * K),
+        ("micro-batches", s.micro_batches, 1, K),
+        ("sft-batch", s.sft_batch, 1, K),
+        ("eval-every", s.eval_every, 0, 1_000_000),
+        ("lora-rank", s.lora_rank, 1, 4 * K),
+        ("trainable-layers", s.trainable_layers, 0, K),
+        ("resolutions (count)", s.resolutions.len() as u64, 0, 64),
+        ("resolutions", s.resolutions.iter().copied().max().unwrap_or(0), 0, 16 * K),
+    ]
+}
+
+impl AgentSpec {
+    /// Checks every dimension against its range (`ranges`) and the dimensions against each
+    /// other; the error names the flag, the value and what is accepted.
+    pub fn validate(&self) -> Result<(), String> {
+        let s = self;
+        for (name, value, lo, hi) in ranges(s) {
+            if !(lo..=hi).contains(&value) {
+                return Err(format!("--{name} {value} is out of range: accepted {lo}..={hi}"));
+            }
+        }
+        if s.heads % s.kv_heads != 0 || s.hidden % s.heads != 0 {
+            return Err(format!(
+                "--hidden ({}) must be a multiple of --heads ({}), and --heads of --kv-heads ({})",
+                s.hidden, s.heads, s.kv_heads
+            ));
+        }
+        if s.images_min > s.images_max || s.turns_min > s.turns_max || s.response_min > s.response_max {
+            return Err("each --*-min must not exceed its --*-max".into());
+        }
+        if s.vision {
+            if s.resolutions.is_empty() || s.resolutions.iter().any(|&r| r < s.patch) {
+                return Err("--resolutions needs at least one side length of at least --patch pixels".into());
+            }
+            // An image is (side / patch)^2 tokens: at most 1024^2.
+            if let Some(&r) = s.resolutions.iter().find(|&&r| r / s.patch > 1024) {
+                return Err(format!(
+                    "--resolutions {r} with --patch {}: {} patches per side, at most 1024 accepted",
+                    s.patch,
+                    r / s.patch
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
 /// Command-line overrides of a preset (each flag replaces one dimension).
 #[derive(Clone, Debug, Default, clap::Args)]
 pub struct AgentArgs {
@@ -268,37 +343,7 @@ impl AgentArgs {
             lora_rank,
             trainable_layers
         );
-        let positive = [
-            ("hidden", s.hidden),
-            ("layers", s.layers),
-            ("heads", s.heads),
-            ("kv-heads", s.kv_heads),
-            ("intermediate", s.intermediate),
-            ("vocab", s.vocab),
-            ("dtype-bytes", s.dtype_bytes),
-            ("patch", s.patch),
-            ("rollout-batch", s.rollout_batch),
-            ("kv-chunk", s.kv_chunk),
-            ("micro-batches", s.micro_batches),
-            ("sft-batch", s.sft_batch),
-            ("prompt-median", s.prompt_median),
-            ("prompt-max", s.prompt_max),
-        ];
-        if let Some((name, _)) = positive.iter().find(|(_, v)| *v == 0) {
-            return Err(format!("--{name} must be at least 1"));
-        }
-        if s.heads % s.kv_heads != 0 || s.hidden % s.heads != 0 {
-            return Err("--hidden must be a multiple of --heads, and --heads of --kv-heads".into());
-        }
-        if s.images_min > s.images_max || s.turns_min > s.turns_max || s.response_min > s.response_max {
-            return Err("each --*-min must not exceed its --*-max".into());
-        }
-        if s.turns_max == 0 {
-            return Err("--turns-max must be at least 1".into());
-        }
-        if s.vision && (s.resolutions.is_empty() || s.resolutions.iter().any(|&r| r < s.patch)) {
-            return Err("--resolutions needs at least one side length of at least --patch pixels".into());
-        }
+        s.validate()?;
         Ok(s)
     }
 }

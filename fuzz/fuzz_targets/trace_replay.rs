@@ -1,0 +1,27 @@
+//! `stepalloc-stress replay` end to end: a trace in any format, parsed and, when small, replayed
+//! on the simulated device under PyTorch's rules and stepalloc's recommended configuration
+//! (sizes, streams, devices and time jumps straight from the input reach the allocator).
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use stepalloc_stress::compare::{self, Base};
+use stepalloc_stress::{replay, trace};
+
+/// Programs above this many events are parsed only (a replay per input must stay fast).
+const MAX_REPLAYED_OPS: usize = 2000;
+
+fuzz_target!(|data: &[u8]| {
+    let Ok(program) = trace::parse(data) else { return };
+    if program.ops.len() > MAX_REPLAYED_OPS {
+        return;
+    }
+    let base = Base { cuda: false, capacity_mb: 1024, devices: program.devices };
+    let names = ["pytorch".to_string(), "stepalloc".to_string()];
+    let Ok(configs) = compare::resolve(&names, &base) else { return };
+    for rc in &configs {
+        // Refusals are fine; a heap left inconsistent is a bug.
+        if let Err(e) = replay::run(&program, rc, None, None) {
+            assert!(!e.contains("invariants broken"), "{e}");
+        }
+    }
+});

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# Builds the GPU bundle: everything a GPU machine without Rust (and without network) needs to
+# run gpu/run_all.sh — the release library, the release stepalloc-stress, the Rust test
+# binaries that exercise the CUDA backend, the C ABI test programs, the Python package, the
+# gpu/ scripts and the trace the run replays — in one folder of at most 40 MiB with a
+# MANIFEST.json (files, sizes, sha256, git commit, the glibc / libstdc++ symbol versions the
+# binaries need, checked against Ubuntu 24.04's; see scripts/gpu_manifest.py).
+#
+# Usage: scripts/gpu-bundle.sh [OUTDIR]   (default target/gpu-bundle; a new or empty folder or an
+#        earlier bundle, emptied first)
+# Then, on the GPU machine: OUTDIR/gpu/run_all.sh OUTDIR "$OUT"
+# Needs: cargo, cc, c++, python3, objdump, strip. Exit status non-zero on any failure,
+# including a bundle over STEPALLOC_BUNDLE_LIMIT_MIB (40) or a binary needing a newer glibc.
+set -euo pipefail
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${1:-$ROOT/target/gpu-bundle}
+case "$OUT" in /*) ;; *) OUT="$PWD/$OUT" ;; esac  # relative to the caller, not to ROOT
+cd "$ROOT"
+LIMIT_MIB=${STEPALLOC_BUNDLE_LIMIT_MIB:-40}
+# The folder is emptied first: only a new or empty folder, or an earlier bundle, is accepted.
+if [ -d "$OUT" ] && [ -n "$(ls -A "$OUT")" ] && [ ! -f "$OUT/MANIFEST.json" ]; then
+    echo "error: bundle folder $OUT is not empty and holds no earlier bundle (no MANIFEST.json); it would be emptied, so it is refused" >&2
+    exit 2
+fi
+for tool in cargo cc c++ python3 objdump strip; do
+    command -v "$tool" > /dev/null || { echo "error: $tool not found; gpu-bundle.sh needs cargo, cc, c++, python3, objdump, strip" >&2; exit 2; }
+done
+
+echo "== release library and stepalloc-stress"
+cargo build --release -p stepalloc-cabi -p stepalloc-stress
+
+echo "== Rust test binaries that exercise the CUDA backend"
+# `cargo test --no-run --message-format=json` names each test executable it built; --workspace,
+# as scripts/test.sh builds them, so nothing is compiled twice.
+TESTS_JSON=$(cargo test --workspace --no-run --message-format=json)
+test_executable() { # TARGET-NAME KIND -> the path of that test executable
+    python3 -c '
+import json, sys
+name, kind = sys.argv[1], sys.argv[2]
+paths = set()
+for line in sys.stdin:
+    m = json.loads(line)
+    t = m.get("target", {})
+    if m.get("reason") == "compiler-artifact" and m.get("profile", {}).get("test") and m.get("executable") \
+            and t.get("name") == name and kind in t.get("kind", []):
+        paths.add(m["executable"])
+if len(paths) != 1:
+    sys.exit(f"gpu-bundle.sh: expected one test executable for {kind} target {name}, cargo built {sorted(paths)}")
+print(paths.pop())' "$1" "$2" <<< "$TESTS_JSON"
+}
+LIB_TESTS=$(test_executable stepalloc lib)
+RANDOM_CUDA=$(test_executable random_cuda test)
+
+rm -rf "$OUT"
+mkdir -p "$OUT"/{lib,bin,testbin,python,gpu,scripts,traces,cabi/include,cabi/tests/c}
+strip -o "$OUT/lib/libstepalloc.so" target/release/libstepalloc.so
+strip -o "$OUT/bin/stepalloc-stress" target/release/stepalloc-stress
+# backend::cuda tests of the core (filter backend::cuda) and the random workload on CUDA.
+strip -o "$OUT/testbin/stepalloc-lib-tests" "$LIB_TESTS"
+strip -o "$OUT/testbin/random_cuda" "$RANDOM_CUDA"
+
+echo "== C ABI test programs (prebuilt: the GPU machine may have no compiler)"
+cc -std=gnu11 -O1 -pthread -Icabi/include cabi/tests/c/abi_test.c -o "$OUT/bin/abi_test" -ldl
+c++ -std=c++17 -O1 -pthread -Icabi/include cabi/tests/c/torch_caller.cpp -o "$OUT/bin/torch_caller" -ldl
+strip "$OUT/bin/abi_test" "$OUT/bin/torch_caller"
+cp cabi/include/stepalloc.h "$OUT/cabi/include/"
+cp cabi/tests/c/*.c cabi/tests/c/*.h cabi/tests/c/*.cpp "$OUT/cabi/tests/c/"
+
+echo "== Python package, gpu/ scripts, trace"
+mkdir -p "$OUT/python/stepalloc"
+cp python_shim/stepalloc/*.py python_shim/stepalloc/py.typed "$OUT/python/stepalloc/"
+cp gpu/*.py gpu/*.sh "$OUT/gpu/"
+cp scripts/cuda_matches_sim.py scripts/gpu_manifest.py "$OUT/scripts/"
+cp stress/tests/data/model_vlm_agent.jsonl "$OUT/traces/"
+cat > "$OUT/README.txt" <<'EOF'
+stepalloc GPU bundle (built by scripts/gpu-bundle.sh; see MANIFEST.json).
+Run on the GPU machine, no Rust needed:   gpu/run_all.sh . "$OUT"
+Output: $OUT/summary.txt and $OUT/summary.json (validation checks and the end-to-end
+comparison tables), logs under $OUT/validate, $OUT/checks and $OUT/e2e.
+Runtime: MANIFEST.json "runtime_needs" (glibc / libstdc++ symbol versions), checked against
+"target_runtime" when the bundle was built.
+EOF
+python3 scripts/gpu_manifest.py write "$OUT" --limit-mib "$LIMIT_MIB"
