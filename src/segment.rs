@@ -211,6 +211,49 @@ impl Arena {
         }
     }
 
+    /// Moves the record of block `id` to the lowest vacant slot when `id` lies beyond the
+    /// packed front of the array (a quarter more slots than are in use): after a heap shrank,
+    /// the records it hands out again then gather at the front instead of staying spread over
+    /// the large array of its past (the history effect). The block must be in no free list and
+    /// not in the live index (the caller files it afterwards). Returns its id, new or not.
+    pub fn pack(&mut self, id: BlockId) -> BlockId {
+        let in_use = self.blocks.len() - self.vacant_blocks.len;
+        if (id as usize) < in_use + in_use / 4 {
+            return id;
+        }
+        let Some(low) = self.vacant_blocks.pop_lowest() else { return id };
+        if low > id {
+            self.vacant_blocks.insert(low);
+            return id;
+        }
+        let block = self.blocks[id as usize].clone();
+        let (prev, next, segment) = (block.prev, block.next, block.segment);
+        if prev != NIL {
+            self.blocks[prev as usize].next = low;
+        } else if self.segments[segment as usize].first == id {
+            self.segments[segment as usize].first = low;
+        }
+        if next != NIL {
+            self.blocks[next as usize].prev = low;
+        }
+        self.blocks[low as usize] = block;
+        self.states[low as usize] = self.states[id as usize];
+        // The side tables are empty for a block leaving a free list; moved all the same.
+        if let Some(streams) = self.take_extra_streams(id) {
+            self.extra_streams.insert(low, streams);
+        }
+        if let Some(events) = self.pending_events.remove(&id) {
+            self.pending_events.insert(low, events);
+        }
+        self.drop_block(id);
+        low
+    }
+
+    /// Block slots holding a block (not vacant).
+    pub fn blocks_in_use(&self) -> usize {
+        self.blocks.len() - self.vacant_blocks.len
+    }
+
     pub fn drop_block(&mut self, id: BlockId) {
         self.states[id as usize] = BlockState::Vacant;
         if !self.extra_streams.is_empty() {
@@ -375,6 +418,8 @@ fn advise_huge_pages<T>(_: &Vec<T>) {}
 /// the top level (one word per 262 144 slots) and two `trailing_zeros`.
 #[derive(Default)]
 struct VacantSet {
+    /// Vacant slots (set bits of `slots`).
+    len: usize,
     slots: Vec<u64>,
     mid: Vec<u64>,
     top: Vec<u64>,
@@ -389,6 +434,9 @@ impl VacantSet {
             self.mid.resize(m + 1, 0);
             self.top.resize(t + 1, 0);
         }
+        if self.slots[w] & (1 << (i % 64)) == 0 {
+            self.len += 1;
+        }
         self.slots[w] |= 1 << (i % 64);
         self.mid[m] |= 1 << (w % 64);
         self.top[t] |= 1 << (m % 64);
@@ -400,6 +448,7 @@ impl VacantSet {
         let w = m * 64 + self.mid[m].trailing_zeros() as usize;
         let bit = self.slots[w].trailing_zeros() as usize;
         self.slots[w] &= !(1 << bit);
+        self.len -= 1;
         if self.slots[w] == 0 {
             self.mid[m] &= !(1 << (w % 64));
             if self.mid[m] == 0 {
