@@ -106,11 +106,17 @@ impl TraceRing {
         self.entries.capacity()
     }
 
-    #[inline]
+    /// Records an entry when tracing is on. The check is inlined into the hot path; the
+    /// recording is not (with tracing off, as by default, a malloc or free pays one compare).
+    #[inline(always)]
     pub fn record(&mut self, action: TraceAction, addr: u64, size: u64, requested: u64, stream: u64, phase: u32) {
-        if self.limit == 0 {
-            return;
+        if self.limit != 0 {
+            self.push(action, addr, size, requested, stream, phase);
         }
+    }
+
+    #[inline(never)]
+    fn push(&mut self, action: TraceAction, addr: u64, size: u64, requested: u64, stream: u64, phase: u32) {
         let time_us = u64::try_from(self.start.elapsed().as_micros()).unwrap_or(u64::MAX);
         let entry = TraceEntry { action, addr, size, requested, stream, time_us, phase };
         self.total = self.total.saturating_add(1);
