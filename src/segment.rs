@@ -216,11 +216,18 @@ impl Arena {
     /// the records it hands out again then gather at the front instead of staying spread over
     /// the large array of its past (the history effect). The block must be in no free list and
     /// not in the live index (the caller files it afterwards). Returns its id, new or not.
+    #[inline]
     pub fn pack(&mut self, id: BlockId) -> BlockId {
         let in_use = self.blocks.len() - self.vacant_blocks.len;
         if (id as usize) < in_use + in_use / 4 {
             return id;
         }
+        self.move_to_front(id)
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn move_to_front(&mut self, id: BlockId) -> BlockId {
         let Some(low) = self.vacant_blocks.pop_lowest() else { return id };
         if low > id {
             self.vacant_blocks.insert(low);
