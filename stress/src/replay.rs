@@ -405,12 +405,8 @@ impl<'a> Runner<'a> {
 
     /// One device's figures from its statistics and the runner's own counts.
     fn device_report(&self, d: usize) -> DeviceReport {
-        let mut r = DeviceReport {
-            device: d,
-            floor: self.device_floor[d],
-            ooms: self.device_ooms[d],
-            ..Default::default()
-        };
+        let mut r =
+            DeviceReport { device: d, floor: self.device_floor[d], ooms: self.device_ooms[d], ..Default::default() };
         if let Ok(s) = self.allocator.stats(d) {
             let h = &s.heap;
             r.peak_allocated = h.allocated_bytes.all.peak;
