@@ -6,8 +6,8 @@
 //! allocator; peaks of allocated and reserved bytes come from the allocator's statistics.
 //! Every peak is tracked per device (each device of a multi-device trace runs on its own
 //! device, so its figures are those of that device replayed alone); the run's headline is the
-//! worst device (`RunReport::devices`), never a sum of peaks. Timeline samples and step figures
-//! add the devices' current values at one moment.
+//! worst device (`RunReport::devices`), never a sum of peaks. Timeline samples add the devices'
+//! current values at one moment; per-step figures still add the devices' step figures.
 
 use crate::ops::{Op, Program};
 use crate::report::{DeviceReport, PeakExplanation, RunReport, Sample, StepReport};

@@ -35,7 +35,7 @@ fn device_trace(seed: u64, max_mib: u64, start_us: u64, alloc_every_us: u64) -> 
     let mut live: Vec<(u64, u64)> = Vec::new();
     let mut t = start_us;
     let mut addr = 1u64 << 40;
-    let mut entry = |action: &str, addr: u64, size: u64, t: u64| json!({"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": []});
+    let entry = |action: &str, addr: u64, size: u64, t: u64| json!({"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t, "frames": []});
     for i in 0..600u64 {
         t += alloc_every_us;
         // Sizes from 512 B to max_mib MiB, small ones most often.
@@ -47,7 +47,7 @@ fn device_trace(seed: u64, max_mib: u64, start_us: u64, alloc_every_us: u64) -> 
         addr += 64 * MIB;
         entries.push(entry("alloc", addr, size, t));
         live.push((addr, size));
-        if i % 3 != 0 && !live.is_empty() {
+        if i % 3 != 0 {
             let (a, s) = live.swap_remove((next() % live.len() as u64) as usize);
             entries.push(entry("free_requested", a, s, t + 1));
             entries.push(entry("free_completed", a, s, t + 2));
