@@ -17,6 +17,9 @@
 //!
 //! Determinism: the same spec and seed give the same event stream (one seeded generator, no
 //! hash-map iteration).
+//!
+//! Several devices (`--devices N`): N data-parallel ranks in lockstep, rank r with seed
+//! `seed + r` on device r (`AgentStream`); each device sees exactly its rank's events alone.
 
 mod spec;
 
