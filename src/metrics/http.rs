@@ -383,6 +383,9 @@ mod tests {
         let ok = answer(b"GET /metrics?x=1 HTTP/1.1\r\nHost: x\r\n\r\n");
         assert!(ok.starts_with("HTTP/1.1 200 OK\r\n") && ok.ends_with("\r\n\r\n# a page\n"), "{ok}");
         assert!(ok.contains("Content-Type: text/plain; version=0.0.4"), "{ok}");
+        // An HTTP/1.0 client is answered in its own version.
+        let old = answer(b"HEAD /metrics HTTP/1.0\r\n\r\n");
+        assert!(old.starts_with("HTTP/1.0 200 OK\r\n") && old.contains("Content-Length: 9\r\n"), "{old}");
         let head = answer(b"HEAD /metrics HTTP/1.1\r\n\r\n");
         assert!(head.contains("Content-Length: 9\r\n") && head.ends_with("\r\n\r\n"), "{head}");
         assert!(answer(b"GET / HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404"));

@@ -121,7 +121,7 @@ fn run(cli: Cli) -> Result<i32, String> {
     let (input, workload, defaults) = match command {
         Command::Agent(args) => {
             let spec = args.spec()?;
-            let name = format!("agent {} (seed {})", spec.preset, spec.seed);
+            let name = agent::stream_name(&spec);
             (Input::Agent(spec), name, compare::DEFAULT_AGENT)
         }
         Command::Replay { file } => {
@@ -148,9 +148,11 @@ fn run(cli: Cli) -> Result<i32, String> {
             }
             (program.devices, program.notes.clone())
         }
-        Input::Agent(spec) => {
-            (1, SourceNotes { format: format!("agent {} (seed {})", spec.preset, spec.seed), ..Default::default() })
-        }
+        // Validated: 1..=ops::MAX_DEVICES.
+        Input::Agent(spec) => (
+            u16::try_from(spec.devices).unwrap_or(1),
+            SourceNotes { format: agent::stream_name(spec), ..Default::default() },
+        ),
     };
     let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices };
     let mut configs = resolve(g, defaults, &base)?;
@@ -206,6 +208,13 @@ fn resolve(g: &Global, defaults: &[&str], base: &Base) -> Result<Vec<RunConfig>,
 
 fn run_headroom(g: &Global, agent: &AgentArgs, search: &HeadroomArgs, capacity_mb: u64) -> Result<i32, String> {
     let spec = agent.spec()?;
+    if spec.devices > 1 {
+        return Err(format!(
+            "--devices {}: headroom searches one device's scale; run it without --devices (each rank is the \
+             same workload with another seed)",
+            spec.devices
+        ));
+    }
     let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: 1 };
     let configs = resolve(g, compare::DEFAULT_AGENT, &base)?;
     let started = Instant::now();

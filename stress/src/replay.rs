@@ -3,11 +3,14 @@
 //! Invariants: the runner never frees an id it did not allocate (an allocation that ran out of
 //! memory is counted and its later free and record_stream are skipped); the physical floor is
 //! the peak of live requested bytes as the runner itself counts them, independent of the
-//! allocator; peaks of allocated and reserved bytes come from the allocator's statistics
-//! (summed over devices).
+//! allocator; peaks of allocated and reserved bytes come from the allocator's statistics.
+//! Every peak is tracked per device (each device of a multi-device trace runs on its own
+//! device, so its figures are those of that device replayed alone); the run's headline is the
+//! worst device (`RunReport::devices`), never a sum of peaks. Timeline samples add the devices'
+//! current values at one moment; per-step figures still add the devices' step figures.
 
 use crate::ops::{Op, Program};
-use crate::report::{PeakExplanation, RunReport, Sample, StepReport};
+use crate::report::{DeviceReport, PeakExplanation, RunReport, Sample, StepReport};
 use indicatif::ProgressBar;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -107,7 +110,7 @@ pub fn run_source(
         }
         None => None,
     };
-    let mut runner = Runner::new(&allocator);
+    let mut runner = Runner::new(&allocator, source.devices());
     runner.explain = rc.explain;
     let started = Instant::now();
     let stride = usize::try_from(source.len_hint() / TIMELINE_POINTS as u64).unwrap_or(usize::MAX).max(1);
@@ -177,10 +180,15 @@ struct Live {
 struct Runner<'a> {
     allocator: &'a Allocator,
     devices: usize,
+    /// Devices the events use (reported one by one): at most `devices`.
+    used: usize,
     /// By id: the live allocation, if any.
     live: Vec<Option<Live>>,
     requested: u64,
-    floor: u64,
+    /// By device (`devices` entries): live requested bytes, their peak, and OOMs.
+    device_requested: Vec<u64>,
+    device_floor: Vec<u64>,
+    device_ooms: Vec<u64>,
     ooms: u64,
     skipped_frees: u64,
     errors: u64,
@@ -200,13 +208,17 @@ struct Runner<'a> {
 }
 
 impl<'a> Runner<'a> {
-    fn new(allocator: &'a Allocator) -> Runner<'a> {
+    fn new(allocator: &'a Allocator, used: u16) -> Runner<'a> {
+        let devices = allocator.device_count();
         Runner {
             allocator,
-            devices: allocator.device_count(),
+            devices,
+            used: usize::from(used).clamp(1, devices.max(1)),
             live: Vec::new(),
             requested: 0,
-            floor: 0,
+            device_requested: vec![0; devices],
+            device_floor: vec![0; devices],
+            device_ooms: vec![0; devices],
             ooms: 0,
             skipped_frees: 0,
             errors: 0,
@@ -244,7 +256,10 @@ impl<'a> Runner<'a> {
                         }
                         self.live[id as usize] = Some(Live { device, ptr, size });
                         self.requested += size;
-                        self.floor = self.floor.max(self.requested);
+                        // The allocator accepted the device: it is below `devices`.
+                        let d = device as usize;
+                        self.device_requested[d] += size;
+                        self.device_floor[d] = self.device_floor[d].max(self.device_requested[d]);
                         self.step_floor = self.step_floor.max(self.requested);
                         if self.explain {
                             self.maybe_explain(device as usize);
@@ -253,6 +268,9 @@ impl<'a> Runner<'a> {
                     Err(Error::OutOfMemory(_)) => {
                         self.ooms += 1;
                         self.step_ooms += 1;
+                        if let Some(n) = self.device_ooms.get_mut(device as usize) {
+                            *n += 1;
+                        }
                     }
                     Err(e) => self.note_error(format!("op {index}: malloc of {size} bytes: {e}")),
                 }
@@ -260,6 +278,7 @@ impl<'a> Runner<'a> {
             Op::Free { id } => match self.live.get_mut(id as usize).and_then(Option::take) {
                 Some(l) => {
                     self.requested -= l.size;
+                    self.device_requested[l.device as usize] -= l.size;
                     if let Err(e) = self.allocator.free(l.device as usize, l.ptr, l.size) {
                         self.note_error(format!("op {index}: free of {:#x}: {e}", l.ptr));
                     }
@@ -384,31 +403,66 @@ impl<'a> Runner<'a> {
         self.timeline.push(Sample { op, requested: self.requested, allocated, reserved });
     }
 
-    fn finish(self, rc: &RunConfig, ops: u64, wall: f64) -> RunReport {
-        let mut r = RunReport { name: rc.name.clone(), conf: rc.conf.clone(), ..Default::default() };
-        for d in 0..self.devices {
-            let Ok(s) = self.allocator.stats(d) else { continue };
+    /// One device's figures from its statistics and the runner's own counts.
+    fn device_report(&self, d: usize) -> DeviceReport {
+        let mut r =
+            DeviceReport { device: d, floor: self.device_floor[d], ooms: self.device_ooms[d], ..Default::default() };
+        if let Ok(s) = self.allocator.stats(d) {
             let h = &s.heap;
-            r.peak_allocated += h.allocated_bytes.all.peak;
-            r.peak_reserved += h.reserved_bytes.all.peak;
-            r.stats_peak_requested += h.requested_bytes.all.peak;
-            r.device_mallocs += h.num_device_alloc;
-            r.device_frees += h.num_device_free;
-            r.device_malloc_time_s += s.driver_time.reserve_ns as f64 * 1e-9;
-            r.device_free_time_s += s.driver_time.release_ns as f64 * 1e-9;
-            r.alloc_retries += h.num_alloc_retries;
-            r.final_reserved += h.reserved_bytes.all.current;
+            r.peak_allocated = h.allocated_bytes.all.peak;
+            r.peak_reserved = h.reserved_bytes.all.peak;
+            r.stats_peak_requested = h.requested_bytes.all.peak;
+            r.device_mallocs = h.num_device_alloc;
+            r.device_frees = h.num_device_free;
+            r.device_malloc_time_s = s.driver_time.reserve_ns as f64 * 1e-9;
+            r.device_free_time_s = s.driver_time.release_ns as f64 * 1e-9;
+            r.alloc_retries = h.num_alloc_retries;
+            r.final_reserved = h.reserved_bytes.all.current;
             let map = s.to_map();
-            add_opt(&mut r.driver_maps, stat_u64(&map, NUM_MAP_KEYS));
-            add_opt(&mut r.driver_unmaps, stat_u64(&map, NUM_UNMAP_KEYS));
-            add_opt(&mut r.driver_creates, stat_u64(&map, NUM_CREATE_KEYS));
-            add_opt(&mut r.moved_bytes, stat_u64(&map, MOVED_BYTES_KEYS));
-            r.driver_time_s += driver_seconds(&map);
+            r.driver_maps = stat_u64(&map, NUM_MAP_KEYS);
+            r.driver_unmaps = stat_u64(&map, NUM_UNMAP_KEYS);
+            r.driver_creates = stat_u64(&map, NUM_CREATE_KEYS);
+            r.moved_bytes = stat_u64(&map, MOVED_BYTES_KEYS);
+            r.driver_time_s = driver_seconds(&map);
         }
-        r.ops = ops;
-        r.floor = self.floor;
         r.reserved_over_floor = ratio(r.peak_reserved, r.floor);
         r.allocated_over_floor = ratio(r.peak_allocated, r.floor);
+        r
+    }
+
+    fn finish(self, rc: &RunConfig, ops: u64, wall: f64) -> RunReport {
+        let devices: Vec<DeviceReport> = (0..self.used).map(|d| self.device_report(d)).collect();
+        // The worst device: highest peak reserved, then highest floor, then lowest number.
+        let worst = devices
+            .iter()
+            .min_by_key(|d| (std::cmp::Reverse(d.peak_reserved), std::cmp::Reverse(d.floor), d.device))
+            .cloned()
+            .unwrap_or_default();
+        let mut r = RunReport {
+            name: rc.name.clone(),
+            conf: rc.conf.clone(),
+            floor: worst.floor,
+            stats_peak_requested: worst.stats_peak_requested,
+            peak_allocated: worst.peak_allocated,
+            peak_reserved: worst.peak_reserved,
+            reserved_over_floor: worst.reserved_over_floor,
+            allocated_over_floor: worst.allocated_over_floor,
+            final_reserved: worst.final_reserved,
+            device_mallocs: worst.device_mallocs,
+            device_frees: worst.device_frees,
+            device_malloc_time_s: worst.device_malloc_time_s,
+            device_free_time_s: worst.device_free_time_s,
+            driver_maps: worst.driver_maps,
+            driver_unmaps: worst.driver_unmaps,
+            driver_creates: worst.driver_creates,
+            moved_bytes: worst.moved_bytes,
+            driver_time_s: worst.driver_time_s,
+            alloc_retries: devices.iter().map(|d| d.alloc_retries).sum(),
+            worst_device: worst.device,
+            ..Default::default()
+        };
+        r.devices = devices;
+        r.ops = ops;
         r.ooms = self.ooms;
         r.skipped_frees = self.skipped_frees;
         r.errors = self.errors;

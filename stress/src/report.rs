@@ -95,6 +95,43 @@ pub struct RunReport {
     /// With `--explain`: what held the reserved bytes at (within 1% of) their peak.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_explanation: Option<PeakExplanation>,
+    /// Each device the run used, in device order. On several devices the figures above that
+    /// describe one device's memory and driver work (floor, peaks, their ratios, final
+    /// reserved, device and driver calls and their times) are the worst device's, not sums:
+    /// a sum of per-device peaks is the peak of nothing. Counts of the run as a whole (ops,
+    /// OOMs, alloc retries, skipped frees, errors, steps) and the means over steps and samples
+    /// cover every device.
+    pub devices: Vec<DeviceReport>,
+    /// The device the headline figures are from: the highest peak reserved (then the highest
+    /// floor, then the lowest number).
+    pub worst_device: usize,
+}
+
+/// One device's figures over a run: its own peaks, tracked on that device as the run goes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DeviceReport {
+    pub device: usize,
+    /// Peak live requested bytes on this device, counted by the runner.
+    pub floor: u64,
+    /// The allocator's own peak of requested bytes on this device.
+    pub stats_peak_requested: u64,
+    pub peak_allocated: u64,
+    pub peak_reserved: u64,
+    pub reserved_over_floor: f64,
+    pub allocated_over_floor: f64,
+    pub final_reserved: u64,
+    pub device_mallocs: u64,
+    pub device_frees: u64,
+    pub device_malloc_time_s: f64,
+    pub device_free_time_s: f64,
+    pub driver_maps: Option<u64>,
+    pub driver_unmaps: Option<u64>,
+    pub driver_creates: Option<u64>,
+    pub moved_bytes: Option<u64>,
+    pub driver_time_s: f64,
+    pub alloc_retries: u64,
+    /// Allocations on this device that ran out of memory.
+    pub ooms: u64,
 }
 
 /// Where the reserved bytes sat at the peak: live blocks, free space inside segments that hold
@@ -298,10 +335,20 @@ pub fn table(report: &Report) -> String {
             native.segment_frees
         );
     }
+    let devices = report.runs.iter().map(|r| r.devices.len()).max().unwrap_or(0);
+    if devices > 1 {
+        let _ = writeln!(
+            out,
+            "{devices} devices: each column is its worst device (the highest peak reserved); every device below"
+        );
+    }
     out.push_str(&t.to_string());
     out.push('\n');
     for r in &report.runs {
         let _ = writeln!(out, "  {} = `{}`", r.name, r.conf);
+    }
+    for r in report.runs.iter().filter(|r| r.devices.len() > 1) {
+        out.push_str(&device_table(r));
     }
     for r in &report.runs {
         if let Some(e) = &r.peak_explanation {
@@ -314,6 +361,43 @@ pub fn table(report: &Report) -> String {
         }
     }
     out
+}
+
+/// Per-device table of one run (its worst device marked).
+pub fn device_table(run: &RunReport) -> String {
+    let mut t = Table::new();
+    t.load_preset(UTF8_FULL_CONDENSED);
+    t.set_header(vec![
+        "device",
+        "floor GiB",
+        "peak alloc GiB",
+        "peak resv GiB",
+        "resv / floor",
+        "dev mallocs / frees",
+        "maps/unmaps/creates",
+        "driver ms / step",
+        "OOMs",
+    ]);
+    for d in &run.devices {
+        let device = if d.device == run.worst_device { format!("{} (worst)", d.device) } else { d.device.to_string() };
+        t.add_row(vec![
+            device,
+            gib(d.floor),
+            gib(d.peak_allocated),
+            gib(d.peak_reserved),
+            format!("{:.3}x", d.reserved_over_floor),
+            format!("{} / {}", d.device_mallocs, d.device_frees),
+            format!("{}/{}/{}", opt(d.driver_maps), opt(d.driver_unmaps), opt(d.driver_creates)),
+            format!("{:.2}", d.driver_time_s / run.steps_count.max(1) as f64 * 1e3),
+            d.ooms.to_string(),
+        ]);
+    }
+    for (i, column) in t.column_iter_mut().enumerate() {
+        if i > 0 {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    format!("per device: {}\n{t}\n", run.name)
 }
 
 /// Per-step table of one run.

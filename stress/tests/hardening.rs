@@ -129,6 +129,25 @@ fn random_flags_are_range_checked() {
     assert!(integrity.ok());
 }
 
+/// A worker that fails mid-run (here: an injected panic while blocks cross threads) ends the run
+/// with an error naming it; the other workers finish, nothing waits forever.
+#[test]
+fn a_panicking_worker_ends_the_random_run_with_an_error() {
+    let rc = pytorch();
+    for worker in [0, 1, 3] {
+        let args = RandomArgs {
+            threads: 4,
+            ops: 20_000,
+            streams: 2,
+            cross_free: 0.5,
+            panic_at: Some((worker, 5_000)),
+            ..random_defaults()
+        };
+        let Err(err) = random::run(&args, &rc) else { panic!("a run with a panicked worker succeeded") };
+        assert!(err.contains(&format!("worker thread {worker} panicked: injected failure at operation 5000")), "{err}");
+    }
+}
+
 fn random_defaults() -> RandomArgs {
     use clap::{Args, FromArgMatches};
     let cmd = RandomArgs::augment_args(clap::Command::new("t"));

@@ -33,6 +33,7 @@ fn random_workload_on_cuda_keeps_every_tag() {
         step_every: 300,
         seed: 3,
         tag_kib: 4,
+        panic_at: None,
     };
     let base = Base { cuda: true, capacity_mb: 0, devices: 1 };
     for rc in compare::resolve(&["pytorch".into(), "stepalloc".into()], &base).unwrap() {

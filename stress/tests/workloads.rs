@@ -159,6 +159,7 @@ fn random_workload_keeps_blocks_apart() {
         step_every: 500,
         seed: 5,
         tag_kib: 4,
+        panic_at: None,
     };
     for rc in accepted(&["pytorch", "pytorch_expandable", "stepalloc", "vm_page_release"], &base(16384)) {
         let (run, integrity) = random::run(&args, &rc).unwrap();

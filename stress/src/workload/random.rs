@@ -69,6 +69,11 @@ pub struct RandomArgs {
     /// CUDA backend: KiB at each end of every block that hold its tag (0: the whole block).
     #[arg(long, default_value_t = 4)]
     pub tag_kib: u64,
+    /// Tests only (no flag): worker `.0` panics at its operation `.1`, to show that a failed
+    /// worker ends the run with an error and never a hang.
+    #[arg(skip)]
+    #[serde(skip)]
+    pub panic_at: Option<(usize, u64)>,
 }
 
 /// What the integrity checks found.
@@ -398,6 +403,9 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
                 let _ = shared.allocator.step_begin("even");
             }
             for n in 0..args.ops {
+                if args.panic_at == Some((i, n)) {
+                    panic!("injected failure at operation {n}");
+                }
                 while let Ok(b) = rx.try_recv() {
                     mine_bytes += b.size;
                     mine.push(b);

@@ -17,13 +17,16 @@
 //!
 //! Determinism: the same spec and seed give the same event stream (one seeded generator, no
 //! hash-map iteration).
+//!
+//! Several devices (`--devices N`): N data-parallel ranks in lockstep, rank r with seed
+//! `seed + r` on device r (`AgentStream`); each device sees exactly its rank's events alone.
 
 mod spec;
 
 pub use spec::{AgentArgs, AgentSpec, Optimizer, Preset};
 
 use super::lognormal;
-use crate::ops::{Op, Program, ProgramBuilder};
+use crate::ops::{Op, Program, ProgramBuilder, SourceNotes};
 use crate::replay::{Chunk, OpSource};
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
@@ -43,6 +46,9 @@ pub fn generate(spec: &AgentSpec) -> Result<Program, String> {
 /// `generate` with at most `max_ops` events (below `ops::MAX_OPS`).
 pub fn generate_within(spec: &AgentSpec, max_ops: usize) -> Result<Program, String> {
     spec.validate()?;
+    if spec.devices > 1 {
+        return generate_ranks(spec, max_ops);
+    }
     let mut g = Gen::new(spec);
     g.b = std::mem::take(&mut g.b).with_max_ops(max_ops);
     g.weights();
@@ -60,15 +66,61 @@ pub fn generate_within(spec: &AgentSpec, max_ops: usize) -> Result<Program, Stri
     g.b.finish().map_err(|e| format!("the agent workload is too large: {e}"))
 }
 
+/// `generate` of several ranks: the lockstep stream's chunks gathered into one program.
+fn generate_ranks(spec: &AgentSpec, max_ops: usize) -> Result<Program, String> {
+    let mut stream = AgentStream::within(spec, max_ops)?;
+    let mut ops = Vec::new();
+    while let Some((chunk, _)) = stream.next_chunk()? {
+        if ops.len().saturating_add(chunk.len()) > max_ops {
+            return Err(format!(
+                "the agent workload is too large: more than {max_ops} events over its {} devices; lower --iterations, \
+                 --devices or the workload's dimensions",
+                spec.devices
+            ));
+        }
+        ops.extend_from_slice(chunk);
+    }
+    Ok(Program {
+        ops,
+        phases: stream.phases.clone(),
+        ids: stream.ids(),
+        devices: stream.devices(),
+        notes: SourceNotes { format: stream_name(spec), ..Default::default() },
+    })
+}
+
+/// The workload's name in reports: its preset and seed, and with several devices their seeds.
+pub fn stream_name(spec: &AgentSpec) -> String {
+    if spec.devices > 1 {
+        format!(
+            "agent {} (seeds {}..={}, one per device, {} devices)",
+            spec.preset,
+            spec.seed,
+            spec.seed.wrapping_add(spec.devices - 1),
+            spec.devices
+        )
+    } else {
+        format!("agent {} (seed {})", spec.preset, spec.seed)
+    }
+}
+
 /// The agent workload generated one iteration at a time, as the runner consumes it: memory is
-/// one iteration's events (the bound of `ops::MAX_OPS` applies per iteration), whatever
-/// `--iterations`. Same spec, same events as `generate`.
+/// one iteration's events (the bound of `ops::MAX_OPS` applies per iteration and rank),
+/// whatever `--iterations`. Same spec, same events as `generate`.
+///
+/// With `devices` > 1 it runs one rank per device in lockstep, as data-parallel ranks do: rank
+/// `r` is the workload with seed `seed + r` on device `r`; every step's events of every rank
+/// lie between the same step markers (see `lockstep`), so each device sees exactly the events,
+/// in the same order and steps, as that rank run alone on one device.
 pub struct AgentStream<'a> {
-    g: Gen<'a>,
+    /// One generator per rank; rank `r` allocates on device `r`.
+    ranks: Vec<Gen<'a>>,
     next_iteration: u64,
     /// Chunks generated ahead: the weights and the first iteration (to estimate the total).
     ready: std::collections::VecDeque<Vec<Op>>,
     chunk: Vec<Op>,
+    /// The merged stream's phases (several ranks; one rank hands out its builder's).
+    phases: Vec<String>,
     len_hint: u64,
 }
 
@@ -77,23 +129,33 @@ impl<'a> AgentStream<'a> {
         AgentStream::within(spec, crate::ops::MAX_OPS)
     }
 
-    /// A stream whose chunks (the weights, each iteration) hold at most `max_ops` events.
+    /// A stream whose chunks (the weights, each iteration) hold at most `max_ops` events per
+    /// rank.
     pub fn within(spec: &'a AgentSpec, max_ops: usize) -> Result<AgentStream<'a>, String> {
         spec.validate()?;
-        let mut g = Gen::new(spec);
-        g.b = std::mem::take(&mut g.b).with_max_ops(max_ops);
-        g.weights();
-        if let Some(e) = g.b.limit_error() {
-            return Err(format!("the agent workload's weights are too many: {e}"));
-        }
-        let weights = g.b.take_ops();
+        // Validated: 1..=ops::MAX_DEVICES.
+        let devices = u16::try_from(spec.devices).unwrap_or(1);
         let mut stream = AgentStream {
-            g,
+            ranks: Vec::with_capacity(devices as usize),
             next_iteration: 0,
             ready: std::collections::VecDeque::new(),
             chunk: Vec::new(),
-            len_hint: weights.len() as u64,
+            phases: Vec::new(),
+            len_hint: 0,
         };
+        let mut weights = Vec::with_capacity(devices as usize);
+        for rank in 0..devices {
+            let mut g = Gen::rank(spec, rank);
+            g.b = std::mem::take(&mut g.b).with_max_ops(max_ops);
+            g.weights();
+            if let Some(e) = g.b.limit_error() {
+                return Err(format!("the agent workload's weights are too many: {e}"));
+            }
+            weights.push(g.b.take_ops());
+            stream.ranks.push(g);
+        }
+        let weights = stream.merge(weights)?;
+        stream.len_hint = weights.len() as u64;
         stream.ready.push_back(weights);
         if spec.iterations > 0 {
             let first = stream.iteration()?;
@@ -106,14 +168,32 @@ impl<'a> AgentStream<'a> {
     fn iteration(&mut self) -> Result<Vec<Op>, String> {
         let i = self.next_iteration;
         self.next_iteration += 1;
-        self.g.iteration(i);
-        if let Some(e) = self.g.b.limit_error() {
-            return Err(format!(
-                "iteration {} of the agent workload is too large: {e}; lower the workload's dimensions",
-                i + 1
-            ));
+        let mut chunks = Vec::with_capacity(self.ranks.len());
+        for g in &mut self.ranks {
+            g.iteration(i);
+            if let Some(e) = g.b.limit_error() {
+                return Err(format!(
+                    "iteration {} of the agent workload is too large: {e}; lower the workload's dimensions",
+                    i + 1
+                ));
+            }
+            chunks.push(g.b.take_ops());
         }
-        Ok(self.g.b.take_ops())
+        self.merge(chunks)
+    }
+
+    /// One chunk per rank into the stream's chunk: one rank's as it is, several in lockstep.
+    fn merge(&mut self, mut chunks: Vec<Vec<Op>>) -> Result<Vec<Op>, String> {
+        if chunks.len() == 1 {
+            return Ok(chunks.pop().unwrap_or_default());
+        }
+        lockstep(&chunks, &self.ranks, &mut self.phases)
+    }
+
+    /// Ids handed out so far (every id of the merged stream is below it).
+    fn ids(&self) -> u32 {
+        let most = self.ranks.iter().map(|g| g.b.ids()).max().unwrap_or(0);
+        most.saturating_mul(self.ranks.len() as u32)
     }
 }
 
@@ -121,10 +201,11 @@ impl OpSource for AgentStream<'_> {
     fn next_chunk(&mut self) -> Result<Option<Chunk<'_>>, String> {
         self.chunk = match self.ready.pop_front() {
             Some(chunk) => chunk,
-            None if self.next_iteration < self.g.s.iterations => self.iteration()?,
+            None if self.next_iteration < self.ranks[0].s.iterations => self.iteration()?,
             None => return Ok(None),
         };
-        Ok(Some((&self.chunk, self.g.b.phases())))
+        let phases = if self.ranks.len() == 1 { self.ranks[0].b.phases() } else { &self.phases };
+        Ok(Some((&self.chunk, phases)))
     }
 
     fn len_hint(&self) -> u64 {
@@ -132,7 +213,86 @@ impl OpSource for AgentStream<'_> {
     }
 
     fn devices(&self) -> u16 {
-        1
+        self.ranks.len() as u16
+    }
+}
+
+/// A step marker of one rank: `Some(phase)` a step begins, `None` a step ends.
+type Marker<'p> = Option<&'p str>;
+
+/// Interleaves one chunk of every rank in lockstep: each rank's events up to its next step
+/// marker, in rank order, then that marker once, so every device's events stay between the
+/// same step boundaries as when its rank runs alone. Rank `r`'s id `i` becomes `i * ranks + r`
+/// (dense, and no two ranks share one). Every rank must reach the same markers: the phase
+/// sequence of the workload does not depend on its seed.
+fn lockstep(chunks: &[Vec<Op>], ranks: &[Gen], phases: &mut Vec<String>) -> Result<Vec<Op>, String> {
+    let n = chunks.len() as u32;
+    let remap = |id: u32, rank: usize| {
+        id.checked_mul(n).and_then(|v| v.checked_add(rank as u32)).ok_or_else(|| {
+            format!("the agent workload is too large: more than {} blocks live at once over {n} devices", u32::MAX)
+        })
+    };
+    let mut out = Vec::with_capacity(chunks.iter().map(Vec::len).sum());
+    let mut pos = vec![0usize; chunks.len()];
+    loop {
+        // `None`: every rank reached the end of its chunk.
+        let mut first: Option<Marker> = None;
+        for (r, chunk) in chunks.iter().enumerate() {
+            let rest = &chunk[pos[r]..];
+            let k = rest.iter().position(|op| matches!(op, Op::StepBegin { .. } | Op::StepEnd)).unwrap_or(rest.len());
+            for &op in &rest[..k] {
+                out.push(match op {
+                    Op::Alloc { id, size, stream, device } => Op::Alloc { id: remap(id, r)?, size, stream, device },
+                    Op::Free { id } => Op::Free { id: remap(id, r)? },
+                    Op::RecordStream { id, stream } => Op::RecordStream { id: remap(id, r)?, stream },
+                    other => other,
+                });
+            }
+            pos[r] += k;
+            let this: Option<Marker> = match chunk.get(pos[r]) {
+                Some(Op::StepBegin { phase }) => {
+                    Some(Some(ranks[r].b.phases().get(*phase as usize).map_or("step", String::as_str)))
+                }
+                Some(_) => Some(None),
+                None => None,
+            };
+            if r == 0 {
+                first = this;
+            } else if this != first {
+                return Err(format!(
+                    "the agent workload's ranks are out of step: rank {r} reaches {} where rank 0 reaches {}",
+                    describe(this),
+                    describe(first)
+                ));
+            }
+        }
+        match first {
+            None => return Ok(out),
+            Some(None) => out.push(Op::StepEnd),
+            Some(Some(name)) => {
+                let index = match phases.iter().position(|p| p == name) {
+                    Some(i) => i,
+                    None => {
+                        phases.push(name.to_string());
+                        phases.len() - 1
+                    }
+                };
+                // Each rank's builder bounds its phases (MAX_PHASES), and the ranks share them.
+                let phase = u16::try_from(index).map_err(|_| format!("more than {} phases", u16::MAX))?;
+                out.push(Op::StepBegin { phase });
+            }
+        }
+        for p in &mut pos {
+            *p += 1;
+        }
+    }
+}
+
+fn describe(marker: Option<Marker>) -> String {
+    match marker {
+        None => "the end of the iteration".into(),
+        Some(None) => "a step end".into(),
+        Some(Some(phase)) => format!("a `{phase}` step"),
     }
 }
 
@@ -153,6 +313,8 @@ struct Trainable {
 
 struct Gen<'a> {
     s: &'a AgentSpec,
+    /// The rank's device (0 on one device).
+    device: u16,
     b: ProgramBuilder,
     rng: XorShiftRng,
     trainables: Vec<Trainable>,
@@ -162,17 +324,23 @@ struct Gen<'a> {
 
 impl<'a> Gen<'a> {
     fn new(s: &'a AgentSpec) -> Gen<'a> {
+        Gen::rank(s, 0)
+    }
+
+    /// Rank `rank`: device `rank`, seed `s.seed + rank` (wrapping).
+    fn rank(s: &'a AgentSpec, rank: u16) -> Gen<'a> {
         Gen {
             s,
+            device: rank,
             b: ProgramBuilder::new(&format!("agent {} (seed {})", s.preset, s.seed)),
-            rng: XorShiftRng::seed_from_u64(s.seed),
+            rng: XorShiftRng::seed_from_u64(s.seed.wrapping_add(u64::from(rank))),
             trainables: Vec::new(),
             optimizer_state: Vec::new(),
         }
     }
 
     fn alloc(&mut self, bytes: u64) -> u32 {
-        self.b.alloc(bytes, COMPUTE, 0)
+        self.b.alloc(bytes, COMPUTE, self.device)
     }
 
     fn free(&mut self, id: u32) {
@@ -297,7 +465,7 @@ impl<'a> Gen<'a> {
         let e = s.dtype_bytes;
         let side = (n as f64).sqrt() as u64 * s.patch;
         // Pixels arrive on the copy stream and are handed to the compute stream.
-        let pixels = self.b.alloc(3 * side * side * e, COPY, 0);
+        let pixels = self.b.alloc(3 * side * side * e, COPY, self.device);
         self.b.record_stream(pixels, COMPUTE);
         let mut x = self.alloc((n + 1) * s.vision_hidden * e);
         self.free(pixels);
@@ -333,7 +501,7 @@ impl<'a> Gen<'a> {
         let s = self.s;
         let (vh, vi, e) = (s.vision_hidden, s.vision_intermediate, s.dtype_bytes);
         let side = (n as f64).sqrt() as u64 * s.patch;
-        let pixels = self.b.alloc(3 * side * side * e, COPY, 0);
+        let pixels = self.b.alloc(3 * side * side * e, COPY, self.device);
         self.b.record_stream(pixels, COMPUTE);
         let n = n + 1;
         saved.push((self.alloc(n * vh * e), n * vh * e));
@@ -599,7 +767,7 @@ impl<'a> Gen<'a> {
         } else {
             // torch.cat into a larger tensor, then the old one is dropped; layer by layer.
             for slot in kv.iter_mut() {
-                let new = self.b.alloc(bytes, COMPUTE, 0);
+                let new = self.b.alloc(bytes, COMPUTE, self.device);
                 self.b.free(*slot);
                 *slot = new;
             }

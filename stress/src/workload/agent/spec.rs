@@ -31,6 +31,9 @@ pub struct AgentSpec {
     pub preset: String,
     pub seed: u64,
     pub iterations: u64,
+    /// Ranks, one per simulated device: rank `r` runs the same workload with seed `seed + r`
+    /// on device `r`, in lockstep with the others (see `AgentStream`).
+    pub devices: u64,
     // decoder
     pub hidden: u64,
     pub layers: u64,
@@ -77,6 +80,7 @@ impl AgentSpec {
             preset: "vlm-7b".into(),
             seed: 1,
             iterations: 6,
+            devices: 1,
             hidden: 4096,
             layers: 32,
             heads: 32,
@@ -134,10 +138,11 @@ impl AgentSpec {
 /// Every numeric dimension's accepted range, as (flag, value, least, most). The bounds keep
 /// every tensor size the generator computes within u64 (the largest product, logits of a
 /// training micro-batch, stays below 2^63) while covering today's models many times over.
-fn ranges(s: &AgentSpec) -> [(&'static str, u64, u64, u64); 30] {
+fn ranges(s: &AgentSpec) -> [(&'static str, u64, u64, u64); 31] {
     const K: u64 = 1024;
     [
         ("iterations", s.iterations, 0, 1_000_000),
+        ("devices", s.devices, 1, crate::ops::MAX_DEVICES as u64),
         ("hidden", s.hidden, 1, 64 * K),
         ("layers", s.layers, 1, K),
         ("heads", s.heads, 1, K),
@@ -218,6 +223,10 @@ pub struct AgentArgs {
     /// Rollout + training iterations (SFT: training steps).
     #[arg(long)]
     pub iterations: Option<u64>,
+    /// Ranks, one per simulated device, in lockstep (rank r: seed + r on device r); each
+    /// device is reported on its own.
+    #[arg(long)]
+    pub devices: Option<u64>,
     #[arg(long)]
     pub hidden: Option<u64>,
     #[arg(long)]
@@ -309,6 +318,7 @@ impl AgentArgs {
         set!(
             seed,
             iterations,
+            devices,
             hidden,
             layers,
             heads,
