@@ -1069,7 +1069,13 @@ mod tests {
     /// never been large (the random-victim bench's history case).
     #[test]
     fn blocks_handed_out_after_shrinking_have_records_at_the_front() {
-        let mut heap = heap();
+        for conf in ["", ",expandable_segments:True"] {
+            let config = Config::parse(&format!("backend:sim,sim_capacity_mb:1048576{conf}")).expect("config");
+            shrink_then_churn(Heap::new(0, &config, Box::new(SimDevice::new(0, &config.sim))));
+        }
+    }
+
+    fn shrink_then_churn(mut heap: Heap) {
         let mut state = 0x2545_F491_4F6C_DD1Du64;
         let mut next = move || {
             state ^= state << 13;
@@ -1097,6 +1103,9 @@ mod tests {
             let id = heap.live.get(&heap.arena.blocks, p).expect("live") as usize;
             let in_use = heap.arena.blocks_in_use();
             assert!(id < in_use + in_use / 4, "block {p:#x} in slot {id} of {slots}, {in_use} slots in use");
+            if i % 100 == 0 {
+                heap.check_invariants().expect("invariants");
+            }
         }
         heap.check_invariants().expect("invariants");
     }
