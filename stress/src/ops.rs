@@ -64,6 +64,10 @@ pub struct SourceNotes {
     pub recorded_failures: u64,
     /// The native allocator's own figures, when the trace holds them.
     pub native: Option<NativeFigures>,
+    /// The recording allocator's configuration as `PYTORCH_CUDA_ALLOC_CONF` would spell it
+    /// (from a snapshot's `allocator_settings`; empty: PyTorch's defaults), when recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allocator_conf: Option<String>,
 }
 
 /// The recording allocator's reserved bytes, from a snapshot's segment events and segments.
@@ -91,11 +95,22 @@ pub struct Program {
     /// Number of devices the program touches.
     pub devices: u16,
     pub notes: SourceNotes,
+    /// Where each allocation was made, when the trace records it (PyTorch snapshots with
+    /// frames): one entry per `Alloc`, in order, indexing `site_names`. Empty when not
+    /// recorded. Kept beside `ops` so the replay loop does not carry it.
+    pub sites: Vec<u32>,
+    /// Interned sites (`file:line name` of the top user frame); entry 0 is "(no frame)".
+    pub site_names: Vec<String>,
 }
 
 impl Program {
     pub fn count_allocs(&self) -> usize {
         self.ops.iter().filter(|op| matches!(op, Op::Alloc { .. })).count()
+    }
+
+    /// Whether allocation sites (call stacks) were recorded.
+    pub fn has_sites(&self) -> bool {
+        !self.sites.is_empty()
     }
 }
 
@@ -114,6 +129,11 @@ pub struct ProgramBuilder {
     /// By id: whether it is allocated now (only such an id is recycled at its free, so a
     /// producer's double free never hands one id to two live blocks).
     live_ids: Vec<bool>,
+    /// Whether allocations carry sites (`enable_sites`), the site of the next allocation, and
+    /// the index of each interned name.
+    track_sites: bool,
+    next_site: u32,
+    site_index: std::collections::HashMap<String, u32>,
 }
 
 impl Default for ProgramBuilder {
@@ -134,7 +154,36 @@ impl ProgramBuilder {
             max_ops: MAX_OPS,
             free_ids: Vec::new(),
             live_ids: Vec::new(),
+            track_sites: false,
+            next_site: 0,
+            site_index: std::collections::HashMap::new(),
         }
+    }
+
+    /// Records a site for every allocation from here on (`Program::sites`); call before the
+    /// first allocation.
+    pub fn enable_sites(&mut self) {
+        if !self.track_sites {
+            self.track_sites = true;
+            self.program.site_names = vec!["(no frame)".to_string()];
+        }
+    }
+
+    /// Sets the site of the next allocation (interned); ignored unless `enable_sites` was called.
+    pub fn set_next_site(&mut self, name: &str) {
+        if !self.track_sites {
+            return;
+        }
+        self.next_site = match self.site_index.get(name) {
+            Some(&i) => i,
+            None => {
+                // Sites are at most one per allocation, so their count stays below MAX_OPS (u32).
+                let i = self.program.site_names.len() as u32;
+                self.program.site_names.push(name.to_string());
+                self.site_index.insert(name.to_string(), i);
+                i
+            }
+        };
     }
 
     /// Lowers the bound on events below `MAX_OPS` (tests, callers with less memory).
@@ -190,6 +239,9 @@ impl ProgramBuilder {
         self.live_ids[id as usize] = true;
         self.program.devices = self.program.devices.max(device + 1);
         self.program.ops.push(Op::Alloc { id, size, stream, device });
+        if self.track_sites {
+            self.program.sites.push(std::mem::take(&mut self.next_site));
+        }
         id
     }
 

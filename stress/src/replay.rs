@@ -7,7 +7,7 @@
 //! (summed over devices).
 
 use crate::ops::{Op, Program};
-use crate::report::{PeakExplanation, RunReport, Sample, StepReport};
+use crate::report::{PeakExplanation, PeakMoment, PoolFigures, RunReport, Sample, StepReport};
 use indicatif::ProgressBar;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -33,6 +33,10 @@ pub struct RunConfig {
     /// Stop at the first allocation that runs out of memory (`headroom` only needs to know
     /// whether one does).
     pub stop_at_first_oom: bool,
+    /// Find the moment of peak device memory (`RunReport::peak_moment`): reads the simulated
+    /// device's memory in use after every allocation (no effect on `backend:cuda`).
+    #[serde(skip)]
+    pub track_peak: bool,
 }
 
 /// A chunk of events and the phases known so far (`StepBegin` indexes them).
@@ -109,6 +113,7 @@ pub fn run_source(
     };
     let mut runner = Runner::new(&allocator);
     runner.explain = rc.explain;
+    runner.track_peak = rc.track_peak && allocator.config().backend == stepalloc::BackendKind::Sim;
     let started = Instant::now();
     let stride = usize::try_from(source.len_hint() / TIMELINE_POINTS as u64).unwrap_or(usize::MAX).max(1);
     // Index of the next event over all chunks.
@@ -197,6 +202,12 @@ struct Runner<'a> {
     explain: bool,
     explained_at: u64,
     explanation: Option<PeakExplanation>,
+    /// `RunConfig::track_peak`: the phase in progress, the peak of device memory in use so far
+    /// and when its pool figures were last read.
+    track_peak: bool,
+    phase: Option<u16>,
+    peak: Option<PeakMoment>,
+    pools_read_at: u64,
 }
 
 impl<'a> Runner<'a> {
@@ -223,6 +234,10 @@ impl<'a> Runner<'a> {
             explain: false,
             explained_at: 0,
             explanation: None,
+            track_peak: false,
+            phase: None,
+            peak: None,
+            pools_read_at: 0,
         }
     }
 
@@ -248,6 +263,9 @@ impl<'a> Runner<'a> {
                         self.step_floor = self.step_floor.max(self.requested);
                         if self.explain {
                             self.maybe_explain(device as usize);
+                        }
+                        if self.track_peak {
+                            self.note_peak(device as usize, index, phases);
                         }
                     }
                     Err(Error::OutOfMemory(_)) => {
@@ -276,6 +294,7 @@ impl<'a> Runner<'a> {
             Op::StepBegin { phase } => {
                 let name = phases.get(phase as usize).map_or("step", String::as_str);
                 self.allocator.step_begin(name).map_err(|e| format!("op {index}: step_begin: {e}"))?;
+                self.phase = Some(phase);
                 self.step_floor = self.requested;
                 self.step_ooms = 0;
                 self.step_index_op = index;
@@ -298,6 +317,7 @@ impl<'a> Runner<'a> {
                 }
                 self.ext_frag_at_step_end.push(if cached == 0 { 0.0 } else { 1.0 - largest as f64 / cached as f64 });
                 let figures = self.allocator.step_end().map_err(|e| format!("op {index}: step_end: {e}"))?;
+                self.phase = None;
                 if empty_cache_every_step {
                     self.allocator.empty_cache().map_err(|e| format!("op {index}: empty_cache: {e}"))?;
                 }
@@ -349,6 +369,45 @@ impl<'a> Runner<'a> {
             return;
         };
         self.explanation = Some(PeakExplanation::of(device, &stats, self.requested, segments, &live));
+    }
+
+    /// Records the moment device memory in use (summed over devices) passes its peak so far:
+    /// the event, the step and phase in progress, and (re-read when the peak has grown by
+    /// 0.5% since the last read, so within 0.5% of the moment) the pools of the device that grew.
+    fn note_peak(&mut self, device: usize, index: usize, phases: &[String]) {
+        let mut used = 0u64;
+        for d in 0..self.devices {
+            if let Ok(Ok((free, total))) = self.allocator.with_heap(d, |h| h.device_mem_info()) {
+                used = used.saturating_add(total.saturating_sub(free));
+            }
+        }
+        let peak_so_far = self.peak.as_ref().map_or(0, |p| p.device_used);
+        if used <= peak_so_far {
+            return;
+        }
+        let mut moment = self.peak.take().unwrap_or_default();
+        moment.op = index as u64;
+        moment.device_used = used;
+        moment.device = device;
+        moment.step = self.phase.map(|_| self.steps.len() as u64);
+        moment.phase = self.phase.map(|p| phases.get(p as usize).map_or("step", String::as_str).to_string());
+        if used > self.pools_read_at.saturating_add(self.pools_read_at / 200) {
+            if let Ok(s) = self.allocator.stats(device) {
+                let h = &s.heap;
+                moment.small = PoolFigures {
+                    reserved: h.reserved_bytes.small_pool.current,
+                    allocated: h.allocated_bytes.small_pool.current,
+                    requested: h.requested_bytes.small_pool.current,
+                };
+                moment.large = PoolFigures {
+                    reserved: h.reserved_bytes.large_pool.current,
+                    allocated: h.allocated_bytes.large_pool.current,
+                    requested: h.requested_bytes.large_pool.current,
+                };
+                self.pools_read_at = used;
+            }
+        }
+        self.peak = Some(moment);
     }
 
     /// Driver time and virtual-memory calls so far, summed over devices.
@@ -425,6 +484,7 @@ impl<'a> Runner<'a> {
         r.steps = self.steps;
         r.timeline = self.timeline;
         r.peak_explanation = self.explanation;
+        r.peak_moment = self.peak;
         r
     }
 }

@@ -1,6 +1,8 @@
 //! PyTorch memory snapshots: `torch.cuda.memory._dump_snapshot` pickles and the same structure
-//! as JSON. Only the fields the replay needs are read; everything else (frames, blocks, settings)
-//! is skipped.
+//! as JSON. Only the fields the replay needs are read: the events, each allocation's top user
+//! frame (kept as an interned site per allocation, `Program::sites`, for peak attribution) and
+//! `allocator_settings` (as a configuration string, `SourceNotes::allocator_conf`); everything
+//! else (blocks, the other frames) is skipped.
 //!
 //! Replay rule: `alloc` allocates; `free_completed` frees (the moment the native allocator could
 //! reuse the block, after the events of `record_stream` completed). When the trace holds no
@@ -36,6 +38,9 @@ struct Snapshot {
     device_traces: Vec<Vec<TraceEntry>>,
     #[serde(default)]
     external_annotations: Vec<Annotation>,
+    /// The recording allocator's settings (read leniently: only what `allocator_conf` knows).
+    #[serde(default)]
+    allocator_settings: Option<serde_json::Value>,
 }
 
 /// A step marker of a stepalloc snapshot (torch writes the same shape for its annotations).
@@ -75,6 +80,102 @@ struct TraceEntry {
     stream: u64,
     #[serde(default)]
     time_us: u64,
+    /// The allocation's top user frame (`_record_memory_history(stacks="python")`), if any.
+    #[serde(default)]
+    frames: TopFrame,
+}
+
+/// The first frame of a traceback (innermost first) that is the user's code rather than
+/// torch's own modules or C++, as `file:line name`; the first frame when none is. Only this
+/// label is kept, not the frames.
+#[derive(Default)]
+struct TopFrame(Option<String>);
+
+#[derive(Deserialize)]
+struct Frame {
+    #[serde(default)]
+    filename: String,
+    #[serde(default)]
+    line: i64,
+    #[serde(default)]
+    name: String,
+}
+
+impl Frame {
+    fn is_user(&self) -> bool {
+        let f = &self.filename;
+        let native = [".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh", ".c"].iter().any(|ext| f.ends_with(ext));
+        !(f.is_empty() || f.starts_with("??") || native || f.contains("/torch/") || f.contains("\\torch\\"))
+    }
+
+    fn label(&self) -> String {
+        format!("{}:{} {}", self.filename, self.line, self.name)
+    }
+}
+
+impl<'de> Deserialize<'de> for TopFrame {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<TopFrame, D::Error> {
+        struct Frames;
+        impl<'de> serde::de::Visitor<'de> for Frames {
+            type Value = TopFrame;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of frames")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<TopFrame, A::Error> {
+                let (mut first, mut user) = (None, None);
+                while let Some(frame) = seq.next_element::<Frame>()? {
+                    if user.is_none() && frame.is_user() {
+                        user = Some(frame.label());
+                    } else if first.is_none() {
+                        first = Some(frame.label());
+                    }
+                }
+                Ok(TopFrame(user.or(first)))
+            }
+            fn visit_none<E: serde::de::Error>(self) -> Result<TopFrame, E> {
+                Ok(TopFrame(None))
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<TopFrame, E> {
+                Ok(TopFrame(None))
+            }
+        }
+        d.deserialize_any(Frames)
+    }
+}
+
+/// The recorded settings as a `PYTORCH_CUDA_ALLOC_CONF` string: the variable itself when it
+/// was set, else the non-default figures of `allocator_settings` (empty: PyTorch's defaults).
+fn allocator_conf(settings: &serde_json::Value) -> String {
+    if let Some(conf) = settings.get("PYTORCH_CUDA_ALLOC_CONF").and_then(|v| v.as_str()) {
+        if !conf.trim().is_empty() {
+            return conf.trim().to_string();
+        }
+    }
+    let mut keys = Vec::new();
+    // -1 (and stepalloc's 2^64-1) mean unlimited.
+    if let Some(n) = settings.get("max_split_size").and_then(|v| v.as_i64()) {
+        if n > 0 && n < i64::MAX {
+            keys.push(format!("max_split_size_mb:{}", n >> 20));
+        }
+    }
+    if let Some(t) = settings.get("garbage_collection_threshold").and_then(|v| v.as_f64()) {
+        if t > 0.0 && t < 1.0 {
+            keys.push(format!("garbage_collection_threshold:{t}"));
+        }
+    }
+    if settings.get("expandable_segments").and_then(|v| v.as_bool()) == Some(true) {
+        keys.push("expandable_segments:True".to_string());
+    }
+    if let Some(list) = settings.get("roundup_power2_divisions").and_then(|v| v.as_array()) {
+        let values: Vec<u64> = list.iter().filter_map(|v| v.as_u64()).collect();
+        // One value for every size (0 and 1: no rounding); per-range lists are not rebuilt.
+        if let Some(&v) = values.first() {
+            if v > 1 && values.iter().all(|&x| x == v) {
+                keys.push(format!("roundup_power2_divisions:{v}"));
+            }
+        }
+    }
+    keys.join(",")
 }
 
 /// A reader that counts the bytes it has given out, for error positions.
@@ -253,6 +354,11 @@ fn replay(snapshot: Snapshot, format: &str) -> Result<Program, TraceError> {
     let stepalloc = snapshot.device_traces.iter().flatten().any(|e| e.requested_size.is_some());
     let format = if stepalloc { format.replace("torch snapshot", "stepalloc snapshot") } else { format.to_string() };
     let mut b = ProgramBuilder::new(&format);
+    let frames = snapshot.device_traces.iter().flatten().any(|e| e.action == "alloc" && e.frames.0.is_some());
+    if frames {
+        b.enable_sites();
+    }
+    b.notes_mut().allocator_conf = snapshot.allocator_settings.as_ref().map(allocator_conf);
     let mut map = AddressMap::default();
     let use_completed = snapshot.device_traces.iter().flatten().any(|e| e.action == "free_completed");
     let free_action = if use_completed { "free_completed" } else { "free_requested" };
@@ -334,6 +440,9 @@ fn replay(snapshot: Snapshot, format: &str) -> Result<Program, TraceError> {
         last_time = Some(time);
         match e.action.as_str() {
             "alloc" => {
+                if let Some(site) = &e.frames.0 {
+                    b.set_next_site(site);
+                }
                 map.alloc(&mut b, device, e.addr, e.requested_size.unwrap_or(e.size), e.stream);
             }
             a if a == free_action => map.free(&mut b, device, e.addr),
