@@ -202,12 +202,10 @@ struct Runner<'a> {
     explain: bool,
     explained_at: u64,
     explanation: Option<PeakExplanation>,
-    /// `RunConfig::track_peak`: the phase in progress, the peak of device memory in use so far
-    /// and when its pool figures were last read.
+    /// `RunConfig::track_peak`: the phase in progress and the peak of device memory in use so far.
     track_peak: bool,
     phase: Option<u16>,
     peak: Option<PeakMoment>,
-    pools_read_at: u64,
 }
 
 impl<'a> Runner<'a> {
@@ -237,7 +235,6 @@ impl<'a> Runner<'a> {
             track_peak: false,
             phase: None,
             peak: None,
-            pools_read_at: 0,
         }
     }
 
@@ -372,8 +369,8 @@ impl<'a> Runner<'a> {
     }
 
     /// Records the moment device memory in use (summed over devices) passes its peak so far:
-    /// the event, the step and phase in progress, and (re-read when the peak has grown by
-    /// 0.5% since the last read, so within 0.5% of the moment) the pools of the device that grew.
+    /// the event, the step and phase in progress, and the pools of the device that grew (read
+    /// at each new peak only: device memory grows in whole segments or pages).
     fn note_peak(&mut self, device: usize, index: usize, phases: &[String]) {
         let mut used = 0u64;
         for d in 0..self.devices {
@@ -391,20 +388,21 @@ impl<'a> Runner<'a> {
         moment.device = device;
         moment.step = self.phase.map(|_| self.steps.len() as u64);
         moment.phase = self.phase.map(|p| phases.get(p as usize).map_or("step", String::as_str).to_string());
-        if used > self.pools_read_at.saturating_add(self.pools_read_at / 200) {
-            if let Ok(s) = self.allocator.stats(device) {
-                let h = &s.heap;
-                moment.small = PoolFigures {
-                    reserved: h.reserved_bytes.small_pool.current,
-                    allocated: h.allocated_bytes.small_pool.current,
-                    requested: h.requested_bytes.small_pool.current,
+        if let Ok(s) = self.allocator.stats(device) {
+            let h = &s.heap;
+            let pool = |p: &stepalloc::stats::PoolStat, small: bool| -> u64 {
+                if small {
+                    p.small_pool.current
+                } else {
+                    p.large_pool.current
+                }
+            };
+            for (small, figures) in [(true, &mut moment.small), (false, &mut moment.large)] {
+                *figures = PoolFigures {
+                    reserved: pool(&h.reserved_bytes, small),
+                    allocated: pool(&h.allocated_bytes, small),
+                    requested: pool(&h.requested_bytes, small),
                 };
-                moment.large = PoolFigures {
-                    reserved: h.reserved_bytes.large_pool.current,
-                    allocated: h.allocated_bytes.large_pool.current,
-                    requested: h.requested_bytes.large_pool.current,
-                };
-                self.pools_read_at = used;
             }
         }
         self.peak = Some(moment);

@@ -116,7 +116,7 @@ pub struct PeakMoment {
     /// The step in progress (0-based, counting steps of every phase) and its phase, if any.
     pub step: Option<u64>,
     pub phase: Option<String>,
-    /// That device's pools, read within 0.5% of the peak.
+    /// That device's pools at that moment.
     pub small: PoolFigures,
     pub large: PoolFigures,
 }

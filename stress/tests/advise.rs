@@ -1,0 +1,259 @@
+//! `stepalloc-stress advise`: its recommendation is never worse than PyTorch's default on the
+//! agent presets' exported traces and the real-model traces, its explanation names the pool and
+//! the phase of the peak, a snapshot with frames gives the right call site at the peak (text,
+//! JSON, plot and `replay`), the recorded setting is read from `allocator_settings`, and bad
+//! input exits 2 with an error naming it.
+
+use serde_json::{json, Value};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use stepalloc_stress::advise;
+use stepalloc_stress::trace;
+
+const MIB: u64 = 1 << 20;
+
+fn stress(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_stepalloc-stress")).args(args).output().unwrap();
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn advise_json(path: &Path) -> Value {
+    let (code, stdout, stderr) = stress(&["advise", path.to_str().unwrap(), "--json"]);
+    assert_eq!(code, 0, "{}: {stderr}", path.display());
+    serde_json::from_str(&stdout).unwrap_or_else(|e| panic!("{}: {e}: {stdout}", path.display()))
+}
+
+/// The recommendation fits, is never above PyTorch's default, and both explanations name the
+/// pool and the phase of the peak.
+fn check_recommendation(name: &str, a: &Value, phases: &[&str]) {
+    let default = a["pytorch_default"]["peak_reserved"].as_u64().unwrap();
+    let best = &a["best_native"];
+    assert!(best["fits"].as_bool().unwrap(), "{name}: {best}");
+    assert!(best["peak_reserved"].as_u64().unwrap() <= default, "{name}: {best} vs default {default}");
+    assert!(a["best_stepalloc"]["fits"].as_bool().unwrap(), "{name}");
+    assert_eq!(a["current_label"], "PyTorch default (not recorded)", "{name}");
+    assert_eq!(a["current"]["peak_reserved"].as_u64().unwrap(), default, "{name}");
+    for key in ["explanation_native", "explanation_stepalloc"] {
+        let text = a[key].as_str().unwrap();
+        assert!(text.contains("large pool") || text.contains("small pool"), "{name}: {key}: {text}");
+        assert!(phases.iter().any(|p| text.contains(&format!("phase `{p}`"))), "{name}: {key}: {text}");
+    }
+    // The peak moment is the run's own peak reserved.
+    for key in ["pytorch_default", "best_native", "best_stepalloc"] {
+        let c = &a[key];
+        assert_eq!(c["peak"]["device_used"], c["peak_reserved"], "{name}: {key}");
+        let attribution = &c["attribution"];
+        assert_eq!(attribution["frames_recorded"], false, "{name}");
+        assert!(!attribution["groups"].as_array().unwrap().is_empty(), "{name}: {key}");
+    }
+    let setting = best["setting"].as_str().unwrap();
+    assert_eq!(best["env"].as_str().unwrap(), format!("PYTORCH_CUDA_ALLOC_CONF={setting}"), "{name}");
+}
+
+#[test]
+fn advise_on_real_model_traces_is_never_worse_than_pytorchs_default() {
+    for (name, phases) in [
+        ("model_llama_sft.jsonl", &["train", "eval"][..]),
+        ("model_vlm_agent.jsonl", &["rollout", "train"][..]),
+        ("model_vlm_agent_trained_vision.jsonl", &["rollout", "train"][..]),
+    ] {
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data").join(name);
+        let a = advise_json(&path);
+        check_recommendation(name, &a, phases);
+        // Variable shapes fragment PyTorch's default cache: the search finds strictly better.
+        assert!(a["best_native"]["peak_reserved"].as_u64() < a["pytorch_default"]["peak_reserved"].as_u64(), "{name}");
+    }
+}
+
+#[test]
+fn advise_on_the_agent_presets_exported_traces_is_never_worse_than_pytorchs_default() {
+    let dir = tempfile::tempdir().unwrap();
+    for (preset, phases) in [("vlm-7b", &["rollout", "train"][..]), ("llm-7b-sft", &["train", "eval"][..])] {
+        let path = dir.path().join(format!("{preset}.jsonl"));
+        let (code, _, stderr) = stress(&[
+            "gen-trace",
+            "--preset",
+            preset,
+            "--iterations",
+            "1",
+            "--layers",
+            "4",
+            "--out",
+            path.to_str().unwrap(),
+        ]);
+        assert_eq!(code, 0, "{stderr}");
+        let a = advise_json(&path);
+        check_recommendation(preset, &a, phases);
+    }
+}
+
+fn frame(file: &str, line: u64, name: &str) -> Value {
+    json!({"filename": file, "line": line, "name": name})
+}
+
+/// A PyTorch snapshot with Python frames: two 30 MiB blocks from `mlp` come and go, then two
+/// 200 MiB blocks from `attention` (under torch's own module frame) and a 50 MiB one from
+/// `step` (under a C++ and a torch frame) stay live; the peak is at the last allocation under
+/// every configuration, with `attention` holding 400 MiB of it.
+fn snapshot_with_frames() -> Vec<u8> {
+    let torch = frame("/usr/lib/python3/site-packages/torch/nn/modules/module.py", 1750, "_call_impl");
+    let attention = json!([torch, frame("model.py", 20, "attention"), frame("train.py", 5, "main")]);
+    let mlp = json!([frame("model.py", 10, "mlp"), frame("train.py", 5, "main")]);
+    let step = json!([frame("??", 0, "c10::cuda::alloc"), torch, frame("train.py", 30, "step")]);
+    let mut trace = Vec::new();
+    let mut t = 0u64;
+    let mut entry = |action: &str, addr: u64, size: u64, frames: &Value| {
+        t += 10;
+        trace.push(json!({"action": action, "addr": addr, "size": size, "stream": 0, "time_us": t,
+                          "frames": frames, "compile_context": "N/A", "user_metadata": ""}));
+    };
+    entry("alloc", 0x1000_0000, 30 * MIB, &mlp);
+    entry("alloc", 0x2000_0000, 30 * MIB, &mlp);
+    for addr in [0x1000_0000, 0x2000_0000] {
+        entry("free_requested", addr, 30 * MIB, &mlp);
+        entry("free_completed", addr, 30 * MIB, &mlp);
+    }
+    entry("alloc", 0x3000_0000, 200 * MIB, &attention);
+    entry("alloc", 0x4000_0000, 200 * MIB, &attention);
+    entry("alloc", 0x5000_0000, 50 * MIB, &step);
+    let snapshot = json!({
+        "segments": [],
+        "device_traces": [trace],
+        "external_annotations": [],
+        "allocator_settings": {
+            "PYTORCH_CUDA_ALLOC_CONF": "",
+            "max_split_size": 256 * MIB,
+            "garbage_collection_threshold": 0.0,
+            "expandable_segments": false,
+            "roundup_power2_divisions": vec![0; 64],
+        },
+    });
+    serde_pickle::to_vec(&snapshot, serde_pickle::SerOptions::new()).unwrap()
+}
+
+#[test]
+fn frames_give_the_call_site_that_holds_the_peak() {
+    let data = snapshot_with_frames();
+    // The parser keeps one site per allocation: the top user frame.
+    let program = trace::parse(&data).unwrap();
+    assert!(program.has_sites());
+    assert_eq!(program.sites.len(), program.count_allocs());
+    let names: Vec<&str> = program.sites.iter().map(|&s| program.site_names[s as usize].as_str()).collect();
+    assert_eq!(
+        names,
+        ["model.py:10 mlp", "model.py:10 mlp", "model.py:20 attention", "model.py:20 attention", "train.py:30 step"]
+    );
+    assert_eq!(program.notes.allocator_conf.as_deref(), Some("max_split_size_mb:256"));
+    let last = program.ops.len() as u64 - 1;
+    let a = advise::attribute(&program, last, 8);
+    assert!(a.frames_recorded);
+    assert_eq!((a.live_bytes, a.live_count), (450 * MIB, 3));
+    assert_eq!(
+        (a.groups[0].site.as_str(), a.groups[0].bytes, a.groups[0].count),
+        ("model.py:20 attention", 400 * MIB, 2)
+    );
+    assert_eq!((a.groups[1].site.as_str(), a.groups[1].bytes, a.groups[1].count), ("train.py:30 step", 50 * MIB, 1));
+
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("frames.pickle");
+    std::fs::write(&path, &data).unwrap();
+    let a = advise_json(&path);
+    assert_eq!(a["frames_recorded"], true);
+    // The recorded setting is the current one, replayed.
+    assert_eq!(a["recorded_setting"], "max_split_size_mb:256");
+    assert_eq!(a["current_label"], "recorded `max_split_size_mb:256`");
+    assert_eq!(a["current"]["setting"], "max_split_size_mb:256");
+    for key in ["current", "pytorch_default", "best_native", "best_stepalloc"] {
+        let top = &a[key]["attribution"]["groups"][0];
+        assert_eq!(top["site"], "model.py:20 attention", "{key}: {}", a[key]);
+        assert_eq!(top["bytes"].as_u64(), Some(400 * MIB), "{key}");
+        assert_eq!(top["count"].as_u64(), Some(2), "{key}");
+    }
+    // PyTorch's default: segments of 30, 30, 200, 200 and 50 MiB; the peak at the last one.
+    assert_eq!(a["pytorch_default"]["peak_reserved"].as_u64(), Some(510 * MIB));
+    assert_eq!(a["pytorch_default"]["peak"]["op"].as_u64(), Some(program.ops.len() as u64 - 1));
+
+    // The text report, the plot and `replay` name the site too.
+    let svg = dir.path().join("advise.svg");
+    let (code, text, stderr) = stress(&["advise", path.to_str().unwrap(), "--plot", svg.to_str().unwrap()]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(text.contains("by call site (top user frame)"), "{text}");
+    assert!(text.contains("model.py:20 attention"), "{text}");
+    assert!(text.contains("current: recorded `max_split_size_mb:256`"), "{text}");
+    let svg = std::fs::read_to_string(svg).unwrap();
+    assert!(svg.contains("top: model.py:20 attention (400 MiB)"), "{svg}");
+    let (code, text, stderr) = stress(&["replay", path.to_str().unwrap(), "--compare", "pytorch"]);
+    assert_eq!(code, 0, "{stderr}");
+    assert!(text.contains("live at the peak: 0.44 GiB in 3 allocations, by call site"), "{text}");
+}
+
+#[test]
+fn traces_without_frames_group_by_size_class_and_say_so() {
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/snapshot_small.json");
+    let program = trace::load(&path).unwrap();
+    // Its frames are all `train.py:42 forward`: recorded. A JSON-lines trace has none.
+    assert!(program.has_sites());
+    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stepalloc_small.jsonl");
+    let program = trace::load(&path).unwrap();
+    assert!(!program.has_sites());
+    let last = program.ops.len() as u64 - 1;
+    let a = advise::attribute(&program, last, 8);
+    assert!(!a.frames_recorded);
+    assert!(a.groups.iter().all(|g| g.site.starts_with('[') && g.site.contains(", ")), "{a:?}");
+    assert!(a.describe("x").contains("frames were not recorded"));
+}
+
+#[test]
+fn bad_input_exits_2_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("missing.pickle");
+    let (code, _, stderr) = stress(&["advise", missing.to_str().unwrap()]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("missing.pickle") && stderr.contains("No such file"), "{stderr}");
+
+    let bad = dir.path().join("bad.trace");
+    std::fs::write(&bad, b"hello, not a trace\n").unwrap();
+    let (code, _, stderr) = stress(&["advise", bad.to_str().unwrap()]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("bad.trace") && stderr.contains("unknown trace format"), "{stderr}");
+
+    let cut = dir.path().join("cut.pickle");
+    let data = snapshot_with_frames();
+    std::fs::write(&cut, &data[..data.len() / 2]).unwrap();
+    let (code, _, stderr) = stress(&["advise", cut.to_str().unwrap()]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("cut.pickle") && stderr.contains("byte"), "{stderr}");
+
+    let good = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/stepalloc_small.jsonl");
+    for value in ["0", "-1", "1e9", "16385", "nan", "inf", "0.0000001"] {
+        let (code, _, stderr) = stress(&["advise", good.to_str().unwrap(), "--capacity-gb", value]);
+        assert_eq!(code, 2, "{value}: {stderr}");
+        assert!(stderr.contains("--capacity-gb") && stderr.contains("(0, 16384]"), "{value}: {stderr}");
+    }
+    let (code, _, stderr) = stress(&["advise", good.to_str().unwrap(), "--capacity-gb", "lots"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--capacity-gb"), "{stderr}");
+    // A capacity is checked before the trace is read.
+    let (code, _, stderr) = stress(&["advise", missing.to_str().unwrap(), "--capacity-gb", "0"]);
+    assert_eq!(code, 2);
+    assert!(stderr.contains("--capacity-gb"), "{stderr}");
+}
+
+#[test]
+fn a_capacity_too_small_for_the_trace_says_it_does_not_fit() {
+    // 450 MiB live at once on a 0.25 GiB device: nothing fits; exit 0 with the figures.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("frames.pickle");
+    std::fs::write(&path, snapshot_with_frames()).unwrap();
+    let (code, stdout, stderr) = stress(&["advise", path.to_str().unwrap(), "--capacity-gb", "0.25", "--json"]);
+    assert_eq!(code, 0, "{stderr}");
+    let a: Value = serde_json::from_str(&stdout).unwrap();
+    assert_eq!(a["capacity_bytes"].as_u64(), Some(256 * MIB));
+    assert_eq!(a["best_native"]["fits"], false);
+    assert_eq!(a["best_native"]["headroom_bytes"].as_u64(), Some(0));
+    assert!(a["best_native"]["ooms"].as_u64().unwrap() > 0);
+}
