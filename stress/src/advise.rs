@@ -469,9 +469,13 @@ fn explain(c: &Choice, default: &Choice, program: &Program) -> String {
     if released > 0 {
         let _ = write!(
             out,
-            ". Memory went back to the device {released} times{} (reserved at step ends {} GiB on average).",
+            ". Memory went back to the device {released} times{}{}.",
             c.driver_unmaps.map_or(String::new(), |u| format!(" ({u} unmaps)")),
-            gib(c.reserved_at_step_end_mean as u64)
+            if program.phases.is_empty() {
+                String::new()
+            } else {
+                format!(" (reserved at step ends {} GiB on average)", gib(c.reserved_at_step_end_mean as u64))
+            }
         );
     } else {
         out.push_str(". Nothing was given back to the device during the run: the cache only grew.");

@@ -257,3 +257,36 @@ fn a_capacity_too_small_for_the_trace_says_it_does_not_fit() {
     assert_eq!(a["best_native"]["headroom_bytes"].as_u64(), Some(0));
     assert!(a["best_native"]["ooms"].as_u64().unwrap() > 0);
 }
+
+/// torch shares each frame dict, and each traceback list, between the entries that have it
+/// (`py_symbolize`); Python's pickler then writes memo references. serde_pickle handed such a
+/// shared object out once and then as None; the snapshot reader keeps them.
+#[test]
+fn shared_frames_as_torch_pickles_them_are_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("shared.pickle");
+    let script = r#"
+import pickle, sys
+torch = {"filename": "/x/site-packages/torch/nn/modules/module.py", "line": 1750, "name": "_call_impl"}
+main = {"filename": "train.py", "line": 5, "name": "main"}
+attention = [torch, {"filename": "model.py", "line": 20, "name": "attention"}, main]
+mlp = [torch, {"filename": "model.py", "line": 10, "name": "mlp"}, main]
+MIB = 1 << 20
+trace = []
+for i, (frames, size) in enumerate([(mlp, 1), (attention, 30), (attention, 30), (mlp, 2), (mlp, 3)]):
+    trace.append({"action": "alloc", "addr": (i + 1) << 32, "size": size * MIB, "stream": 0,
+                  "time_us": i, "frames": frames})
+pickle.dump({"segments": [], "device_traces": [trace]}, open(sys.argv[1], "wb"), protocol=4)
+"#;
+    let status = Command::new("python3").arg("-c").arg(script).arg(&path).status().expect("python3 runs");
+    assert!(status.success());
+    let program = trace::load(&path).unwrap();
+    let names: Vec<&str> = program.sites.iter().map(|&s| program.site_names[s as usize].as_str()).collect();
+    assert_eq!(
+        names,
+        ["model.py:10 mlp", "model.py:20 attention", "model.py:20 attention", "model.py:10 mlp", "model.py:10 mlp"]
+    );
+    let a = advise::attribute(&program, program.ops.len() as u64 - 1, 8);
+    assert_eq!((a.groups[0].site.as_str(), a.groups[0].bytes), ("model.py:20 attention", 60 * MIB));
+    assert_eq!((a.groups[1].site.as_str(), a.groups[1].bytes), ("model.py:10 mlp", 6 * MIB));
+}
