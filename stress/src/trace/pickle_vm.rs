@@ -108,9 +108,6 @@ impl V {
     }
 }
 
-/// Memo slots at most beyond those filled in order (BINPUT may skip ahead).
-const MEMO_GAP: usize = 1 << 20;
-
 struct Machine<'a> {
     data: &'a [u8],
     pos: usize,
@@ -169,7 +166,9 @@ impl<'a> Machine<'a> {
     }
 
     fn put(&mut self, id: usize) -> R<()> {
-        if id > self.memo.len() + MEMO_GAP {
+        // Every memo entry takes two bytes at least (an object and MEMOIZE): a larger id is
+        // not one Python's pickler writes, and would only make the memo grow past the input.
+        if id > self.data.len() / 2 {
             return Err(());
         }
         if id >= self.memo.len() {
@@ -380,11 +379,7 @@ fn dismantle(mut pending: Vec<V>) {
                 }
             }
             // The last holder of a tuple takes its items; others only drop a reference.
-            V::Tuple(t) => {
-                if Rc::strong_count(&t) == 1 {
-                    pending.extend(t.iter().cloned());
-                }
-            }
+            V::Tuple(t) if Rc::strong_count(&t) == 1 => pending.extend(t.iter().cloned()),
             _ => {}
         }
     }

@@ -15,9 +15,10 @@
 //! markers (`external_annotations`, START/END) become steps of the replay, placed by their
 //! `trace_index` (the position in the device's trace where they happened) or else by time.
 //!
-//! Bounds: a pickle is read whole up to `MAX_PICKLE_BYTES` and its nesting is measured before it
-//! is decoded (`pickle_depth`: at most `MAX_PICKLE_DEPTH` levels); at most `ops::MAX_DEVICES`
-//! device traces.
+//! Bounds: a pickle is read whole up to `MAX_PICKLE_BYTES`; torch's own pickles are decoded by
+//! `pickle_vm` (iterative, shared objects kept shared); any other is read by serde_pickle after
+//! its nesting is measured (`pickle_depth`: at most `MAX_PICKLE_DEPTH` levels); at most
+//! `ops::MAX_DEVICES` device traces.
 
 use super::pickle_vm::{self, V};
 use super::{json_column, json_message, pickle_depth, TraceError};
@@ -226,6 +227,14 @@ impl Read for Counting<'_> {
 }
 
 pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
+    // The fast path: torch's own pickles (shared frames and all). It neither recurses nor
+    // drops recursively, so it needs no depth check; anything it does not take (or a pickle
+    // without trace entries) is read, or refused with a position, by serde_pickle below.
+    if let Some(snapshot) = pickle_vm::decode(data).ok().as_ref().and_then(|d| from_vm(&d.0)) {
+        if check_has_trace(&snapshot).is_ok() {
+            return replay(snapshot, "torch snapshot (pickle)");
+        }
+    }
     if pickle_depth::depth(data, MAX_PICKLE_DEPTH) > MAX_PICKLE_DEPTH {
         return Err(TraceError {
             position: "file".into(),
@@ -233,12 +242,6 @@ pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
                 "the pickle nests deeper than {MAX_PICKLE_DEPTH} levels (a PyTorch snapshot nests 6): not a memory snapshot"
             ),
         });
-    }
-    // The fast path: torch's own pickles (shared frames and all); anything it does not take
-    // is read, or refused with a position, by serde_pickle below.
-    if let Some(snapshot) = pickle_vm::decode(data).ok().as_ref().and_then(|d| from_vm(&d.0)) {
-        check_has_trace(&snapshot)?;
-        return replay(snapshot, "torch snapshot (pickle)");
     }
     let options = || serde_pickle::DeOptions::new().replace_unresolved_globals().replace_recursive_structures();
     let mut reader = Counting { data, pos: 0 };
