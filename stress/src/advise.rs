@@ -412,31 +412,36 @@ pub fn advise(
     Ok((advice, plotted))
 }
 
-/// One or two sentences on why `c` wins, from its own replay and the default's.
+/// Two sentences on why `c` wins, from its own replay and the default's: its peak against the
+/// default's (and the default's excess at its own peak), then where the excess sat at its
+/// peak, when the peak came and what gave memory back.
 fn explain(c: &Choice, default: &Choice, program: &Program) -> String {
     let mut out = String::new();
     let setting = if c.setting.is_empty() { "the defaults".to_string() } else { format!("`{}`", c.setting) };
-    let versus = if c.peak_reserved < default.peak_reserved {
-        format!(
-            "{} GiB below PyTorch's default ({} GiB)",
-            gib(default.peak_reserved - c.peak_reserved),
-            gib(default.peak_reserved)
-        )
-    } else if c.peak_reserved == default.peak_reserved {
-        format!("the same as PyTorch's default ({} GiB)", gib(default.peak_reserved))
-    } else {
-        format!(
-            "{} GiB above PyTorch's default ({} GiB)",
-            gib(c.peak_reserved - default.peak_reserved),
-            gib(default.peak_reserved)
-        )
+    let versus = match c.peak_reserved.cmp(&default.peak_reserved) {
+        std::cmp::Ordering::Less => format!("{} GiB below", gib(default.peak_reserved - c.peak_reserved)),
+        std::cmp::Ordering::Equal => "the same as".to_string(),
+        std::cmp::Ordering::Greater => format!("{} GiB above", gib(c.peak_reserved - default.peak_reserved)),
     };
-    let _ = write!(out, "With {setting} the replay peaks at {} GiB reserved, {versus}", gib(c.peak_reserved));
+    let default_excess = match &default.peak {
+        Some(d) if c.setting != default.setting || c.family != default.family => format!(
+            ", whose large pool held {} GiB and small pool {} GiB over requested at its peak",
+            gib(d.large.excess()),
+            gib(d.small.excess())
+        ),
+        _ => String::new(),
+    };
+    let _ = write!(
+        out,
+        "With {setting} the replay peaks at {} GiB reserved, {versus} PyTorch's default ({} GiB){default_excess}.",
+        gib(c.peak_reserved),
+        gib(default.peak_reserved)
+    );
     match &c.peak {
         Some(p) => {
             let when = match (&p.phase, p.step) {
-                (Some(phase), Some(step)) => format!("in step {step} (phase `{phase}`)"),
-                _ if program.phases.is_empty() => "(the trace has no step markers)".to_string(),
+                (Some(phase), Some(step)) => format!("in step {step}, phase `{phase}`"),
+                _ if program.phases.is_empty() => "the trace has no step markers".to_string(),
                 _ => "between steps".to_string(),
             };
             let (pool, held, other, other_held) = if p.large.excess() >= p.small.excess() {
@@ -446,39 +451,31 @@ fn explain(c: &Choice, default: &Choice, program: &Program) -> String {
             };
             let _ = write!(
                 out,
-                "; at that peak (event {}) {when}, the {pool} pool held the most reserved over requested: {} GiB \
-                 ({} GiB reserved for {} GiB requested; the {other} pool {} GiB)",
+                " At its peak (event {}, {when}) the {pool} pool held the excess: {} GiB reserved for {} GiB \
+                 requested ({} GiB over; the {other} pool {} GiB over)",
                 p.op,
-                gib(held.excess()),
                 gib(held.reserved),
                 gib(held.requested),
+                gib(held.excess()),
                 gib(other_held.excess())
             );
-            if let (Some(d), false) = (&default.peak, c.setting == default.setting && c.family == default.family) {
-                let _ = write!(
-                    out,
-                    "; PyTorch's default held {} GiB over requested in its large pool and {} GiB in its small pool at its peak",
-                    gib(d.large.excess()),
-                    gib(d.small.excess())
-                );
-            }
         }
-        None => out.push_str("; the peak was not located"),
+        None => out.push_str(" Its peak was not located"),
     }
-    let released = c.device_frees;
-    if released > 0 {
+    if c.device_frees > 0 {
         let _ = write!(
             out,
-            ". Memory went back to the device {released} times{}{}.",
+            "; memory went back to the device {} times{}{}.",
+            c.device_frees,
             c.driver_unmaps.map_or(String::new(), |u| format!(" ({u} unmaps)")),
             if program.phases.is_empty() {
                 String::new()
             } else {
-                format!(" (reserved at step ends {} GiB on average)", gib(c.reserved_at_step_end_mean as u64))
+                format!(", leaving {} GiB reserved at step ends on average", gib(c.reserved_at_step_end_mean as u64))
             }
         );
     } else {
-        out.push_str(". Nothing was given back to the device during the run: the cache only grew.");
+        out.push_str("; nothing went back to the device: the cache only grew.");
     }
     out
 }
