@@ -419,23 +419,23 @@ fn explain(c: &Choice, default: &Choice, program: &Program) -> String {
     let mut out = String::new();
     let setting = if c.setting.is_empty() { "the defaults".to_string() } else { format!("`{}`", c.setting) };
     let versus = match c.peak_reserved.cmp(&default.peak_reserved) {
-        std::cmp::Ordering::Less => format!("{} GiB below", gib(default.peak_reserved - c.peak_reserved)),
+        std::cmp::Ordering::Less => format!("{} below", size(default.peak_reserved - c.peak_reserved)),
         std::cmp::Ordering::Equal => "the same as".to_string(),
-        std::cmp::Ordering::Greater => format!("{} GiB above", gib(c.peak_reserved - default.peak_reserved)),
+        std::cmp::Ordering::Greater => format!("{} above", size(c.peak_reserved - default.peak_reserved)),
     };
     let default_excess = match &default.peak {
         Some(d) if c.setting != default.setting || c.family != default.family => format!(
-            ", whose large pool held {} GiB and small pool {} GiB over requested at its peak",
-            gib(d.large.excess()),
-            gib(d.small.excess())
+            ", whose large pool held {} and small pool {} over requested at its peak",
+            size(d.large.excess()),
+            size(d.small.excess())
         ),
         _ => String::new(),
     };
     let _ = write!(
         out,
-        "With {setting} the replay peaks at {} GiB reserved, {versus} PyTorch's default ({} GiB){default_excess}.",
-        gib(c.peak_reserved),
-        gib(default.peak_reserved)
+        "With {setting} the replay peaks at {} reserved, {versus} PyTorch's default ({}){default_excess}.",
+        size(c.peak_reserved),
+        size(default.peak_reserved)
     );
     match &c.peak {
         Some(p) => {
@@ -449,16 +449,27 @@ fn explain(c: &Choice, default: &Choice, program: &Program) -> String {
             } else {
                 ("small", &p.small, "large", &p.large)
             };
-            let _ = write!(
-                out,
-                " At its peak (event {}, {when}) the {pool} pool held the excess: {} GiB reserved for {} GiB \
-                 requested ({} GiB over; the {other} pool {} GiB over)",
-                p.op,
-                gib(held.reserved),
-                gib(held.requested),
-                gib(held.excess()),
-                gib(other_held.excess())
-            );
+            if held.excess() < 1 << 20 {
+                let _ = write!(
+                    out,
+                    " At its peak (event {}, {when}) reserved matched the live requests: {} reserved for {} requested, \
+                     under 1 MiB over in either pool",
+                    p.op,
+                    size(p.large.reserved + p.small.reserved),
+                    size(p.large.requested + p.small.requested)
+                );
+            } else {
+                let _ = write!(
+                    out,
+                    " At its peak (event {}, {when}) the {pool} pool held the excess: {} reserved for {} requested \
+                     ({} over; the {other} pool {} over)",
+                    p.op,
+                    size(held.reserved),
+                    size(held.requested),
+                    size(held.excess()),
+                    size(other_held.excess())
+                );
+            }
         }
         None => out.push_str(" Its peak was not located"),
     }
@@ -471,13 +482,22 @@ fn explain(c: &Choice, default: &Choice, program: &Program) -> String {
             if program.phases.is_empty() {
                 String::new()
             } else {
-                format!(", leaving {} GiB reserved at step ends on average", gib(c.reserved_at_step_end_mean as u64))
+                format!(", leaving {} reserved at step ends on average", size(c.reserved_at_step_end_mean as u64))
             }
         );
     } else {
         out.push_str("; nothing went back to the device: the cache only grew.");
     }
     out
+}
+
+/// Bytes in GiB from 1 GiB up, else in MiB.
+fn size(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{} GiB", gib(bytes))
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
 }
 
 /// A size class label: the power-of-two range holding `size`.

@@ -290,3 +290,76 @@ pickle.dump({"segments": [], "device_traces": [trace]}, open(sys.argv[1], "wb"),
     assert_eq!((a.groups[0].site.as_str(), a.groups[0].bytes), ("model.py:20 attention", 60 * MIB));
     assert_eq!((a.groups[1].site.as_str(), a.groups[1].bytes), ("model.py:10 mlp", 6 * MIB));
 }
+
+/// A real `_dump_snapshot` of PyTorch's own allocator, recorded with Python frames under
+/// `max_split_size_mb:64`, on testdrv's host-memory CUDA stand-in (`scripts/test.sh` runs this
+/// after `testdrv/build.sh`; skipped without the stand-in or torch): the recorded setting is
+/// read and replayed to the recorded peak, and the top group at the peak is the function that
+/// allocated the most.
+#[test]
+fn real_torch_snapshot_with_frames() {
+    let root = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..");
+    let hostcuda = root.join("target/hostcuda");
+    let runtime = hostcuda.join("runtime/libcudart.so.13");
+    if !runtime.exists() {
+        println!("SKIP: testdrv's stand-in is not built (testdrv/build.sh)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("rec.py");
+    std::fs::write(
+        &script,
+        r#"import sys
+try:
+    import torch
+except Exception as e:
+    print("SKIP: torch is not importable:", e); sys.exit(0)
+torch.cuda.memory._record_memory_history(max_entries=100000, stacks="python")
+MIB = 1 << 20
+def attention(n):
+    return [torch.empty(2 * n * MIB, dtype=torch.uint8, device="cuda")]
+def mlp(n):
+    return torch.empty(n * MIB, dtype=torch.uint8, device="cuda")
+keep = []
+for step in range(3):
+    tmp = [mlp(3 + step) for _ in range(4)]
+    del tmp
+    keep += attention(30 + step)
+x = mlp(1)
+torch.cuda.memory._dump_snapshot(sys.argv[1])
+print("OK")
+"#,
+    )
+    .unwrap();
+    let snapshot = dir.path().join("snap.pickle");
+    let path = |dirs: &[PathBuf]| std::env::join_paths(dirs).unwrap();
+    let out = Command::new("python3")
+        .arg(&script)
+        .arg(&snapshot)
+        .env("LD_PRELOAD", &runtime)
+        .env("LD_LIBRARY_PATH", path(&[hostcuda.join("runtime"), hostcuda.clone(), hostcuda.join("standins")]))
+        .env("HOSTCUDA_DEVICES", "1")
+        .env("HOSTCUDA_CAPACITY_MB", "1024")
+        .env("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+        .output()
+        .expect("python3 runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    if stdout.contains("SKIP") {
+        println!("{stdout}");
+        return;
+    }
+    assert!(stdout.contains("OK"), "{stdout}{}", String::from_utf8_lossy(&out.stderr));
+    let (code, json, stderr) = stress(&["advise", snapshot.to_str().unwrap(), "--capacity-gb", "1", "--json"]);
+    assert_eq!(code, 0, "{stderr}");
+    let a: Value = serde_json::from_str(&json).unwrap();
+    assert_eq!(a["format"], "torch snapshot (pickle)");
+    assert_eq!(a["frames_recorded"], true);
+    assert_eq!(a["recorded_setting"], "max_split_size_mb:64");
+    assert_eq!(a["current"]["setting"], "max_split_size_mb:64");
+    // The replay of the recorded setting reserves what the recording allocator did.
+    assert_eq!(a["current"]["peak_reserved"], a["recorded_peak_reserved"], "{a}");
+    let top = &a["current"]["attribution"]["groups"][0];
+    assert!(top["site"].as_str().unwrap().ends_with("rec.py:9 attention"), "{top}");
+    assert_eq!((top["bytes"].as_u64(), top["count"].as_u64()), (Some((30 + 31 + 32) * 2 * MIB), Some(3)), "{top}");
+    assert!(a["best_native"]["peak_reserved"].as_u64() <= a["pytorch_default"]["peak_reserved"].as_u64());
+}

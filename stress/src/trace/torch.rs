@@ -199,7 +199,13 @@ fn allocator_conf(settings: &serde_json::Value) -> String {
     if settings.get("expandable_segments").and_then(|v| v.as_bool()) == Some(true) {
         keys.push("expandable_segments:True".to_string());
     }
-    if let Some(list) = settings.get("roundup_power2_divisions").and_then(|v| v.as_array()) {
+    // A list (one value per power of two) or, in newer torch, a dict by interval start.
+    let divisions = settings.get("roundup_power2_divisions").and_then(|v| match v {
+        serde_json::Value::Array(list) => Some(list.iter().collect::<Vec<_>>()),
+        serde_json::Value::Object(map) => Some(map.values().collect()),
+        _ => None,
+    });
+    if let Some(list) = divisions {
         let values: Vec<u64> = list.iter().filter_map(|v| v.as_u64()).collect();
         // One value for every size (0 and 1: no rounding); per-range lists are not rebuilt.
         if let Some(&v) = values.first() {
