@@ -243,6 +243,12 @@ fn run_headroom(g: &Global, agent: &AgentArgs, search: &HeadroomArgs, capacity_m
 
 fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<f64>, capacity_mb: u64) -> Result<i32, String> {
     // The flags first: a bad capacity is refused before a large trace is read.
+    if g.backend == BackendArg::Cuda {
+        return Err("--backend cuda: advise replays on the simulated device only (sim)".into());
+    }
+    if !g.compare.is_empty() {
+        return Err("--compare: advise searches its own configurations (see `advise --help`)".into());
+    }
     let capacity = match capacity_gb {
         Some(gb) => advise::capacity_from_gb(gb)?,
         None => Capacity {

@@ -237,6 +237,11 @@ fn bad_input_exits_2_naming_it() {
     let (code, _, stderr) = stress(&["advise", good.to_str().unwrap(), "--capacity-gb", "lots"]);
     assert_eq!(code, 2, "{stderr}");
     assert!(stderr.contains("--capacity-gb"), "{stderr}");
+    for args in [&["--backend", "cuda"][..], &["--compare", "pytorch"][..]] {
+        let (code, _, stderr) = stress(&[&["advise", good.to_str().unwrap()], args].concat());
+        assert_eq!(code, 2, "{stderr}");
+        assert!(stderr.contains(args[0]), "{stderr}");
+    }
     // A capacity is checked before the trace is read.
     let (code, _, stderr) = stress(&["advise", missing.to_str().unwrap(), "--capacity-gb", "0"]);
     assert_eq!(code, 2);
