@@ -16,15 +16,23 @@ src, dst = sys.argv[1], sys.argv[2]
 limit = int(sys.argv[3]) if len(sys.argv) > 3 else 1_000_000
 
 # A few call stacks, innermost first, as torch records them (torch's own frames, then the user's).
-torch_frame = {"filename": "/usr/lib/python3/site-packages/torch/nn/modules/module.py", "line": 1750, "name": "_call_impl"}
+torch_frame = {
+    "filename": "/usr/lib/python3/site-packages/torch/nn/modules/module.py",
+    "line": 1750,
+    "name": "_call_impl",
+}
 stacks = [
-    [torch_frame, {"filename": "model.py", "line": 10 + 7 * k, "name": f"layer{k}"}, {"filename": "train.py", "line": 99, "name": "main"}]
+    [
+        torch_frame,
+        {"filename": "model.py", "line": 10 + 7 * k, "name": f"layer{k}"},
+        {"filename": "train.py", "line": 99, "name": "main"},
+    ]
     for k in range(8)
 ]
 trace = []
 live = {}
 with open(src) as f:
-    for n, line in enumerate(f):
+    for line in f:
         if len(trace) >= limit:
             break
         e = json.loads(line)
@@ -32,15 +40,40 @@ with open(src) as f:
         if op == "alloc":
             frames = stacks[(e["size"] >> 20) % len(stacks)]
             live[e["addr"]] = frames
-            trace.append({"action": "alloc", "addr": e["addr"], "size": e["size"], "stream": e.get("stream", 0),
-                          "time_us": e["t_us"], "frames": frames, "compile_context": "N/A", "user_metadata": ""})
+            trace.append(
+                {
+                    "action": "alloc",
+                    "addr": e["addr"],
+                    "size": e["size"],
+                    "stream": e.get("stream", 0),
+                    "time_us": e["t_us"],
+                    "frames": frames,
+                    "compile_context": "N/A",
+                    "user_metadata": "",
+                }
+            )
         elif op == "free":
             frames = live.pop(e["addr"], stacks[0])
             for action in ("free_requested", "free_completed"):
-                trace.append({"action": action, "addr": e["addr"], "size": e["size"], "stream": e.get("stream", 0),
-                              "time_us": e["t_us"], "frames": frames, "compile_context": "N/A", "user_metadata": ""})
-settings = {"PYTORCH_CUDA_ALLOC_CONF": "", "max_split_size": -1, "garbage_collection_threshold": 0.0,
-            "expandable_segments": False, "roundup_power2_divisions": [0] * 64}
+                trace.append(
+                    {
+                        "action": action,
+                        "addr": e["addr"],
+                        "size": e["size"],
+                        "stream": e.get("stream", 0),
+                        "time_us": e["t_us"],
+                        "frames": frames,
+                        "compile_context": "N/A",
+                        "user_metadata": "",
+                    }
+                )
+settings = {
+    "PYTORCH_CUDA_ALLOC_CONF": "",
+    "max_split_size": -1,
+    "garbage_collection_threshold": 0.0,
+    "expandable_segments": False,
+    "roundup_power2_divisions": [0] * 64,
+}
 snapshot = {"segments": [], "device_traces": [trace], "allocator_settings": settings, "external_annotations": []}
 with open(dst, "wb") as f:
     pickle.dump(snapshot, f, protocol=4)
