@@ -7,7 +7,7 @@
 //! (summed over devices).
 
 use crate::ops::{Op, Program};
-use crate::report::{PeakExplanation, PeakMoment, PoolFigures, RunReport, Sample, StepReport};
+use crate::report::{PeakExplanation, RunReport, Sample, StepReport};
 use indicatif::ProgressBar;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -205,7 +205,7 @@ struct Runner<'a> {
     /// `RunConfig::track_peak`: the phase in progress and the peak of device memory in use so far.
     track_peak: bool,
     phase: Option<u16>,
-    peak: Option<PeakMoment>,
+    peak: Option<crate::report::PeakMoment>,
 }
 
 impl<'a> Runner<'a> {
@@ -398,7 +398,7 @@ impl<'a> Runner<'a> {
                 }
             };
             for (small, figures) in [(true, &mut moment.small), (false, &mut moment.large)] {
-                *figures = PoolFigures {
+                *figures = crate::report::PoolFigures {
                     reserved: pool(&h.reserved_bytes, small),
                     allocated: pool(&h.allocated_bytes, small),
                     requested: pool(&h.requested_bytes, small),
