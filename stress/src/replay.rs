@@ -368,16 +368,14 @@ impl<'a> Runner<'a> {
         self.explanation = Some(PeakExplanation::of(device, &stats, self.requested, segments, &live));
     }
 
-    /// Records the moment device memory in use (summed over devices) passes its peak so far:
+    /// Records the moment one device's memory in use passes the highest any device reached so far:
     /// the event, the step and phase in progress, and the pools of the device that grew (read
     /// at each new peak only: device memory grows in whole segments or pages).
     fn note_peak(&mut self, device: usize, index: usize, phases: &[String]) {
-        let mut used = 0u64;
-        for d in 0..self.devices {
-            if let Ok(Ok((free, total))) = self.allocator.with_heap(d, |h| h.device_mem_info()) {
-                used = used.saturating_add(total.saturating_sub(free));
-            }
-        }
+        // Only this device's memory grew; the peak is the highest any one device reached (a
+        // device's capacity is what a configuration must fit in).
+        let Ok(Ok((free, total))) = self.allocator.with_heap(device, |h| h.device_mem_info()) else { return };
+        let used = total.saturating_sub(free);
         let peak_so_far = self.peak.as_ref().map_or(0, |p| p.device_used);
         if used <= peak_so_far {
             return;

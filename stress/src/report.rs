@@ -463,15 +463,15 @@ fn xml_escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
-/// When device memory in use first reached its peak, and how the device's pools stood.
+/// When a device's memory in use first reached the run's peak, and how its pools stood.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PeakMoment {
     /// Index of the allocation event (in the event stream) that reached the peak.
     pub op: u64,
-    /// Device memory in use then (reserved bytes, as the simulated device counts them), summed
-    /// over devices.
+    /// Memory in use then on the device that reached it (reserved bytes, as the simulated
+    /// device counts them): the highest any one device reached in the run.
     pub device_used: u64,
-    /// The device whose allocation reached it.
+    /// That device.
     pub device: usize,
     /// The step in progress (0-based, counting steps of every phase) and its phase, if any.
     pub step: Option<u64>,
