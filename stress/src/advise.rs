@@ -527,7 +527,7 @@ pub fn attribute(program: &Program, op: u64, top: usize) -> Attribution {
     for o in &program.ops[..end] {
         match *o {
             Op::Alloc { id, size, .. } => {
-                let site = program.sites.get(allocs).copied().unwrap_or(0);
+                let site = program.site_of(allocs);
                 allocs += 1;
                 if let Some(slot) = live.get_mut(id as usize) {
                     *slot = Some((size, site));
@@ -547,8 +547,7 @@ pub fn attribute(program: &Program, op: u64, top: usize) -> Attribution {
     for &(size, site) in live.iter().flatten() {
         bytes = bytes.saturating_add(size);
         count += 1;
-        let key =
-            if frames { program.site_names.get(site as usize).cloned().unwrap_or_default() } else { size_class(size) };
+        let key = if frames { program.site_name(site).to_string() } else { size_class(size) };
         let g = groups.entry(key).or_default();
         g.0 = g.0.saturating_add(size);
         g.1 += 1;

@@ -68,6 +68,19 @@ pub struct SourceNotes {
     /// (from a snapshot's `allocator_settings`; empty: PyTorch's defaults), when recorded.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub allocator_conf: Option<String>,
+    /// Where each allocation was made, when the trace records it (not in reports).
+    #[serde(skip)]
+    pub sites: Sites,
+}
+
+/// Allocation sites (PyTorch snapshots with frames): one per `Alloc`, in order, indexing
+/// `names`. Kept beside the events so the replay loop does not carry them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Sites {
+    /// Empty when the trace recorded no sites.
+    pub per_alloc: Vec<u32>,
+    /// Interned `file:line name` of each site's top user frame; entry 0 is "(no frame)".
+    pub names: Vec<String>,
 }
 
 /// The recording allocator's reserved bytes, from a snapshot's segment events and segments.
@@ -95,12 +108,6 @@ pub struct Program {
     /// Number of devices the program touches.
     pub devices: u16,
     pub notes: SourceNotes,
-    /// Where each allocation was made, when the trace records it (PyTorch snapshots with
-    /// frames): one entry per `Alloc`, in order, indexing `site_names`. Empty when not
-    /// recorded. Kept beside `ops` so the replay loop does not carry it.
-    pub sites: Vec<u32>,
-    /// Interned sites (`file:line name` of the top user frame); entry 0 is "(no frame)".
-    pub site_names: Vec<String>,
 }
 
 impl Program {
@@ -108,9 +115,18 @@ impl Program {
         self.ops.iter().filter(|op| matches!(op, Op::Alloc { .. })).count()
     }
 
-    /// Whether allocation sites (call stacks) were recorded.
+    /// Whether allocation sites (call stacks) were recorded (`SourceNotes::sites`).
     pub fn has_sites(&self) -> bool {
-        !self.sites.is_empty()
+        !self.notes.sites.per_alloc.is_empty()
+    }
+
+    /// The site of the `n`-th allocation (0 when not recorded), and the name of a site.
+    pub fn site_of(&self, n: usize) -> u32 {
+        self.notes.sites.per_alloc.get(n).copied().unwrap_or(0)
+    }
+
+    pub fn site_name(&self, site: u32) -> &str {
+        self.notes.sites.names.get(site as usize).map_or("", String::as_str)
     }
 }
 
@@ -160,12 +176,12 @@ impl ProgramBuilder {
         }
     }
 
-    /// Records a site for every allocation from here on (`Program::sites`); call before the
+    /// Records a site for every allocation from here on (`SourceNotes::sites`); call before the
     /// first allocation.
     pub fn enable_sites(&mut self) {
         if !self.track_sites {
             self.track_sites = true;
-            self.program.site_names = vec!["(no frame)".to_string()];
+            self.program.notes.sites.names = vec!["(no frame)".to_string()];
         }
     }
 
@@ -178,8 +194,8 @@ impl ProgramBuilder {
             Some(&i) => i,
             None => {
                 // Sites are at most one per allocation, so their count stays below MAX_OPS (u32).
-                let i = self.program.site_names.len() as u32;
-                self.program.site_names.push(name.to_string());
+                let i = self.program.notes.sites.names.len() as u32;
+                self.program.notes.sites.names.push(name.to_string());
                 self.site_index.insert(name.to_string(), i);
                 i
             }
@@ -240,7 +256,7 @@ impl ProgramBuilder {
         self.program.devices = self.program.devices.max(device + 1);
         self.program.ops.push(Op::Alloc { id, size, stream, device });
         if self.track_sites {
-            self.program.sites.push(std::mem::take(&mut self.next_site));
+            self.program.notes.sites.per_alloc.push(std::mem::take(&mut self.next_site));
         }
         id
     }

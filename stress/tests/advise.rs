@@ -141,8 +141,8 @@ fn frames_give_the_call_site_that_holds_the_peak() {
     // The parser keeps one site per allocation: the top user frame.
     let program = trace::parse(&data).unwrap();
     assert!(program.has_sites());
-    assert_eq!(program.sites.len(), program.count_allocs());
-    let names: Vec<&str> = program.sites.iter().map(|&s| program.site_names[s as usize].as_str()).collect();
+    assert_eq!(program.notes.sites.per_alloc.len(), program.count_allocs());
+    let names: Vec<&str> = program.notes.sites.per_alloc.iter().map(|&s| program.site_name(s)).collect();
     assert_eq!(
         names,
         ["model.py:10 mlp", "model.py:10 mlp", "model.py:20 attention", "model.py:20 attention", "train.py:30 step"]
@@ -286,7 +286,7 @@ pickle.dump({"segments": [], "device_traces": [trace]}, open(sys.argv[1], "wb"),
     let status = Command::new("python3").arg("-c").arg(script).arg(&path).status().expect("python3 runs");
     assert!(status.success());
     let program = trace::load(&path).unwrap();
-    let names: Vec<&str> = program.sites.iter().map(|&s| program.site_names[s as usize].as_str()).collect();
+    let names: Vec<&str> = program.notes.sites.per_alloc.iter().map(|&s| program.site_name(s)).collect();
     assert_eq!(
         names,
         ["model.py:10 mlp", "model.py:20 attention", "model.py:20 attention", "model.py:10 mlp", "model.py:10 mlp"]

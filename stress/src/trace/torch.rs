@@ -1,6 +1,6 @@
 //! PyTorch memory snapshots: `torch.cuda.memory._dump_snapshot` pickles and the same structure
 //! as JSON. Only the fields the replay needs are read: the events, each allocation's top user
-//! frame (kept as an interned site per allocation, `Program::sites`, for peak attribution) and
+//! frame (kept as an interned site per allocation, `SourceNotes::sites`, for peak attribution) and
 //! `allocator_settings` (as a configuration string, `SourceNotes::allocator_conf`); everything
 //! else (blocks, the other frames) is skipped.
 //!
