@@ -410,3 +410,75 @@ pub fn decode(data: &[u8]) -> Result<Decoded, ()> {
     }
     Ok(decoded)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn int(data: &[u8]) -> Option<i128> {
+        match decode(data).ok()?.0 {
+            V::Int(i) => Some(i),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn integers_of_every_width() {
+        assert_eq!(int(b"\x80\x04K\x07."), Some(7));
+        assert_eq!(int(b"\x80\x04M\x00\x01."), Some(256));
+        assert_eq!(int(b"\x80\x04J\xff\xff\xff\xff."), Some(-1));
+        assert_eq!(int(b"\x80\x04\x8a\x00."), Some(0));
+        assert_eq!(int(b"\x80\x04\x8a\x01\xff."), Some(-1));
+        // 2^64 - 1 (stepalloc's max_split_size) takes nine bytes.
+        assert_eq!(int(b"\x80\x04\x8a\x09\xff\xff\xff\xff\xff\xff\xff\xff\x00."), Some(u64::MAX as i128));
+        assert!(matches!(
+            decode(b"\x80\x04\x8a\x11\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01\x01.")
+                .map(|d| d.0.clone()),
+            Ok(V::BigInt)
+        ));
+    }
+
+    /// A dict memoised once and fetched twice is the same object in both places, with its keys.
+    #[test]
+    fn shared_objects_stay_shared() {
+        // [{"a": 1}, <memo 1>]: EMPTY_LIST MEMOIZE MARK EMPTY_DICT MEMOIZE "a" MEMOIZE 1 SETITEM
+        // BINGET 1 APPENDS STOP
+        let data = b"\x80\x04]\x94(}\x94\x8c\x01a\x94K\x01sh\x01e.";
+        let d = decode(data).unwrap();
+        let items = d.0.items().unwrap();
+        assert_eq!(items.len(), 2);
+        for item in &items {
+            assert_eq!(item.get("a").and_then(|v| v.as_u64()), Some(1));
+        }
+        let (V::Dict(a), V::Dict(b)) = (&items[0], &items[1]) else { panic!("two dicts") };
+        assert!(Rc::ptr_eq(a, b));
+    }
+
+    #[test]
+    fn malformed_or_foreign_pickles_are_refused() {
+        for bad in [
+            &b""[..],
+            b"\x80\x04",                    // no STOP
+            b"\x80\x04K\x01K\x02.",         // two values left
+            b"\x80\x04s.",                  // SETITEM on an empty stack
+            b"\x80\x04(K\x01a.",            // APPEND across a MARK
+            b"\x80\x04h\x05.",              // memo entry never put
+            b"\x80\x04\x8c\x05ab.",         // string past the end
+            b"\x80\x04K\x01.extra",         // trailing bytes
+            b"\x80\x04cos\nsystem\n.",      // a global
+            b"\x80\x04]r\xff\xff\xff\x7f.", // a memo id beyond the input
+        ] {
+            assert!(decode(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    /// A list made to hold itself through the memo is taken apart when dropped.
+    #[test]
+    fn a_list_holding_itself_is_freed() {
+        let d = decode(b"\x80\x04]\x94h\x00a.").unwrap();
+        let V::List(l) = &d.0 else { panic!("a list") };
+        let weak = Rc::downgrade(l);
+        drop(d);
+        assert!(weak.upgrade().is_none());
+    }
+}
