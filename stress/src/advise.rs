@@ -190,6 +190,28 @@ impl Candidate {
     }
 }
 
+/// The recorded `PYTORCH_CUDA_ALLOC_CONF` as the replay takes it: without `backend` (the
+/// replay's device is always the simulated one; `backend:native` is PyTorch's own allocator).
+/// Another backend (`cudaMallocAsync`, CUDA's allocator) is not modelled: an error saying so.
+fn replayable(recorded: &str) -> Result<String, String> {
+    let mut keys = Vec::new();
+    for kv in recorded.split(',').map(str::trim).filter(|kv| !kv.is_empty()) {
+        match kv.split_once(':') {
+            Some((k, v)) if k.trim() == "backend" => {
+                if v.trim() != "native" {
+                    return Err(format!(
+                        "the recorded PYTORCH_CUDA_ALLOC_CONF `{recorded}` uses backend `{}`, which the replay does \
+                         not model (only PyTorch's native caching allocator); PyTorch's default stands in for it",
+                        v.trim()
+                    ));
+                }
+            }
+            _ => keys.push(kv),
+        }
+    }
+    Ok(keys.join(","))
+}
+
 /// Device calls a run made: device mallocs and frees (maps and unmaps with expandable segments).
 fn device_calls(r: &RunReport) -> u64 {
     r.device_mallocs.saturating_add(r.device_frees)
@@ -282,23 +304,32 @@ pub fn advise(
     let mut note = None;
     let recorded = program.notes.allocator_conf.clone();
     let mut current_index = 0; // the default, unless the recorded setting differs
-    if let Some(setting) = &recorded {
-        if !setting.is_empty() {
-            let c = Candidate { family: Family::Native, setting: setting.clone() };
-            match c.run_config(&base) {
-                Ok(_) => {
-                    current_index = candidates.iter().position(|x| x.family == Family::Native && x.setting == *setting)
-                        .unwrap_or_else(|| {
-                            candidates.push(c);
-                            candidates.len() - 1
-                        });
-                }
-                Err(e) => {
-                    note = Some(format!(
-                        "the recorded PYTORCH_CUDA_ALLOC_CONF `{setting}` cannot be replayed ({e}); PyTorch's default stands in for it"
-                    ))
+    if let Some(recorded) = &recorded {
+        match replayable(recorded) {
+            Ok(setting) if setting.is_empty() => {}
+            Ok(setting) => {
+                let c = Candidate { family: Family::Native, setting };
+                match c.run_config(&base) {
+                    Ok(_) => {
+                        current_index = candidates
+                            .iter()
+                            .position(|x| x.family == Family::Native && x.setting == c.setting)
+                            .unwrap_or_else(|| {
+                                candidates.push(c);
+                                candidates.len() - 1
+                            });
+                    }
+                    Err(e) => {
+                        // The core's message names the key and the accepted form.
+                        let why = e.split_once(": ").map_or(e.as_str(), |(_, why)| why);
+                        note = Some(format!(
+                            "the recorded PYTORCH_CUDA_ALLOC_CONF `{recorded}` cannot be replayed ({why}); PyTorch's \
+                             default stands in for it"
+                        ))
+                    }
                 }
             }
+            Err(why) => note = Some(why),
         }
     }
     let configs: Vec<RunConfig> = candidates.iter().map(|c| c.run_config(&base)).collect::<Result<_, _>>()?;
@@ -360,7 +391,7 @@ pub fn advise(
     let current_label = match &recorded {
         None => "PyTorch default (not recorded)".to_string(),
         Some(s) if s.is_empty() => "PyTorch default (recorded)".to_string(),
-        Some(s) if note.is_some() => format!("recorded `{s}` (not replayable; the default shown)"),
+        Some(s) if note.is_some() => format!("recorded `{s}` (not replayable: PyTorch default shown)"),
         Some(s) => format!("recorded `{s}`"),
     };
     let explanation_native = explain(&best_native, &default, program);

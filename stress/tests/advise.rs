@@ -100,6 +100,11 @@ fn frame(file: &str, line: u64, name: &str) -> Value {
 /// `step` (under a C++ and a torch frame) stay live; the peak is at the last allocation under
 /// every configuration, with `attention` holding 400 MiB of it.
 fn snapshot_with_frames() -> Vec<u8> {
+    snapshot_recorded_with("")
+}
+
+/// `snapshot_with_frames` with `PYTORCH_CUDA_ALLOC_CONF` recorded as `conf`.
+fn snapshot_recorded_with(conf: &str) -> Vec<u8> {
     let torch = frame("/usr/lib/python3/site-packages/torch/nn/modules/module.py", 1750, "_call_impl");
     let attention = json!([torch, frame("model.py", 20, "attention"), frame("train.py", 5, "main")]);
     let mlp = json!([frame("model.py", 10, "mlp"), frame("train.py", 5, "main")]);
@@ -125,7 +130,7 @@ fn snapshot_with_frames() -> Vec<u8> {
         "device_traces": [trace],
         "external_annotations": [],
         "allocator_settings": {
-            "PYTORCH_CUDA_ALLOC_CONF": "",
+            "PYTORCH_CUDA_ALLOC_CONF": conf,
             "max_split_size": 256 * MIB,
             "garbage_collection_threshold": 0.0,
             "expandable_segments": false,
@@ -367,4 +372,33 @@ print("OK")
     assert!(top["site"].as_str().unwrap().ends_with("rec.py:9 attention"), "{top}");
     assert_eq!((top["bytes"].as_u64(), top["count"].as_u64()), (Some((30 + 31 + 32) * 2 * MIB), Some(3)), "{top}");
     assert!(a["best_native"]["peak_reserved"].as_u64() <= a["pytorch_default"]["peak_reserved"].as_u64());
+}
+
+/// The recorded `backend` key: `native` is PyTorch's own allocator (replayed without the key);
+/// CUDA's allocator and an unknown key are not replayed, and the report says why.
+#[test]
+fn recorded_backends_and_bad_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    for (conf, current, note) in [
+        ("backend:native,max_split_size_mb:128", Some("max_split_size_mb:128"), None),
+        ("backend:cudaMallocAsync", None, Some("uses backend `cudaMallocAsync`, which the replay does not model")),
+        ("max_split_size_mb:8", None, Some("cannot be replayed")),
+    ] {
+        let path = dir.path().join("recorded.pickle");
+        std::fs::write(&path, snapshot_recorded_with(conf)).unwrap();
+        let a = advise_json(&path);
+        assert_eq!(a["recorded_setting"], conf);
+        match current {
+            Some(setting) => {
+                assert_eq!(a["current"]["setting"], setting, "{conf}");
+                assert!(a.get("note").is_none(), "{conf}: {a}");
+            }
+            None => {
+                assert_eq!(a["current"]["setting"], "", "{conf}");
+                let text = a["note"].as_str().unwrap();
+                assert!(text.contains(note.unwrap()) && text.contains(conf), "{conf}: {text}");
+                assert!(a["current_label"].as_str().unwrap().contains("not replayable"), "{conf}");
+            }
+        }
+    }
 }
