@@ -1,6 +1,7 @@
 //! `stepalloc-stress`: the command line. Builds an event stream (the `agent` workload by
 //! default, a trace with `replay`), runs it under every compared configuration and prints the
-//! side-by-side report; `random` hammers one allocator from many threads with integrity checks.
+//! side-by-side report; `random` hammers one allocator from many threads with integrity checks;
+//! `advise` searches the allocator settings that give a trace the lowest peak (`advise.rs`).
 //! Exit status: 0 on success, 1 when an integrity check failed, 2 on bad input.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
