@@ -84,7 +84,14 @@ pub fn resolve_one(name: &str, base: &Base) -> Result<RunConfig, String> {
     let full = if conf.is_empty() { base.keys() } else { format!("{},{conf}", base.keys()) };
     // Refuse a bad string before any run starts.
     stepalloc::Config::parse(&full).map_err(|e| format!("--compare `{name}`: {e}"))?;
-    Ok(RunConfig { name: label, conf: full, empty_cache_every_step: empty, explain: false, stop_at_first_oom: false })
+    Ok(RunConfig {
+        name: label,
+        conf: full,
+        empty_cache_every_step: empty,
+        explain: false,
+        stop_at_first_oom: false,
+        track_peak: false,
+    })
 }
 
 /// Resolves preset names and raw strings into run configurations.

@@ -4,10 +4,12 @@
 //! Layers: workloads (`workload::agent`, `workload::random`) and trace readers (`trace`) produce
 //! an event stream (`ops::Program`); `replay::run` plays it against one `stepalloc::Allocator`
 //! per configuration (`compare`); `report` prints, serialises and plots the results; `headroom`
-//! searches the largest workload scale that fits a device, per configuration.
+//! searches the largest workload scale that fits a device, per configuration; `advise` searches
+//! the allocator settings that give a trace the lowest peak on the user's device.
 
 #![deny(unsafe_code)]
 
+pub mod advise;
 pub mod compare;
 pub mod export;
 pub mod headroom;

@@ -1,6 +1,7 @@
 //! `stepalloc-stress`: the command line. Builds an event stream (the `agent` workload by
 //! default, a trace with `replay`), runs it under every compared configuration and prints the
-//! side-by-side report; `random` hammers one allocator from many threads with integrity checks.
+//! side-by-side report; `random` hammers one allocator from many threads with integrity checks;
+//! `advise` searches the allocator settings that give a trace the lowest peak (`advise.rs`).
 //! Exit status: 0 on success, 1 when an integrity check failed, 2 on bad input.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
@@ -8,6 +9,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::time::Instant;
+use stepalloc_stress::advise::{self, AdviseOptions, Capacity};
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::export::{self, ExportFormat};
 use stepalloc_stress::headroom::{self, HeadroomArgs};
@@ -89,6 +91,18 @@ enum Command {
         #[command(flatten)]
         search: HeadroomArgs,
     },
+    /// Which allocator settings give this trace the lowest peak reserved on your device: replays
+    /// it under PyTorch's keys and stepalloc's (in parallel) and prints the best
+    /// PYTORCH_CUDA_ALLOC_CONF and STEPALLOC_CONF beside your current setting, why they win,
+    /// and what was live at each peak.
+    Advise {
+        /// The trace: PyTorch snapshot (pickle or JSON), RMM log CSV or stepalloc JSON lines.
+        file: PathBuf,
+        /// Device memory in GiB, (0, 16384] (default: --capacity-mb, or --h200; PyTorch
+        /// snapshots do not record the device's size).
+        #[arg(long, allow_hyphen_values = true)]
+        capacity_gb: Option<f64>,
+    },
     /// Write the agent workload as a trace file (for replay benchmarks and tests).
     GenTrace {
         #[command(flatten)]
@@ -129,6 +143,7 @@ fn run(cli: Cli) -> Result<i32, String> {
             (Input::Trace(program), format!("replay {}", file.display()), compare::DEFAULT_OTHER)
         }
         Command::Random(args) => return run_random(g, &args, capacity_mb),
+        Command::Advise { file, capacity_gb } => return run_advise(g, &file, capacity_gb, capacity_mb),
         Command::Headroom { agent, search } => return run_headroom(g, &agent, &search, capacity_mb),
         Command::GenTrace { agent, format, out } => {
             let program = agent::generate(&agent.spec()?)?;
@@ -158,6 +173,8 @@ fn run(cli: Cli) -> Result<i32, String> {
     let mut configs = resolve(g, defaults, &base)?;
     for rc in &mut configs {
         rc.explain = g.explain;
+        // A trace is held whole: what was live at each run's peak can be read from it.
+        rc.track_peak = matches!(input, Input::Trace(_));
     }
     let mut report = Report { workload, source: notes, parse_s, runs: Vec::new() };
     for rc in &configs {
@@ -166,7 +183,11 @@ fn run(cli: Cli) -> Result<i32, String> {
                 let pb = progress(program.ops.len() as u64, rc);
                 let run = replay::run(program, rc, pb.as_ref(), g.metrics_addr.as_deref());
                 finish(pb);
-                run?
+                let mut run = run?;
+                if let Some(m) = &run.peak_moment {
+                    run.peak_attribution = Some(advise::attribute(program, m.op, advise::TOP_GROUPS));
+                }
+                run
             }
             Input::Agent(spec) => {
                 let mut stream = AgentStream::new(spec)?;
@@ -226,6 +247,66 @@ fn run_headroom(g: &Global, agent: &AgentArgs, search: &HeadroomArgs, capacity_m
         println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
     } else {
         print!("{}", headroom::table(&report));
+    }
+    Ok(0)
+}
+
+fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<f64>, capacity_mb: u64) -> Result<i32, String> {
+    // The flags first: a bad capacity is refused before a large trace is read.
+    if g.backend == BackendArg::Cuda {
+        return Err("--backend cuda: advise replays on the simulated device only (sim)".into());
+    }
+    if !g.compare.is_empty() {
+        return Err("--compare: advise searches its own configurations (see `advise --help`)".into());
+    }
+    let capacity = match capacity_gb {
+        Some(gb) => advise::capacity_from_gb(gb)?,
+        None => Capacity {
+            mb: capacity_mb,
+            source: if g.h200 {
+                "--h200".to_string()
+            } else {
+                format!("--capacity-mb {capacity_mb}; the trace does not record the device's size, set --capacity-gb")
+            },
+        },
+    };
+    let started = Instant::now();
+    let program = trace::load(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    if g.timing {
+        eprintln!("timing: {} ops built in {:.3} s", program.ops.len(), started.elapsed().as_secs_f64());
+    }
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let opts = AdviseOptions { trace_name: file.display().to_string(), capacity, threads };
+    let pb = if std::io::stderr().is_terminal() {
+        let pb = ProgressBar::new(1);
+        if let Ok(style) =
+            ProgressStyle::with_template("advise [{bar:40}] {pos}/{len} configurations ({elapsed}) {msg}")
+        {
+            pb.set_style(style.progress_chars("=> "));
+        }
+        Some(pb)
+    } else {
+        None
+    };
+    let result = advise::advise(&program, &opts, pb.as_ref());
+    finish(pb);
+    let (advice, runs) = result?;
+    if g.timing {
+        eprintln!(
+            "timing: advise in {:.3} s ({} configurations on {threads} threads)",
+            started.elapsed().as_secs_f64(),
+            advice.candidates
+        );
+    }
+    if g.json {
+        println!("{}", serde_json::to_string_pretty(&advice).map_err(|e| e.to_string())?);
+    } else {
+        print!("{}", advise::text(&advice));
+    }
+    if let Some(path) = &g.plot {
+        let report = advise::plot_report(&advice, runs);
+        std::fs::write(path, report::svg(&report)).map_err(|e| format!("{}: {e}", path.display()))?;
+        eprintln!("plot written to {}", path.display());
     }
     Ok(0)
 }

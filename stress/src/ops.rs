@@ -64,6 +64,23 @@ pub struct SourceNotes {
     pub recorded_failures: u64,
     /// The native allocator's own figures, when the trace holds them.
     pub native: Option<NativeFigures>,
+    /// The recording allocator's configuration as `PYTORCH_CUDA_ALLOC_CONF` would spell it
+    /// (from a snapshot's `allocator_settings`; empty: PyTorch's defaults), when recorded.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub allocator_conf: Option<String>,
+    /// Where each allocation was made, when the trace records it (not in reports).
+    #[serde(skip)]
+    pub sites: Sites,
+}
+
+/// Allocation sites (PyTorch snapshots with frames): one per `Alloc`, in order, indexing
+/// `names`. Kept beside the events so the replay loop does not carry them.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Sites {
+    /// Empty when the trace recorded no sites.
+    pub per_alloc: Vec<u32>,
+    /// Interned `file:line name` of each site's top user frame; entry 0 is "(no frame)".
+    pub names: Vec<String>,
 }
 
 /// The recording allocator's reserved bytes, from a snapshot's segment events and segments.
@@ -97,6 +114,20 @@ impl Program {
     pub fn count_allocs(&self) -> usize {
         self.ops.iter().filter(|op| matches!(op, Op::Alloc { .. })).count()
     }
+
+    /// Whether allocation sites (call stacks) were recorded (`SourceNotes::sites`).
+    pub fn has_sites(&self) -> bool {
+        !self.notes.sites.per_alloc.is_empty()
+    }
+
+    /// The site of the `n`-th allocation (0 when not recorded), and the name of a site.
+    pub fn site_of(&self, n: usize) -> u32 {
+        self.notes.sites.per_alloc.get(n).copied().unwrap_or(0)
+    }
+
+    pub fn site_name(&self, site: u32) -> &str {
+        self.notes.sites.names.get(site as usize).map_or("", String::as_str)
+    }
 }
 
 /// Builds a `Program`, handing out ids and interning phase names.
@@ -114,6 +145,11 @@ pub struct ProgramBuilder {
     /// By id: whether it is allocated now (only such an id is recycled at its free, so a
     /// producer's double free never hands one id to two live blocks).
     live_ids: Vec<bool>,
+    /// Whether allocations carry sites (`enable_sites`), the site of the next allocation, and
+    /// the index of each interned name.
+    track_sites: bool,
+    next_site: u32,
+    site_index: std::collections::HashMap<String, u32>,
 }
 
 impl Default for ProgramBuilder {
@@ -134,7 +170,36 @@ impl ProgramBuilder {
             max_ops: MAX_OPS,
             free_ids: Vec::new(),
             live_ids: Vec::new(),
+            track_sites: false,
+            next_site: 0,
+            site_index: std::collections::HashMap::new(),
         }
+    }
+
+    /// Records a site for every allocation from here on (`SourceNotes::sites`); call before the
+    /// first allocation.
+    pub fn enable_sites(&mut self) {
+        if !self.track_sites {
+            self.track_sites = true;
+            self.program.notes.sites.names = vec!["(no frame)".to_string()];
+        }
+    }
+
+    /// Sets the site of the next allocation (interned); ignored unless `enable_sites` was called.
+    pub fn set_next_site(&mut self, name: &str) {
+        if !self.track_sites {
+            return;
+        }
+        self.next_site = match self.site_index.get(name) {
+            Some(&i) => i,
+            None => {
+                // Sites are at most one per allocation, so their count stays below MAX_OPS (u32).
+                let i = self.program.notes.sites.names.len() as u32;
+                self.program.notes.sites.names.push(name.to_string());
+                self.site_index.insert(name.to_string(), i);
+                i
+            }
+        };
     }
 
     /// Lowers the bound on events below `MAX_OPS` (tests, callers with less memory).
@@ -190,6 +255,9 @@ impl ProgramBuilder {
         self.live_ids[id as usize] = true;
         self.program.devices = self.program.devices.max(device + 1);
         self.program.ops.push(Op::Alloc { id, size, stream, device });
+        if self.track_sites {
+            self.program.notes.sites.per_alloc.push(std::mem::take(&mut self.next_site));
+        }
         id
     }
 

@@ -36,6 +36,10 @@ pub struct RunConfig {
     /// Stop at the first allocation that runs out of memory (`headroom` only needs to know
     /// whether one does).
     pub stop_at_first_oom: bool,
+    /// Find the moment of peak device memory (`RunReport::peak_moment`): reads the simulated
+    /// device's memory in use after every allocation (no effect on `backend:cuda`).
+    #[serde(skip)]
+    pub track_peak: bool,
 }
 
 /// A chunk of events and the phases known so far (`StepBegin` indexes them).
@@ -112,6 +116,7 @@ pub fn run_source(
     };
     let mut runner = Runner::new(&allocator, source.devices());
     runner.explain = rc.explain;
+    runner.track_peak = rc.track_peak && allocator.config().backend == stepalloc::BackendKind::Sim;
     let started = Instant::now();
     let stride = usize::try_from(source.len_hint() / TIMELINE_POINTS as u64).unwrap_or(usize::MAX).max(1);
     // Index of the next event over all chunks.
@@ -205,6 +210,10 @@ struct Runner<'a> {
     explain: bool,
     explained_at: u64,
     explanation: Option<PeakExplanation>,
+    /// `RunConfig::track_peak`: the phase in progress and the peak of device memory in use so far.
+    track_peak: bool,
+    phase: Option<u16>,
+    peak: Option<crate::report::PeakMoment>,
 }
 
 impl<'a> Runner<'a> {
@@ -235,6 +244,9 @@ impl<'a> Runner<'a> {
             explain: false,
             explained_at: 0,
             explanation: None,
+            track_peak: false,
+            phase: None,
+            peak: None,
         }
     }
 
@@ -263,6 +275,9 @@ impl<'a> Runner<'a> {
                         self.step_floor = self.step_floor.max(self.requested);
                         if self.explain {
                             self.maybe_explain(device as usize);
+                        }
+                        if self.track_peak {
+                            self.note_peak(device as usize, index, phases);
                         }
                     }
                     Err(Error::OutOfMemory(_)) => {
@@ -295,6 +310,7 @@ impl<'a> Runner<'a> {
             Op::StepBegin { phase } => {
                 let name = phases.get(phase as usize).map_or("step", String::as_str);
                 self.allocator.step_begin(name).map_err(|e| format!("op {index}: step_begin: {e}"))?;
+                self.phase = Some(phase);
                 self.step_floor = self.requested;
                 self.step_ooms = 0;
                 self.step_index_op = index;
@@ -317,6 +333,7 @@ impl<'a> Runner<'a> {
                 }
                 self.ext_frag_at_step_end.push(if cached == 0 { 0.0 } else { 1.0 - largest as f64 / cached as f64 });
                 let figures = self.allocator.step_end().map_err(|e| format!("op {index}: step_end: {e}"))?;
+                self.phase = None;
                 if empty_cache_every_step {
                     self.allocator.empty_cache().map_err(|e| format!("op {index}: empty_cache: {e}"))?;
                 }
@@ -368,6 +385,44 @@ impl<'a> Runner<'a> {
             return;
         };
         self.explanation = Some(PeakExplanation::of(device, &stats, self.requested, segments, &live));
+    }
+
+    /// Records the moment one device's memory in use passes the highest any device reached so far:
+    /// the event, the step and phase in progress, and the pools of the device that grew (read
+    /// at each new peak only: device memory grows in whole segments or pages).
+    fn note_peak(&mut self, device: usize, index: usize, phases: &[String]) {
+        // Only this device's memory grew; the peak is the highest any one device reached (a
+        // device's capacity is what a configuration must fit in).
+        let Ok(Ok((free, total))) = self.allocator.with_heap(device, |h| h.device_mem_info()) else { return };
+        let used = total.saturating_sub(free);
+        let peak_so_far = self.peak.as_ref().map_or(0, |p| p.device_used);
+        if used <= peak_so_far {
+            return;
+        }
+        let mut moment = self.peak.take().unwrap_or_default();
+        moment.op = index as u64;
+        moment.device_used = used;
+        moment.device = device;
+        moment.step = self.phase.map(|_| self.steps.len() as u64);
+        moment.phase = self.phase.map(|p| phases.get(p as usize).map_or("step", String::as_str).to_string());
+        if let Ok(s) = self.allocator.stats(device) {
+            let h = &s.heap;
+            let pool = |p: &stepalloc::stats::PoolStat, small: bool| -> u64 {
+                if small {
+                    p.small_pool.current
+                } else {
+                    p.large_pool.current
+                }
+            };
+            for (small, figures) in [(true, &mut moment.small), (false, &mut moment.large)] {
+                *figures = crate::report::PoolFigures {
+                    reserved: pool(&h.reserved_bytes, small),
+                    allocated: pool(&h.allocated_bytes, small),
+                    requested: pool(&h.requested_bytes, small),
+                };
+            }
+        }
+        self.peak = Some(moment);
     }
 
     /// Driver time and virtual-memory calls so far, summed over devices.
@@ -479,6 +534,7 @@ impl<'a> Runner<'a> {
         r.steps = self.steps;
         r.timeline = self.timeline;
         r.peak_explanation = self.explanation;
+        r.peak_moment = self.peak;
         r
     }
 }

@@ -92,6 +92,12 @@ pub struct RunReport {
     pub ops_per_s: f64,
     pub steps: Vec<StepReport>,
     pub timeline: Vec<Sample>,
+    /// The moment device memory in use first reached its peak (`RunConfig::track_peak`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_moment: Option<PeakMoment>,
+    /// What was live at that moment, grouped by call site or size class (trace replays).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_attribution: Option<Attribution>,
     /// With `--explain`: what held the reserved bytes at (within 1% of) their peak.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_explanation: Option<PeakExplanation>,
@@ -356,6 +362,11 @@ pub fn table(report: &Report) -> String {
         }
     }
     for r in &report.runs {
+        if let Some(a) = &r.peak_attribution {
+            out.push_str(&a.describe(&r.name));
+        }
+    }
+    for r in &report.runs {
         if let Some(e) = &r.first_error {
             let _ = writeln!(out, "{}: {} refused calls; first: {e}", r.name, r.errors);
         }
@@ -502,6 +513,28 @@ pub fn svg(report: &Report) -> String {
                 points.trim_end()
             );
         }
+        if let Some(peak) = &run.peak_moment {
+            // The peak, marked with what held most of it.
+            let x = sx(peak.op);
+            let top = run.peak_attribution.as_ref().and_then(|a| a.groups.first());
+            let label = match top {
+                Some(g) => format!("peak: {} GiB; top: {} ({} MiB)", gib(peak.device_used), g.site, g.bytes >> 20),
+                None => format!("peak: {} GiB", gib(peak.device_used)),
+            };
+            let anchor = if x > W / 2.0 { "end" } else { "start" };
+            let _ = writeln!(
+                out,
+                r##"<line x1="{x:.1}" y1="{y0}" x2="{x:.1}" y2="{:.1}" stroke="#d62728" stroke-dasharray="4 3"/>"##,
+                y0 + PANEL_H
+            );
+            let _ = writeln!(
+                out,
+                r##"<text class="peak" x="{:.1}" y="{:.1}" text-anchor="{anchor}" fill="#d62728">{}</text>"##,
+                if anchor == "end" { x - 4.0 } else { x + 4.0 },
+                y0 + 14.0,
+                xml_escape(&label)
+            );
+        }
     }
     out.push_str("</svg>\n");
     out
@@ -512,4 +545,81 @@ type Series = (&'static str, fn(&Sample) -> u64);
 
 fn xml_escape(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+/// When a device's memory in use first reached the run's peak, and how its pools stood.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PeakMoment {
+    /// Index of the allocation event (in the event stream) that reached the peak.
+    pub op: u64,
+    /// Memory in use then on the device that reached it (reserved bytes, as the simulated
+    /// device counts them): the highest any one device reached in the run.
+    pub device_used: u64,
+    /// That device.
+    pub device: usize,
+    /// The step in progress (0-based, counting steps of every phase) and its phase, if any.
+    pub step: Option<u64>,
+    pub phase: Option<String>,
+    /// That device's pools at that moment.
+    pub small: PoolFigures,
+    pub large: PoolFigures,
+}
+
+/// Current reserved / allocated / requested bytes of one pool.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PoolFigures {
+    pub reserved: u64,
+    pub allocated: u64,
+    pub requested: u64,
+}
+
+impl PoolFigures {
+    /// Reserved bytes beyond what the live requests asked for.
+    pub fn excess(&self) -> u64 {
+        self.reserved.saturating_sub(self.requested)
+    }
+}
+
+/// Live allocations at the peak, grouped by where they were made: the top user frame when the
+/// trace recorded call stacks, else the size class (a power-of-two range).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Attribution {
+    /// Whether the trace recorded call stacks (false: groups are size classes).
+    pub frames_recorded: bool,
+    pub live_bytes: u64,
+    pub live_count: u64,
+    /// The largest groups by bytes, largest first.
+    pub groups: Vec<AttributionGroup>,
+}
+
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct AttributionGroup {
+    /// `file:line name` of the top user frame, or the size class (`[1 MiB, 2 MiB)`).
+    pub site: String,
+    pub bytes: u64,
+    pub count: u64,
+}
+
+impl Attribution {
+    /// One line per group, `  bytes in count allocations: site`.
+    pub fn describe(&self, name: &str) -> String {
+        let what = if self.frames_recorded {
+            "by call site (top user frame)"
+        } else {
+            "by size class (frames were not recorded in the trace)"
+        };
+        let mut out = format!(
+            "{name}: live at the peak: {} GiB in {} allocations, {what}:\n",
+            gib(self.live_bytes),
+            self.live_count
+        );
+        for g in &self.groups {
+            let _ = writeln!(out, "  {:>10} MiB  {:>7} allocs  {}", format!("{:.1}", mib(g.bytes)), g.count, g.site);
+        }
+        out
+    }
+}
+
+fn mib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 20) as f64
 }

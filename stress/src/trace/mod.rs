@@ -10,6 +10,7 @@
 
 pub mod jsonl;
 mod pickle_depth;
+mod pickle_vm;
 pub mod rmm;
 pub mod torch;
 

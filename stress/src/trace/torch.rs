@@ -1,6 +1,8 @@
 //! PyTorch memory snapshots: `torch.cuda.memory._dump_snapshot` pickles and the same structure
-//! as JSON. Only the fields the replay needs are read; everything else (frames, blocks, settings)
-//! is skipped.
+//! as JSON. Only the fields the replay needs are read: the events, each allocation's top user
+//! frame (kept as an interned site per allocation, `SourceNotes::sites`, for peak attribution) and
+//! `allocator_settings` (as a configuration string, `SourceNotes::allocator_conf`); everything
+//! else (blocks, the other frames) is skipped.
 //!
 //! Replay rule: `alloc` allocates; `free_completed` frees (the moment the native allocator could
 //! reuse the block, after the events of `record_stream` completed). When the trace holds no
@@ -13,14 +15,18 @@
 //! markers (`external_annotations`, START/END) become steps of the replay, placed by their
 //! `trace_index` (the position in the device's trace where they happened) or else by time.
 //!
-//! Bounds: a pickle is read whole up to `MAX_PICKLE_BYTES` and its nesting is measured before it
-//! is decoded (`pickle_depth`: at most `MAX_PICKLE_DEPTH` levels); at most `ops::MAX_DEVICES`
-//! device traces.
+//! Bounds: a pickle is read whole up to `MAX_PICKLE_BYTES`; torch's own pickles are decoded by
+//! `pickle_vm` (iterative, shared objects kept shared); any other is read by serde_pickle after
+//! its nesting is measured (`pickle_depth`: at most `MAX_PICKLE_DEPTH` levels); at most
+//! `ops::MAX_DEVICES` device traces.
 
+use super::pickle_vm::{self, V};
 use super::{json_column, json_message, pickle_depth, TraceError};
 use crate::ops::{AddressMap, NativeFigures, Program, ProgramBuilder, MAX_DEVICES};
 use serde::Deserialize;
+use std::collections::HashMap;
 use std::io::Read;
+use std::rc::Rc;
 
 /// The largest pickle read (the decoded values take several times more memory).
 pub const MAX_PICKLE_BYTES: u64 = 2 << 30;
@@ -28,14 +34,19 @@ pub const MAX_PICKLE_BYTES: u64 = 2 << 30;
 /// a device's list, an entry, its frames, a frame).
 pub const MAX_PICKLE_DEPTH: u32 = 64;
 
+/// A snapshot; `F` is how each entry's frames are read (`TopFrame`, or `NoFrames` where
+/// serde_pickle reads the pickle: it cannot read the frames torch shares between entries).
 #[derive(Deserialize, Default)]
-struct Snapshot {
+struct Snapshot<F = TopFrame> {
     #[serde(default)]
     segments: Vec<Segment>,
     #[serde(default)]
-    device_traces: Vec<Vec<TraceEntry>>,
+    device_traces: Vec<Vec<TraceEntry<F>>>,
     #[serde(default)]
     external_annotations: Vec<Annotation>,
+    /// The recording allocator's settings (read leniently: only what `allocator_conf` knows).
+    #[serde(default)]
+    allocator_settings: Option<serde_json::Value>,
 }
 
 /// A step marker of a stepalloc snapshot (torch writes the same shape for its annotations).
@@ -61,7 +72,7 @@ struct Segment {
 }
 
 #[derive(Deserialize)]
-struct TraceEntry {
+struct TraceEntry<F = TopFrame> {
     action: String,
     #[serde(default)]
     addr: u64,
@@ -75,6 +86,135 @@ struct TraceEntry {
     stream: u64,
     #[serde(default)]
     time_us: u64,
+    /// The allocation's top user frame (`_record_memory_history(stacks="python")`), if any.
+    #[serde(default)]
+    frames: F,
+}
+
+/// Where an entry's allocation was made, if known.
+trait Site {
+    fn site(&self) -> Option<&str>;
+}
+
+/// Frames skipped.
+#[derive(Default)]
+struct NoFrames;
+
+impl<'de> Deserialize<'de> for NoFrames {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<NoFrames, D::Error> {
+        serde::de::IgnoredAny::deserialize(d).map(|_| NoFrames)
+    }
+}
+
+impl Site for NoFrames {
+    fn site(&self) -> Option<&str> {
+        None
+    }
+}
+
+impl Site for TopFrame {
+    fn site(&self) -> Option<&str> {
+        self.0.as_deref()
+    }
+}
+
+/// The first frame of a traceback (innermost first) that is the user's code rather than
+/// torch's own modules or C++, as `file:line name`; the first frame when none is. Only this
+/// label is kept, not the frames.
+#[derive(Default)]
+struct TopFrame(Option<Rc<str>>);
+
+#[derive(Deserialize)]
+struct Frame {
+    #[serde(default)]
+    filename: String,
+    #[serde(default)]
+    line: i64,
+    #[serde(default)]
+    name: String,
+}
+
+impl Frame {
+    fn is_user(&self) -> bool {
+        let f = &self.filename;
+        let native = [".cpp", ".cc", ".h", ".hpp", ".cu", ".cuh", ".c"].iter().any(|ext| f.ends_with(ext));
+        !(f.is_empty() || f.starts_with("??") || native || f.contains("/torch/") || f.contains("\\torch\\"))
+    }
+
+    fn label(&self) -> String {
+        format!("{}:{} {}", self.filename, self.line, self.name)
+    }
+}
+
+impl<'de> Deserialize<'de> for TopFrame {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<TopFrame, D::Error> {
+        struct Frames;
+        impl<'de> serde::de::Visitor<'de> for Frames {
+            type Value = TopFrame;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list of frames")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<TopFrame, A::Error> {
+                let (mut first, mut user) = (None, None);
+                while let Some(frame) = seq.next_element::<Frame>()? {
+                    if user.is_none() && frame.is_user() {
+                        user = Some(frame.label());
+                    } else if first.is_none() {
+                        first = Some(frame.label());
+                    }
+                }
+                Ok(TopFrame(user.or(first).map(Rc::from)))
+            }
+            fn visit_none<E: serde::de::Error>(self) -> Result<TopFrame, E> {
+                Ok(TopFrame(None))
+            }
+            fn visit_unit<E: serde::de::Error>(self) -> Result<TopFrame, E> {
+                Ok(TopFrame(None))
+            }
+        }
+        d.deserialize_any(Frames)
+    }
+}
+
+/// The recorded settings as a `PYTORCH_CUDA_ALLOC_CONF` string: the variable itself when it
+/// was set, else the non-default figures of `allocator_settings` (empty: PyTorch's defaults).
+fn allocator_conf(settings: &serde_json::Value) -> String {
+    if let Some(conf) = settings.get("PYTORCH_CUDA_ALLOC_CONF").and_then(|v| v.as_str()) {
+        if !conf.trim().is_empty() {
+            return conf.trim().to_string();
+        }
+    }
+    let mut keys = Vec::new();
+    // -1 (and stepalloc's 2^64-1) mean unlimited.
+    if let Some(n) = settings.get("max_split_size").and_then(|v| v.as_i64()) {
+        if n > 0 && n < i64::MAX {
+            keys.push(format!("max_split_size_mb:{}", n >> 20));
+        }
+    }
+    if let Some(t) = settings.get("garbage_collection_threshold").and_then(|v| v.as_f64()) {
+        if t > 0.0 && t < 1.0 {
+            keys.push(format!("garbage_collection_threshold:{t}"));
+        }
+    }
+    if settings.get("expandable_segments").and_then(|v| v.as_bool()) == Some(true) {
+        keys.push("expandable_segments:True".to_string());
+    }
+    // A list (one value per power of two) or, in newer torch, a dict by interval start.
+    let divisions = settings.get("roundup_power2_divisions").and_then(|v| match v {
+        serde_json::Value::Array(list) => Some(list.iter().collect::<Vec<_>>()),
+        serde_json::Value::Object(map) => Some(map.values().collect()),
+        _ => None,
+    });
+    if let Some(list) = divisions {
+        let values: Vec<u64> = list.iter().filter_map(|v| v.as_u64()).collect();
+        // One value for every size (0 and 1: no rounding); per-range lists are not rebuilt.
+        if let Some(&v) = values.first() {
+            if v > 1 && values.iter().all(|&x| x == v) {
+                keys.push(format!("roundup_power2_divisions:{v}"));
+            }
+        }
+    }
+    keys.join(",")
 }
 
 /// A reader that counts the bytes it has given out, for error positions.
@@ -93,6 +233,14 @@ impl Read for Counting<'_> {
 }
 
 pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
+    // The fast path: torch's own pickles (shared frames and all). It neither recurses nor
+    // drops recursively, so it needs no depth check; anything it does not take (or a pickle
+    // without trace entries) is read, or refused with a position, by serde_pickle below.
+    if let Some(snapshot) = pickle_vm::decode(data).ok().as_ref().and_then(|d| from_vm(&d.0)) {
+        if check_has_trace(&snapshot).is_ok() {
+            return replay(snapshot, "torch snapshot (pickle)");
+        }
+    }
     if pickle_depth::depth(data, MAX_PICKLE_DEPTH) > MAX_PICKLE_DEPTH {
         return Err(TraceError {
             position: "file".into(),
@@ -103,7 +251,7 @@ pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
     }
     let options = || serde_pickle::DeOptions::new().replace_unresolved_globals().replace_recursive_structures();
     let mut reader = Counting { data, pos: 0 };
-    let snapshot: Snapshot = match serde_pickle::from_reader(&mut reader, options()) {
+    let snapshot: Snapshot<NoFrames> = match serde_pickle::from_reader(&mut reader, options()) {
         Ok(s) => s,
         // serde_pickle refuses integers beyond i64 even in fields the snapshot skips (stepalloc
         // writes max_split_size 2^64-1): read such a pickle through values (slower, but
@@ -216,8 +364,108 @@ pub fn read_json<R: Read>(reader: R) -> Result<Program, TraceError> {
     replay(snapshot, "torch snapshot (JSON)")
 }
 
+/// Values read from a decoded pickle's small parts (annotations, settings) at most.
+const SMALL_PART_VALUES: u64 = 1 << 20;
+
+/// The snapshot in a decoded pickle; `None` where a field is not what torch writes (the
+/// caller then reads the pickle with serde_pickle, which names what is wrong).
+fn from_vm(v: &V) -> Option<Snapshot<TopFrame>> {
+    let V::Dict(_) = v else { return None };
+    let mut snapshot = Snapshot::<TopFrame>::default();
+    if let Some(segments) = v.get("segments") {
+        for seg in segments.items()? {
+            let total_size = match seg.get("total_size") {
+                Some(t) => t.as_u64()?,
+                None => 0,
+            };
+            snapshot.segments.push(Segment { total_size });
+        }
+    }
+    // Each traceback list's label, by the list's identity (torch shares them).
+    let mut labels: HashMap<*const (), Option<Rc<str>>> = HashMap::new();
+    if let Some(traces) = v.get("device_traces") {
+        for device in traces.items()? {
+            let V::List(entries) = device else { return None };
+            let entries = entries.borrow();
+            let mut out = Vec::with_capacity(entries.len());
+            for e in entries.iter() {
+                out.push(entry_from_vm(e, &mut labels)?);
+            }
+            snapshot.device_traces.push(out);
+        }
+    }
+    let mut budget = SMALL_PART_VALUES;
+    if let Some(a) = v.get("external_annotations") {
+        snapshot.external_annotations = serde_json::from_value(a.to_json(8, &mut budget)?).ok()?;
+    }
+    if let Some(s) = v.get("allocator_settings") {
+        snapshot.allocator_settings = Some(s.to_json(8, &mut budget)?);
+    }
+    Some(snapshot)
+}
+
+fn entry_from_vm(e: &V, labels: &mut HashMap<*const (), Option<Rc<str>>>) -> Option<TraceEntry<TopFrame>> {
+    let V::Dict(d) = e else { return None };
+    let mut entry = TraceEntry {
+        action: String::new(),
+        addr: 0,
+        size: 0,
+        requested_size: None,
+        stream: 0,
+        time_us: 0,
+        frames: TopFrame(None),
+    };
+    let mut action = false;
+    for (k, v) in d.borrow().iter() {
+        match k.as_str()? {
+            "action" => {
+                entry.action = v.as_str()?.to_string();
+                action = true;
+            }
+            "addr" => entry.addr = v.as_u64()?,
+            "size" => entry.size = v.as_u64()?,
+            "requested_size" => entry.requested_size = if let V::None = v { None } else { Some(v.as_u64()?) },
+            "stream" => entry.stream = v.as_u64()?,
+            "time_us" => entry.time_us = v.as_u64()?,
+            "frames" => entry.frames = TopFrame(frames_label(v, labels)),
+            _ => {}
+        }
+    }
+    action.then_some(entry)
+}
+
+/// The top user frame of a traceback list (see `TopFrame`), once per shared list.
+fn frames_label(v: &V, labels: &mut HashMap<*const (), Option<Rc<str>>>) -> Option<Rc<str>> {
+    let V::List(list) = v else { return None };
+    let key = Rc::as_ptr(list) as *const ();
+    if let Some(label) = labels.get(&key) {
+        return label.clone();
+    }
+    let (mut first, mut user) = (None, None);
+    for f in list.borrow().iter() {
+        let frame = Frame {
+            filename: f.get("filename").and_then(|x| x.as_str().map(str::to_string)).unwrap_or_default(),
+            line: match f.get("line") {
+                Some(V::Int(i)) => i64::try_from(i).unwrap_or(0),
+                _ => 0,
+            },
+            name: f.get("name").and_then(|x| x.as_str().map(str::to_string)).unwrap_or_default(),
+        };
+        if frame.is_user() {
+            user = Some(frame.label());
+            break;
+        }
+        if first.is_none() {
+            first = Some(frame.label());
+        }
+    }
+    let label: Option<Rc<str>> = user.or(first).map(Rc::from);
+    labels.insert(key, label.clone());
+    label
+}
+
 /// A snapshot without `device_traces` entries has nothing to replay (history was not recorded).
-fn check_has_trace(snapshot: &Snapshot) -> Result<(), TraceError> {
+fn check_has_trace<F>(snapshot: &Snapshot<F>) -> Result<(), TraceError> {
     if snapshot.device_traces.iter().all(Vec::is_empty) {
         return Err(TraceError {
             position: "file".into(),
@@ -240,7 +488,7 @@ enum Source {
     Entry(usize),
 }
 
-fn replay(snapshot: Snapshot, format: &str) -> Result<Program, TraceError> {
+fn replay<F: Site>(snapshot: Snapshot<F>, format: &str) -> Result<Program, TraceError> {
     if snapshot.device_traces.len() > MAX_DEVICES as usize {
         return Err(TraceError {
             position: "file".into(),
@@ -253,6 +501,11 @@ fn replay(snapshot: Snapshot, format: &str) -> Result<Program, TraceError> {
     let stepalloc = snapshot.device_traces.iter().flatten().any(|e| e.requested_size.is_some());
     let format = if stepalloc { format.replace("torch snapshot", "stepalloc snapshot") } else { format.to_string() };
     let mut b = ProgramBuilder::new(&format);
+    let frames = snapshot.device_traces.iter().flatten().any(|e| e.action == "alloc" && e.frames.site().is_some());
+    if frames {
+        b.enable_sites();
+    }
+    b.notes_mut().allocator_conf = snapshot.allocator_settings.as_ref().map(allocator_conf);
     let mut map = AddressMap::default();
     let use_completed = snapshot.device_traces.iter().flatten().any(|e| e.action == "free_completed");
     let free_action = if use_completed { "free_completed" } else { "free_requested" };
@@ -334,6 +587,9 @@ fn replay(snapshot: Snapshot, format: &str) -> Result<Program, TraceError> {
         last_time = Some(time);
         match e.action.as_str() {
             "alloc" => {
+                if let Some(site) = e.frames.site() {
+                    b.set_next_site(site);
+                }
                 map.alloc(&mut b, device, e.addr, e.requested_size.unwrap_or(e.size), e.stream);
             }
             a if a == free_action => map.free(&mut b, device, e.addr),
