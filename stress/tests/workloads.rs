@@ -300,16 +300,13 @@ fn run_stream(spec: &AgentSpec, names: &[&str]) -> Vec<report::RunReport> {
 }
 
 /// Issue 9's targets on the agent presets: stepalloc's peak reserved (= mapped) at most 3% above
-/// the floor and strictly below PyTorch's expandable segments, without out-of-memory; and its
-/// modelled driver time set against the modelled compute time of the steps. The 1% time
-/// target is not met at the presets' lengths (6 and 24 iterations): 2.21% on `vlm-7b` and
-/// 4.73% on `llm-7b-sft` (README, "Driver time against step time"), nearly all of it the
-/// one-time creation of 2 MiB pages as the high-water mark rises; the bounds here are those
-/// figures with a small margin, to catch a regression. PyTorch's expandable segments stay
-/// under 1%.
+/// the floor and strictly below PyTorch's expandable segments, without out-of-memory, with its
+/// modelled driver time at most 1% of the modelled compute time of the steps (measured 0.32% on
+/// `vlm-7b`, 0.95% on `llm-7b-sft`; 2.21% and 4.73% with 2 MiB pages throughout, before
+/// `big_page_mb`). PyTorch's expandable segments stay under 1% too.
 #[test]
 fn stepalloc_beats_expandable_segments_on_agent_presets() {
-    for (preset, share_bound) in [(Preset::Vlm7b, 0.0225), (Preset::Llm7bSft, 0.0480)] {
+    for preset in [Preset::Vlm7b, Preset::Llm7bSft] {
         let runs = run_stream(&AgentSpec::preset(preset), &["pytorch_expandable", "stepalloc"]);
         let (expandable, stepalloc) = (&runs[0], &runs[1]);
         for run in &runs {
@@ -329,7 +326,7 @@ fn stepalloc_beats_expandable_segments_on_agent_presets() {
             share(stepalloc) * 100.0
         );
         assert!(share(expandable) <= 0.01, "{preset:?}: expandable {}", share(expandable));
-        assert!(share(stepalloc) <= share_bound, "{preset:?}: stepalloc {}", share(stepalloc));
+        assert!(share(stepalloc) <= 0.01, "{preset:?}: stepalloc {}", share(stepalloc));
     }
 }
 
