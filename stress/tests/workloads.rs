@@ -378,8 +378,24 @@ fn step_time_model_follows_the_gpu() {
             _ => assert!(tb <= ta, "{phase}: {tb} vs {ta}"),
         }
     }
-    // The command line picks the H200 with --h200 and takes --gpu.
+    // The command line picks the H200 with --h200 unless --gpu says otherwise.
     let args = AgentArgs { gpu: Some(Gpu::H200), ..Default::default() };
     assert_eq!(args.spec().unwrap().gpu, Gpu::H200);
     assert_eq!(AgentArgs::default().spec().unwrap().gpu, Gpu::H100);
+    let modelled = |flags: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepalloc-stress"))
+            .args(flags)
+            .args(["--json", "--compare", "pytorch"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{flags:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["runs"][0]["modelled_step_time_s"].as_f64().unwrap()
+    };
+    let one = ["agent", "--iterations", "1"];
+    let h100 = modelled(&one);
+    let h200 = modelled(&[&["--h200"][..], &one].concat());
+    assert!(h200 < h100, "{h200} vs {h100}");
+    assert_eq!(modelled(&[&["--h200"][..], &one, &["--gpu", "h100"]].concat()), h100);
+    assert_eq!(modelled(&[&one[..], &["--gpu", "h200"]].concat()), h200);
 }
