@@ -17,6 +17,8 @@
 //! stepalloc's additions, each behind its own key:
 //! - `big_page_mb`: past `big_page_after_mb` of peak mapped bytes, the large pool grows in
 //!   new segments with bigger pages (one growing segment per stream, pool and page size);
+//! - `pack_small` (in `Heap::malloc`): a small request that finds no free small-pool block
+//!   takes a free large-pool block before the small pool maps a page;
 //! - `page_reuse`: before creating physical memory for new pages, idle whole pages inside free
 //!   blocks elsewhere (any stream's segment with the same page size) are unmapped and mapped
 //!   where the request needs them, so mapped bytes track live bytes;
