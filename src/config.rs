@@ -16,8 +16,14 @@ pub const MAX_TRACE_ENTRIES: usize = 1 << 26;
 
 /// stepalloc's recommended configuration: the best measured on the agent presets and on
 /// real-model traces (README, "Figures"): PyTorch's expandable segments with 2 MiB pages in
-/// both pools, and idle pages moved to where they are needed instead of creating memory.
-pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True";
+/// both pools, and idle pages moved to where they are needed instead of creating memory; past
+/// 4 GiB of mapped bytes the large pool grows in 16 MiB pages, which keeps the driver's time
+/// on a large heap under 1% of the step time (2 MiB pages throughout took 2–5%); a small
+/// request that finds no free small-pool block takes free space in the large pool's pages
+/// before the small pool maps a new page.
+/// (One line: the Python package's test reads it from this source.)
+#[rustfmt::skip]
+pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True";
 
 /// Pages of expandable segments: multiples of the 2 MiB granularity, at most 1 GiB.
 const LARGE_PAGE_STEP: u64 = 2 * MIB;
@@ -141,6 +147,24 @@ pub const KEYS: &[KeyDoc] = &[
         doc: "with expandable segments: move idle free pages to where a request needs them before creating memory",
     },
     KeyDoc {
+        name: "big_page_mb",
+        default: "0 (off)",
+        form: "0, or a multiple of 2 from 2 to 1024, with expandable_segments:True",
+        doc: "with expandable segments: once the device's peak of mapped bytes reaches big_page_after_mb, the large pool grows in segments with pages of this size (fewer driver calls for a large heap; a small one keeps large_segment_size_mb)",
+    },
+    KeyDoc {
+        name: "big_page_after_mb",
+        default: "4096",
+        form: "integer MiB 0..17592186044415",
+        doc: "with big_page_mb: the peak of mapped bytes from which large-pool pages are big_page_mb",
+    },
+    KeyDoc {
+        name: "pack_small",
+        default: "False",
+        form: "True or False, with expandable_segments:True",
+        doc: "a small request (at most 1 MiB) that finds no free small-pool block takes a free block of the large pool before the small pool maps a new page (counted in the large pool)",
+    },
+    KeyDoc {
         name: "page_release",
         default: "False",
         form: "True or False",
@@ -251,6 +275,12 @@ pub struct Config {
     pub expandable_segments: bool,
     /// Page size of the large pool's expandable segments.
     pub large_page: u64,
+    /// Page size of the large pool once the peak of mapped bytes reaches `big_page_after`
+    /// (0 = never).
+    pub big_page: u64,
+    pub big_page_after: u64,
+    /// Small requests take free large-pool blocks before the small pool grows.
+    pub pack_small: bool,
     pub page_reuse: bool,
     pub page_release: bool,
     /// Free-block choice: exact best fit by (size, address) instead of the size-class head.
@@ -304,6 +334,9 @@ impl Default for Config {
             garbage_collection_threshold: 0.0,
             expandable_segments: false,
             large_page: 20 * MIB,
+            big_page: 0,
+            big_page_after: 4096 * MIB,
+            pack_small: false,
             page_reuse: false,
             page_release: false,
             exact_fit: false,
@@ -368,7 +401,19 @@ impl Config {
                 ),
             ));
         }
-        for (key, on) in [("page_reuse", self.page_reuse), ("page_release", self.page_release)] {
+        let big_ok = self.big_page % LARGE_PAGE_STEP == 0 && self.big_page <= MAX_LARGE_PAGE;
+        if !big_ok {
+            return Err(Error::config(
+                "big_page_mb",
+                format!("bad value `{}`: expected 0, or a multiple of 2 from 2 to 1024", self.big_page / MIB),
+            ));
+        }
+        for (key, on) in [
+            ("page_reuse", self.page_reuse),
+            ("page_release", self.page_release),
+            ("big_page_mb", self.big_page > 0),
+            ("pack_small", self.pack_small),
+        ] {
             if on && !self.expandable_segments {
                 return Err(Error::config(key, "works on expandable segments: add `expandable_segments:True`"));
             }
@@ -426,6 +471,11 @@ impl Config {
                 self.large_page = parse_u64(value).filter(|&mb| mb >= 2).ok_or_else(bad)?.saturating_mul(MIB);
             }
             "page_reuse" => self.page_reuse = parse_bool(value).ok_or_else(bad)?,
+            "pack_small" => self.pack_small = parse_bool(value).ok_or_else(bad)?,
+            "big_page_mb" => self.big_page = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?,
+            "big_page_after_mb" => {
+                self.big_page_after = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?
+            }
             "exact_fit" => self.exact_fit = parse_bool(value).ok_or_else(bad)?,
             "page_release" => self.page_release = parse_bool(value).ok_or_else(bad)?,
             "release_lock_on_cudamalloc"
@@ -798,6 +848,28 @@ mod tests {
         for bad in ["backend:sim\0garbage", "sim_capacity_mb:1\0", "max_split_size_mb\0:128"] {
             let e = Config::parse(bad).unwrap_err().to_string();
             assert!(e.contains("NUL character"), "{bad:?}: {e}");
+        }
+    }
+
+    #[test]
+    fn big_page_keys() {
+        let c = Config::parse(&format!("backend:sim,{RECOMMENDED}")).unwrap();
+        assert_eq!((c.large_page, c.big_page, c.big_page_after, c.pack_small), (2 * MIB, 16 * MIB, 4096 * MIB, true));
+        let d = Config::parse("expandable_segments:True,big_page_mb:0,big_page_after_mb:0").unwrap();
+        assert_eq!((d.big_page, d.big_page_after), (0, 0));
+        for (bad, expected) in [
+            ("big_page_mb:16", "expandable_segments:True"),
+            ("pack_small:True", "expandable_segments:True"),
+            ("expandable_segments:True,pack_small:yes", "bad value `yes`"),
+            ("expandable_segments:True,big_page_mb:3", "bad value `3`"),
+            ("expandable_segments:True,big_page_mb:2048", "bad value `2048`"),
+            ("expandable_segments:True,big_page_mb:-2", "bad value `-2`"),
+            ("expandable_segments:True,big_page_after_mb:18446744073709551615", "bad value"),
+        ] {
+            let e = Config::parse(bad).unwrap_err();
+            let key = ["big_page_after_mb", "pack_small", "big_page_mb"].into_iter().find(|k| bad.contains(k)).unwrap();
+            assert!(matches!(e, Error::Config { key: ref k, .. } if k == key), "{bad}: {e}");
+            assert!(e.to_string().contains(expected), "{bad}: {e}");
         }
     }
 

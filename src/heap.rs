@@ -4,7 +4,8 @@
 //!
 //! Policy (PyTorch's, unless noted):
 //! - requests are rounded (`sizeclass::round_size`); rounded sizes up to 1 MiB use the small
-//!   pool of 2 MiB segments, larger ones the large pool;
+//!   pool of 2 MiB segments, larger ones the large pool (stepalloc, `pack_small`: a small
+//!   request that finds no free small-pool block may take a free large-pool block first);
 //! - a free block is reused by its own stream; then (stepalloc) by any stream once every event
 //!   recorded at its free has completed; otherwise the heap grows;
 //! - a large block is split only when more than 1 MiB would remain, a small one when at least
@@ -178,7 +179,14 @@ impl Heap {
         };
         let rounded = sizeclass::round_size(size, &self.config);
         let small = sizeclass::is_small(rounded);
-        let id = match self.find_free(pool_index, small, stream, rounded) {
+        let mut found = self.find_free(pool_index, small, stream, rounded);
+        if found.is_none() && small && pool_index == 0 && self.config.pack_small {
+            // `pack_small`: free space in the large pool's mapped pages (the partly used pages
+            // at the ends of its free blocks, which page reuse cannot move) before a new
+            // small-pool page.
+            found = self.find_free(pool_index, false, stream, rounded);
+        }
+        let id = match found {
             Some(id) => {
                 self.stats.num_cache_hits += 1;
                 id

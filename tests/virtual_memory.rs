@@ -114,6 +114,89 @@ fn page_reuse_moves_idle_pages_instead_of_creating_memory() {
     }
 }
 
+/// `big_page_mb`: once the peak of mapped bytes reaches `big_page_after_mb`, the large pool
+/// grows in a segment of its own with the big pages; a big page needed while fine pages are
+/// idle gives as many fine bytes back, so mapped bytes still track live ones.
+#[test]
+fn big_pages_past_the_threshold_and_fine_idle_pages_given_back() {
+    let conf = "sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_reuse:True";
+    let a = sim(&format!("{conf},big_page_mb:16,big_page_after_mb:64"));
+    let x = a.malloc(0, 30 * MIB, S0).unwrap();
+    let y = a.malloc(0, 40 * MIB, S0).unwrap();
+    assert_eq!(y, x + 30 * MIB, "below the threshold when asked for: 2 MiB pages, same segment");
+    let s = stats(&a);
+    assert_eq!((s.heap.num_create, s.heap.reserved_bytes.all.current, s.heap.segment.all.current), (35, 70 * MIB, 1));
+    // The peak (70 MiB) has passed 64 MiB: 20 MiB takes two 16 MiB pages in a new segment.
+    let z = a.malloc(0, 20 * MIB, S0).unwrap();
+    let s = stats(&a);
+    assert_eq!((s.heap.num_create, s.heap.reserved_bytes.all.current, s.heap.segment.all.current), (37, 102 * MIB, 2));
+    assert_eq!(z % (16 * MIB), 0);
+    assert!(z < x || z >= x + 70 * MIB, "not in the fine segment");
+    // x's 15 fine pages go idle. 44 MiB fits neither x's hole nor z's free 12 MiB: it takes
+    // z's free 12 MiB and two more big pages; fine pages cannot be mapped there, so x's are
+    // released instead (all 30 MiB of them, short of the 32 MiB created).
+    a.free(0, x, 30 * MIB).unwrap();
+    let w = a.malloc(0, 44 * MIB, S0).unwrap();
+    assert_eq!(w, z + 20 * MIB);
+    a.check_invariants().unwrap();
+    let s = stats(&a);
+    assert_eq!((s.heap.num_create, s.heap.num_release_physical), (39, 15));
+    assert_eq!(s.heap.reserved_bytes.all.current, 104 * MIB, "mapped: y's 40 fine + 64 big");
+    let device_free = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap().0;
+    assert_eq!(s.device_total - device_free, 104 * MIB, "the device agrees");
+    for (ptr, size) in [(y, 40 * MIB), (z, 20 * MIB), (w, 44 * MIB)] {
+        a.free(0, ptr, size).unwrap();
+    }
+    a.empty_cache().unwrap();
+    let s = stats(&a);
+    assert_eq!((s.heap.reserved_bytes.all.current, s.heap.virtual_reserved_bytes), (0, 0));
+    assert_eq!(s.heap.num_release_physical, s.heap.num_create);
+}
+
+/// `pack_small`: a small request that finds no free small-pool block takes free space in the
+/// large pool's mapped pages before the small pool maps a page of its own.
+#[test]
+fn pack_small_fills_the_large_pools_pages_first() {
+    let conf = "sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2";
+    for pack in [false, true] {
+        let a = sim(&format!("{conf},pack_small:{}", if pack { "True" } else { "False" }));
+        // 3 MiB maps two 2 MiB pages: 1 MiB of the second stays free.
+        let x = a.malloc(0, 3 * MIB, S0).unwrap();
+        let t = a.malloc(0, 100 * 1024, S0).unwrap();
+        let u = a.malloc(0, 1000, S0).unwrap();
+        let s = stats(&a);
+        a.check_invariants().unwrap();
+        if pack {
+            assert_eq!((t, u), (x + 3 * MIB, x + 3 * MIB + 100 * 1024), "in the large pool's free page end");
+            assert_eq!(s.heap.reserved_bytes.all.current, 4 * MIB, "no small-pool page");
+            assert_eq!(s.heap.reserved_bytes.small_pool.current, 0);
+            assert_eq!(s.heap.allocated_bytes.large_pool.current, 3 * MIB + 100 * 1024 + 1024);
+        } else {
+            assert_eq!(s.heap.reserved_bytes.small_pool.current, 2 * MIB);
+            assert_eq!(s.heap.reserved_bytes.all.current, 6 * MIB);
+        }
+        for (ptr, size) in [(x, 3 * MIB), (t, 100 * 1024), (u, 1000)] {
+            a.free(0, ptr, size).unwrap();
+        }
+        a.check_invariants().unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(stats(&a).heap.reserved_bytes.all.current, 0);
+    }
+    // With a small-pool page already mapped and room in it, the small pool serves first.
+    let a = sim(&format!("{conf},pack_small:True"));
+    let x = a.malloc(0, 3 * MIB, S0).unwrap();
+    let big = a.malloc(0, MIB, S0).unwrap(); // fills x's page: the next small request maps a small page
+    let t = a.malloc(0, 4096, S0).unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.small_pool.current, 2 * MIB);
+    a.free(0, big, MIB).unwrap();
+    let u = a.malloc(0, 4096, S0).unwrap();
+    assert_eq!(u, t + 4096, "the small pool's free space before the large pool's");
+    for (ptr, size) in [(x, 3 * MIB), (t, 4096), (u, 4096)] {
+        a.free(0, ptr, size).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
 /// Free memory in holes that PyTorch can neither release (its segments are split, its pages
 /// half used) nor reuse (no hole is large enough): both PyTorch configurations run out of
 /// memory; stepalloc's recommended one moves the holes' pages and serves the request.

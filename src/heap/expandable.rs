@@ -15,6 +15,10 @@
 //! - `reserved_bytes` counts mapped bytes, `num_device_alloc` counts map operations.
 //!
 //! stepalloc's additions, each behind its own key:
+//! - `big_page_mb`: past `big_page_after_mb` of peak mapped bytes, the large pool grows in
+//!   new segments with bigger pages (one growing segment per stream, pool and page size);
+//! - `pack_small` (in `Heap::malloc`): a small request that finds no free small-pool block
+//!   takes a free large-pool block before the small pool maps a page;
 //! - `page_reuse`: before creating physical memory for new pages, idle whole pages inside free
 //!   blocks elsewhere (any stream's segment with the same page size) are unmapped and mapped
 //!   where the request needs them, so mapped bytes track live bytes;
@@ -50,7 +54,14 @@ impl Heap {
     /// virtual memory management or its granularity does not divide the page sizes.
     pub(super) fn check_virtual_memory(&mut self) {
         let why = match self.backend.vm_granularity() {
-            Ok(g) if g > 0 && SMALL_SEGMENT % g == 0 && self.config.large_page % g == 0 => return,
+            Ok(g)
+                if g > 0
+                    && SMALL_SEGMENT % g == 0
+                    && self.config.large_page % g == 0
+                    && self.config.big_page % g == 0 =>
+            {
+                return
+            }
             Ok(g) => format!("its granularity ({g} bytes) does not divide the page sizes"),
             Err(e) => e.to_string(),
         };
@@ -64,10 +75,15 @@ impl Heap {
         self.config.page_release = false;
     }
 
-    /// The page size of the pool's expandable segments.
+    /// The page size of the pool's expandable segments that grow now: the large pool's turns
+    /// to `big_page` once the peak of mapped bytes has reached `big_page_after` (a large heap
+    /// then needs fewer driver calls per byte; a small one keeps fine pages, whose partly used
+    /// ends waste less). Segments keep the page size they were created with.
     fn page_size(&self, small: bool) -> u64 {
         if small {
             SMALL_SEGMENT
+        } else if self.config.big_page > 0 && self.stats.reserved_bytes.all.peak >= self.config.big_page_after {
+            self.config.big_page
         } else {
             self.config.large_page
         }
@@ -110,6 +126,12 @@ impl Heap {
             let (needed, chain) = self.pages_to_map(head, rounded, page);
             if needed > 0 {
                 self.take_idle_pages(needed, page, &chain)?;
+                // Big pages cannot take finer idle ones: those are given back instead, as much
+                // as the new big pages add, so that mapped bytes keep tracking live bytes.
+                let short = needed.saturating_sub(self.idle_pages.len() as u64);
+                if short > 0 && self.config.big_page > 0 {
+                    self.release_finer_pages(short.saturating_mul(page), page, &chain)?;
+                }
                 // Taking pages reshapes blocks: look for the place again.
                 match self.find_expandable(small, stream, rounded, page)? {
                     Some(h) => head = h,
@@ -134,7 +156,7 @@ impl Heap {
             .live_segment_ids()
             .filter(|&s| {
                 let seg = self.arena.segment(s);
-                seg.expandable() && seg.small == small && seg.pool == 0 && seg.stream == stream
+                seg.expandable() && seg.small == small && seg.pool == 0 && seg.stream == stream && seg.page == page
             })
             .map(|s| (self.arena.segment(s).addr, s))
             .collect();
@@ -395,6 +417,34 @@ impl Heap {
             // The top pages of the block: its start stays mapped for requests that fit there.
             self.unmap_range(id, hi - take * page, hi, Unmapped::Keep, &mut synced)?;
         }
+        Ok(())
+    }
+
+    /// `page_reuse` with `big_page_mb`: unmaps and releases up to `bytes` of whole idle pages
+    /// finer than `page` from free blocks outside `exclude`, largest blocks first.
+    fn release_finer_pages(&mut self, bytes: u64, page: u64, exclude: &[BlockId]) -> Result<()> {
+        let mut sources: Vec<(u64, BlockId)> = Vec::new();
+        for list in &self.lists {
+            if list.key.pool == 0 {
+                list.collect_at_least(&self.arena.blocks, SMALL_SEGMENT, &mut sources);
+            }
+        }
+        sources
+            .retain(|&(_, id)| !exclude.contains(&id) && self.arena.segment(self.arena.block(id).segment).page < page);
+        sources.sort_unstable_by(|a, b| b.cmp(a));
+        let (mut released, mut synced) = (0u64, Vec::new());
+        for &(_, id) in sources.iter().take(MAX_REUSE_SOURCES) {
+            if released >= bytes {
+                break;
+            }
+            let Some((lo, hi)) = self.whole_pages(id) else { continue };
+            let fine = self.arena.segment(self.arena.block(id).segment).page;
+            let take = (hi - lo).min((bytes - released).div_ceil(fine) * fine);
+            self.unmap_range(id, hi - take, hi, Unmapped::Release(ReleaseReason::Limit), &mut synced)?;
+            released += take;
+        }
+        // Ranges left empty stay reserved (the request's own new segment may be one) until
+        // `empty_cache` or the out-of-memory path frees them.
         Ok(())
     }
 

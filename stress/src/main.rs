@@ -134,7 +134,11 @@ fn run(cli: Cli) -> Result<i32, String> {
     // configuration); a trace is read once.
     let (input, workload, defaults) = match command {
         Command::Agent(args) => {
-            let spec = args.spec()?;
+            let mut spec = args.spec()?;
+            // The step-time model follows the simulated device unless --gpu says otherwise.
+            if g.h200 && args.gpu.is_none() {
+                spec.gpu = agent::Gpu::H200;
+            }
             let name = agent::stream_name(&spec);
             (Input::Agent(spec), name, compare::DEFAULT_AGENT)
         }

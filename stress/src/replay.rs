@@ -54,6 +54,11 @@ pub trait OpSource {
     fn len_hint(&self) -> u64;
     /// Devices the events use.
     fn devices(&self) -> u16;
+    /// Modelled compute time of each step generated so far, in order (empty: not modelled,
+    /// as for traces).
+    fn step_compute_s(&self) -> &[f64] {
+        &[]
+    }
 }
 
 /// A whole program as one chunk.
@@ -146,7 +151,8 @@ pub fn run_source(
         return Err(format!("allocator invariants broken after `{}`: {e}", rc.name));
     }
     let live: Vec<(u16, u64)> = runner.live.iter().flatten().map(|l| (l.device, l.ptr)).collect();
-    let report = runner.finish(rc, ops, wall);
+    let mut report = runner.finish(rc, ops, wall);
+    report.set_step_compute(source.step_compute_s());
     // Give the memory back before the next configuration runs: on a GPU every run of the
     // comparison shares the one device (the allocator itself never releases at drop).
     for (device, addr) in live {

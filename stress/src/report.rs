@@ -40,6 +40,9 @@ pub struct StepReport {
     pub driver_maps: Option<u64>,
     pub driver_unmaps: Option<u64>,
     pub driver_creates: Option<u64>,
+    /// The step's modelled GPU compute time (generated workloads only; see
+    /// `workload::agent::time`).
+    pub modelled_compute_s: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -81,6 +84,12 @@ pub struct RunReport {
     /// (the whole run when it has no steps).
     pub driver_time_s: f64,
     pub driver_time_per_step_s: f64,
+    /// Modelled GPU compute time of the steps run, summed (generated workloads only).
+    pub modelled_step_time_s: Option<f64>,
+    /// `driver_time_s` over `modelled_step_time_s` (issue 9's target: at most 1%). The driver
+    /// time of the whole run (the weights' before the first step too) over the compute of its
+    /// steps, the driver's own time not added to them: an upper bound of its share.
+    pub driver_share_of_step: Option<f64>,
     pub alloc_retries: u64,
     pub ooms: u64,
     /// Frees skipped because their allocation had failed (OOM) or was never made.
@@ -156,6 +165,23 @@ pub struct PeakExplanation {
     pub whole_free_bytes: u64,
     /// The most common sizes of whole free segments: (size in bytes, count), largest total first.
     pub whole_free_by_size: Vec<(u64, u64)>,
+}
+
+impl RunReport {
+    /// Sets the modelled compute time of the steps run from `per_step` (one entry per step
+    /// generated, in order; extra entries of steps not run are ignored) and the driver's share
+    /// of it. Nothing when the workload has no time model.
+    pub fn set_step_compute(&mut self, per_step: &[f64]) {
+        if per_step.is_empty() {
+            return;
+        }
+        for (step, &t) in self.steps.iter_mut().zip(per_step) {
+            step.modelled_compute_s = Some(t);
+        }
+        let total: f64 = per_step.iter().take(self.steps.len()).sum();
+        self.modelled_step_time_s = Some(total);
+        self.driver_share_of_step = (total > 0.0).then(|| self.driver_time_s / total);
+    }
 }
 
 impl PeakExplanation {
@@ -305,6 +331,9 @@ pub fn table(report: &Report) -> String {
         }),
         ("moved bytes, GiB", |r| r.moved_bytes.map_or("-".into(), gib)),
         ("driver time per step, ms", |r| format!("{:.2}", r.driver_time_per_step_s * 1e3)),
+        ("driver % of step (modelled compute)", |r| {
+            r.driver_share_of_step.map_or("-".into(), |x| format!("{:.2}%", x * 100.0))
+        }),
         ("alloc retries (OOM path ran)", |r| r.alloc_retries.to_string()),
         ("OOMs", |r| r.ooms.to_string()),
         ("steps", |r| r.steps_count.to_string()),

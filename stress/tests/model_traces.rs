@@ -99,11 +99,12 @@ fn stepalloc_beats_expandable_segments_on_model_traces() {
             assert_eq!((run.ooms, run.errors), (0, 0), "{name} {}", run.name);
             assert_eq!(run.floor, pytorch.floor, "{name} {}", run.name);
         }
-        // Issue 9's target is 1.01x; measured 1.012x / 1.010x / 1.009x (README): the SFT
-        // trace misses it by 0.2% (pages shared by live and free blocks), so the bound here is
-        // the measured figure with a small margin, to catch a regression.
+        // Issue 9's target is 1.01x; measured 1.0117x / 1.0095x / 1.0070x (README): the SFT
+        // trace misses it by 0.17% (free space in partly used pages at the ends of its mapped
+        // runs), so its bound is the measured figure with a small margin, to catch a regression.
+        let bound = if *name == "model_llama_sft.jsonl" { 1.0125 } else { 1.01 };
         assert!(
-            stepalloc.peak_reserved as f64 <= 1.0125 * stepalloc.floor as f64,
+            stepalloc.peak_reserved as f64 <= bound * stepalloc.floor as f64,
             "{name}: stepalloc {:.4}x the floor",
             stepalloc.reserved_over_floor
         );

@@ -8,7 +8,7 @@ use stepalloc_stress::ops::{Op, Program};
 use stepalloc_stress::replay::{self, RunConfig};
 use stepalloc_stress::report::{self, Report};
 use stepalloc_stress::trace;
-use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, Preset};
+use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, AgentStream, Gpu, Preset};
 use stepalloc_stress::workload::random::{self, RandomArgs, SizeDist};
 
 const GIB: u64 = 1 << 30;
@@ -292,15 +292,23 @@ fn driver_time_per_step_is_the_runs_time_over_its_steps() {
     assert!(json["runs"][0].get("driver_maps").is_some(), "present (null without virtual memory)");
 }
 
+/// The agent workload as the command line runs it (generated as it runs, step times modelled).
+fn run_stream(spec: &AgentSpec, names: &[&str]) -> Vec<report::RunReport> {
+    accepted(names, &base(81920))
+        .iter()
+        .map(|rc| replay::run_source(&mut AgentStream::new(spec).unwrap(), rc, None, None).unwrap())
+        .collect()
+}
+
 /// Issue 9's targets on the agent presets: stepalloc's peak reserved (= mapped) at most 3% above
-/// the floor and strictly below PyTorch's expandable segments, without out-of-memory.
+/// the floor and strictly below PyTorch's expandable segments, without out-of-memory, with its
+/// modelled driver time at most 1% of the modelled compute time of the steps (measured 0.28% on
+/// `vlm-7b`, 0.96% on `llm-7b-sft`; 2.21% and 4.73% with 2 MiB pages throughout, before
+/// `big_page_mb`). PyTorch's expandable segments stay under 1% too.
 #[test]
 fn stepalloc_beats_expandable_segments_on_agent_presets() {
     for preset in [Preset::Vlm7b, Preset::Llm7bSft] {
-        let p = agent::generate(&AgentSpec::preset(preset)).unwrap();
-        let names: Vec<String> = ["pytorch_expandable", "stepalloc"].iter().map(|s| s.to_string()).collect();
-        let configs = compare::resolve(&names, &base(81920)).unwrap();
-        let runs: Vec<_> = configs.iter().map(|rc| replay::run(&p, rc, None, None).unwrap()).collect();
+        let runs = run_stream(&AgentSpec::preset(preset), &["pytorch_expandable", "stepalloc"]);
         let (expandable, stepalloc) = (&runs[0], &runs[1]);
         for run in &runs {
             assert_eq!((run.ooms, run.errors), (0, 0), "{preset:?} {}", run.name);
@@ -312,5 +320,83 @@ fn stepalloc_beats_expandable_segments_on_agent_presets() {
             stepalloc.peak_reserved,
             expandable.peak_reserved
         );
+        let share = |r: &report::RunReport| r.driver_share_of_step.unwrap();
+        println!(
+            "{preset:?}: driver % of step: expandable {:.3}%, stepalloc {:.3}%",
+            share(expandable) * 100.0,
+            share(stepalloc) * 100.0
+        );
+        assert!(share(expandable) <= 0.01, "{preset:?}: expandable {}", share(expandable));
+        assert!(share(stepalloc) <= 0.01, "{preset:?}: stepalloc {}", share(stepalloc));
     }
+}
+
+/// Every step of a generated run carries its modelled compute time; the run's driver share is
+/// its driver time over their sum, the same compute for every configuration; a trace has none.
+#[test]
+fn agent_steps_carry_their_modelled_compute_time() {
+    let spec = small_vlm(1);
+    let runs = run_stream(&spec, &["pytorch", "stepalloc"]);
+    for run in &runs {
+        assert_eq!(run.steps.len(), 4, "{}", run.name);
+        let per_step: Vec<f64> = run.steps.iter().map(|s| s.modelled_compute_s.unwrap()).collect();
+        // A 7B rollout decodes hundreds of tokens at milliseconds each; training is seconds.
+        assert!(per_step.iter().all(|&t| (0.5..100.0).contains(&t)), "{}: {per_step:?}", run.name);
+        let total: f64 = per_step.iter().sum();
+        assert_eq!(run.modelled_step_time_s, Some(total), "{}", run.name);
+        assert_eq!(run.driver_share_of_step, Some(run.driver_time_s / total), "{}", run.name);
+    }
+    assert_eq!(runs[0].modelled_step_time_s, runs[1].modelled_step_time_s, "compute does not depend on the allocator");
+    let r = Report { workload: "test".into(), source: Default::default(), parse_s: 0.0, runs };
+    let table = report::table(&r);
+    let row = table.lines().find(|l| l.contains("driver % of step")).unwrap();
+    assert!(row.contains('%') && !row.contains(" - "), "{row}");
+    assert!(r.to_json(false, false)["runs"][1]["driver_share_of_step"].as_f64().unwrap() > 0.0);
+    // A whole program (a trace) has no time model: no figure, `-` in the table.
+    let traced = run_all(&agent::generate(&spec).unwrap(), &["pytorch"], 81920);
+    assert_eq!((traced.runs[0].modelled_step_time_s, traced.runs[0].driver_share_of_step), (None, None));
+    assert!(traced.runs[0].steps.iter().all(|s| s.modelled_compute_s.is_none()));
+    let row = report::table(&traced).lines().find(|l| l.contains("driver % of step")).unwrap().to_string();
+    assert!(row.trim_end_matches(['│', ' ']).ends_with('-'), "{row}");
+}
+
+/// The GPU of the time model changes no event; on an H200 (4.8 TB/s) decoding is faster than
+/// on an H100 (3.35 TB/s) and compute-bound training is not slower.
+#[test]
+fn step_time_model_follows_the_gpu() {
+    let h100 = AgentSpec { iterations: 1, ..AgentSpec::preset(Preset::Vlm7b) };
+    let h200 = AgentSpec { gpu: Gpu::H200, ..h100.clone() };
+    assert_eq!(agent::generate(&h100).unwrap().ops, agent::generate(&h200).unwrap().ops);
+    let times = |spec: &AgentSpec| {
+        let run = &run_stream(spec, &["pytorch"])[0];
+        run.steps.iter().map(|s| (s.phase.clone(), s.modelled_compute_s.unwrap())).collect::<Vec<_>>()
+    };
+    let (a, b) = (times(&h100), times(&h200));
+    assert_eq!(a.len(), 2);
+    for ((phase, ta), (_, tb)) in a.iter().zip(&b) {
+        match phase.as_str() {
+            "rollout" => assert!(tb < ta, "rollout: {tb} on H200 vs {ta} on H100"),
+            _ => assert!(tb <= ta, "{phase}: {tb} vs {ta}"),
+        }
+    }
+    // The command line picks the H200 with --h200 unless --gpu says otherwise.
+    let args = AgentArgs { gpu: Some(Gpu::H200), ..Default::default() };
+    assert_eq!(args.spec().unwrap().gpu, Gpu::H200);
+    assert_eq!(AgentArgs::default().spec().unwrap().gpu, Gpu::H100);
+    let modelled = |flags: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_stepalloc-stress"))
+            .args(flags)
+            .args(["--json", "--compare", "pytorch"])
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{flags:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["runs"][0]["modelled_step_time_s"].as_f64().unwrap()
+    };
+    let one = ["agent", "--iterations", "1"];
+    let h100 = modelled(&one);
+    let h200 = modelled(&[&["--h200"][..], &one].concat());
+    assert!(h200 < h100, "{h200} vs {h100}");
+    assert_eq!(modelled(&[&["--h200"][..], &one, &["--gpu", "h100"]].concat()), h100);
+    assert_eq!(modelled(&[&one[..], &["--gpu", "h200"]].concat()), h200);
 }

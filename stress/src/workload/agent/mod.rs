@@ -20,10 +20,14 @@
 //!
 //! Several devices (`--devices N`): N data-parallel ranks in lockstep, rank r with seed
 //! `seed + r` on device r (`AgentStream`); each device sees exactly its rank's events alone.
+//! Each step's GPU compute time is modelled from the same shapes as it is generated (`time`):
+//! `AgentStream::step_compute_s` hands it to the runner, which sets the driver's time against it.
 
 mod spec;
+pub mod time;
 
 pub use spec::{AgentArgs, AgentSpec, Optimizer, Preset};
+pub use time::Gpu;
 
 use super::lognormal;
 use crate::ops::{Op, Program, ProgramBuilder, SourceNotes};
@@ -121,6 +125,9 @@ pub struct AgentStream<'a> {
     chunk: Vec<Op>,
     /// The merged stream's phases (several ranks; one rank hands out its builder's).
     phases: Vec<String>,
+    /// Several ranks: each step's modelled compute time, the slowest rank's (data-parallel
+    /// ranks wait for each other at every step); one rank hands out its own clock's.
+    step_compute: Vec<f64>,
     len_hint: u64,
 }
 
@@ -141,6 +148,7 @@ impl<'a> AgentStream<'a> {
             ready: std::collections::VecDeque::new(),
             chunk: Vec::new(),
             phases: Vec::new(),
+            step_compute: Vec::new(),
             len_hint: 0,
         };
         let mut weights = Vec::with_capacity(devices as usize);
@@ -179,6 +187,14 @@ impl<'a> AgentStream<'a> {
             }
             chunks.push(g.b.take_ops());
         }
+        if self.ranks.len() > 1 {
+            // The steps this iteration added, each the slowest rank's (ranks run in lockstep).
+            let steps = self.ranks.iter().map(|g| g.clock.steps.len()).max().unwrap_or(0);
+            for k in self.step_compute.len()..steps {
+                let slowest = self.ranks.iter().filter_map(|g| g.clock.steps.get(k)).fold(0.0, |a: f64, &b| a.max(b));
+                self.step_compute.push(slowest);
+            }
+        }
         self.merge(chunks)
     }
 
@@ -214,6 +230,14 @@ impl OpSource for AgentStream<'_> {
 
     fn devices(&self) -> u16 {
         self.ranks.len() as u16
+    }
+
+    fn step_compute_s(&self) -> &[f64] {
+        if self.ranks.len() == 1 {
+            &self.ranks[0].clock.steps
+        } else {
+            &self.step_compute
+        }
     }
 }
 
@@ -320,6 +344,9 @@ struct Gen<'a> {
     trainables: Vec<Trainable>,
     /// Adam moments, created at the first optimizer step and kept.
     optimizer_state: Vec<u32>,
+    /// Modelled compute time of the steps (`time`).
+    clock: time::StepClock,
+    shapes: time::Shapes,
 }
 
 impl<'a> Gen<'a> {
@@ -336,7 +363,36 @@ impl<'a> Gen<'a> {
             rng: XorShiftRng::seed_from_u64(s.seed.wrapping_add(u64::from(rank))),
             trainables: Vec::new(),
             optimizer_state: Vec::new(),
+            clock: time::StepClock::new(s.gpu),
+            shapes: time::Shapes::of(s),
         }
+    }
+
+    /// Closes a step of the program and of the step clock.
+    fn end_step(&mut self) {
+        self.b.step_end();
+        self.clock.end_step();
+    }
+
+    /// Charges a training or no-grad pass of the decoder over `seqs` (sequence lengths): the
+    /// layers below the first trained one forward only, the trained ones forward and
+    /// `backward` (a multiple of their forward, 0 without grad), the LM head over every token
+    /// forward and, with a backward, its input gradient.
+    fn charge_decoder(&mut self, seqs: impl Iterator<Item = u64> + Clone, backward: f64) {
+        let sh = &self.shapes;
+        let layers = self.s.layers as f64;
+        let frozen = if backward > 0.0 { self.first_trainable_layer() as f64 } else { layers };
+        let mut flops = 0.0;
+        for len in seqs.clone() {
+            let len = len as f64;
+            flops += sh.decoder_forward(1.0, len, 0.0, frozen)
+                + (1.0 + backward) * sh.decoder_forward(1.0, len, 0.0, layers - frozen);
+        }
+        let tokens: f64 = seqs.map(|l| l as f64).sum();
+        let head = if backward > 0.0 { 2.0 } else { 1.0 };
+        flops += head * sh.head_forward(tokens);
+        let bytes = (1.0 + backward) * sh.weight_bytes();
+        self.clock.pass(flops, bytes);
     }
 
     fn alloc(&mut self, bytes: u64) -> u32 {
@@ -463,6 +519,8 @@ impl<'a> Gen<'a> {
     fn vision_forward_nograd(&mut self, n: u64) -> u32 {
         let s = self.s;
         let e = s.dtype_bytes;
+        let (flops, bytes) = self.shapes.vision_forward(n as f64);
+        self.clock.pass(flops, bytes);
         let side = (n as f64).sqrt() as u64 * s.patch;
         // Pixels arrive on the copy stream and are handed to the compute stream.
         let pixels = self.b.alloc(3 * side * side * e, COPY, self.device);
@@ -500,6 +558,9 @@ impl<'a> Gen<'a> {
     fn vision_forward_train(&mut self, n: u64, saved: &mut Vec<(u32, u64)>) -> u32 {
         let s = self.s;
         let (vh, vi, e) = (s.vision_hidden, s.vision_intermediate, s.dtype_bytes);
+        // Forward, then (in `micro_batch`'s backward) activation and weight gradients: 3x.
+        let (flops, bytes) = self.shapes.vision_forward(n as f64);
+        self.clock.pass(3.0 * flops, 3.0 * bytes);
         let side = (n as f64).sqrt() as u64 * s.patch;
         let pixels = self.b.alloc(3 * side * side * e, COPY, self.device);
         self.b.record_stream(pixels, COMPUTE);
@@ -659,10 +720,12 @@ impl<'a> Gen<'a> {
         (norm, logits32)
     }
 
-    /// Forward without grad over `t` tokens with the output logits freed at once (log-probs,
-    /// evaluation).
-    fn forward_nograd(&mut self, t: u64) {
+    /// Forward without grad over sequences of the lengths `seqs` (`t` tokens in all) with the
+    /// output logits freed at once (log-probs, evaluation).
+    fn forward_nograd(&mut self, seqs: &[u64]) {
         let s = self.s;
+        let t = seqs.iter().sum();
+        self.charge_decoder(seqs.iter().copied(), 0.0);
         let mut x = self.alloc(t * s.hidden * s.dtype_bytes);
         for _ in 0..s.layers {
             x = self.layer_nograd(t, x);
@@ -674,10 +737,14 @@ impl<'a> Gen<'a> {
         self.free(logp);
     }
 
-    /// One micro-batch of `t` tokens (with `images` image token counts) forward and backward.
-    fn micro_batch(&mut self, t: u64, images: &[u64], grads: &mut Vec<u32>) {
+    /// One micro-batch of sequences of the lengths `seqs` (`t` tokens in all; with `images`
+    /// image token counts) forward and backward.
+    fn micro_batch(&mut self, seqs: &[u64], images: &[u64], grads: &mut Vec<u32>) {
         let s = self.s;
         let e = s.dtype_bytes;
+        let t = seqs.iter().sum();
+        let backward = time::backward_factor(s.optimizer, s.grad_checkpointing);
+        self.charge_decoder(seqs.iter().copied(), backward);
         // Vision: frozen encoders run without grad; trained ones keep activations.
         let mut vision_saved = Vec::new();
         let mut image_embeds = Vec::new();
@@ -734,6 +801,9 @@ impl<'a> Gen<'a> {
     /// Adam: moments created at the first step and kept; a temporary per tensor; then the
     /// gradients are dropped (`zero_grad(set_to_none=True)`).
     fn optimizer_step(&mut self, grads: Vec<u32>) {
+        let bytes: f64 =
+            self.trainables.iter().map(|t| t.elements as f64 * time::adam_bytes_per_element(t.grad_bytes)).sum();
+        self.clock.pass(0.0, bytes);
         if self.optimizer_state.is_empty() {
             for k in 0..self.trainables.len() {
                 let n = self.trainables[k].elements;
@@ -810,6 +880,13 @@ impl<'a> Gen<'a> {
                 self.free(id);
             }
             self.ensure_kv(&mut kv, &mut cap, len + padded);
+            // Prefill: every layer over the new tokens after the cached ones; logits of the
+            // last token only.
+            let sh = &self.shapes;
+            let flops =
+                sh.decoder_forward(b as f64, padded as f64, len as f64, s.layers as f64) + sh.head_forward(b as f64);
+            let bytes = sh.decode_bytes(b as f64, (len + padded) as f64);
+            self.clock.pass(flops, bytes);
             for _ in 0..s.layers {
                 x = self.layer_nograd(t, x);
             }
@@ -829,6 +906,10 @@ impl<'a> Gen<'a> {
                     break; // the program is over its bounds: generate reports it
                 }
                 self.ensure_kv(&mut kv, &mut cap, len + 1);
+                let context = (len + 1) as f64;
+                let (flops, bytes) =
+                    (self.shapes.decode_flops(b as f64, context), self.shapes.decode_bytes(b as f64, context));
+                self.clock.pass(flops, bytes);
                 for _ in 0..s.layers {
                     x = self.layer_nograd(b, x);
                 }
@@ -845,7 +926,7 @@ impl<'a> Gen<'a> {
         for id in kv {
             self.free(id);
         }
-        self.b.step_end();
+        self.end_step();
         seqs
     }
 
@@ -856,50 +937,53 @@ impl<'a> Gen<'a> {
         let groups = split(seqs, s.micro_batches as usize);
         // Log-probs of the behaviour policy: no grad.
         for g in &groups {
-            let t: u64 = g.iter().map(|q| q.tokens).sum();
+            let lens: Vec<u64> = g.iter().map(|q| q.tokens).collect();
             for &n in g.iter().flat_map(|q| q.images.iter()) {
                 let id = self.vision_forward_nograd(n);
                 self.free(id);
             }
-            self.forward_nograd(t);
+            self.forward_nograd(&lens);
         }
         let mut grads = Vec::new();
         for g in &groups {
-            let t: u64 = g.iter().map(|q| q.tokens).sum();
+            let lens: Vec<u64> = g.iter().map(|q| q.tokens).collect();
             let images: Vec<u64> = g.iter().flat_map(|q| q.images.iter().copied()).collect();
-            self.micro_batch(t, &images, &mut grads);
+            self.micro_batch(&lens, &images, &mut grads);
         }
         self.optimizer_step(grads);
-        self.b.step_end();
+        self.end_step();
     }
 
-    fn sft_batch_tokens(&mut self) -> u64 {
+    /// A padded SFT batch: `sft_batch` sequences of the longest drawn length each.
+    fn sft_batch_lens(&mut self) -> Vec<u64> {
         let s = self.s;
         let longest = (0..s.sft_batch)
             .map(|_| lognormal(&mut self.rng, s.prompt_median as f64, 0.9, 16, s.prompt_max))
             .max()
             .unwrap_or(1);
-        s.sft_batch * longest
+        vec![longest; s.sft_batch as usize]
     }
 
     fn train_step_sft(&mut self) {
         self.b.step_begin("train");
         let mut grads = Vec::new();
         for _ in 0..self.s.micro_batches {
-            let t = self.sft_batch_tokens();
-            self.micro_batch(t, &[], &mut grads);
+            let lens = self.sft_batch_lens();
+            self.micro_batch(&lens, &[], &mut grads);
         }
         self.optimizer_step(grads);
-        self.b.step_end();
+        self.end_step();
     }
 
     fn eval_step(&mut self) {
         self.b.step_begin("eval");
         for _ in 0..2 * self.s.micro_batches {
-            let t = 2 * self.sft_batch_tokens();
-            self.forward_nograd(t);
+            // Twice the training batch: twice as many sequences.
+            let mut lens = self.sft_batch_lens();
+            lens.extend_from_slice(&lens.clone());
+            self.forward_nograd(&lens);
         }
-        self.b.step_end();
+        self.end_step();
     }
 }
 

@@ -72,6 +72,8 @@ pub struct AgentSpec {
     pub optimizer: Optimizer,
     pub lora_rank: u64,
     pub trainable_layers: u64,
+    /// The GPU of the step-time model (`time`); it changes no event.
+    pub gpu: super::Gpu,
 }
 
 impl AgentSpec {
@@ -114,6 +116,7 @@ impl AgentSpec {
             optimizer: Optimizer::Lora,
             lora_rank: 64,
             trainable_layers: 8,
+            gpu: super::Gpu::H100,
         };
         match p {
             Preset::Vlm7b => vlm,
@@ -307,6 +310,9 @@ pub struct AgentArgs {
     /// `partial` optimizer: how many of the last decoder layers are trained.
     #[arg(long)]
     pub trainable_layers: Option<u64>,
+    /// GPU whose published throughput models the step time (default: h100, h200 with --h200).
+    #[arg(long, value_enum)]
+    pub gpu: Option<super::Gpu>,
 }
 
 impl AgentArgs {
@@ -351,7 +357,8 @@ impl AgentArgs {
             grad_checkpointing,
             optimizer,
             lora_rank,
-            trainable_layers
+            trainable_layers,
+            gpu
         );
         s.validate()?;
         Ok(s)
