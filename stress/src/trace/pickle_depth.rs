@@ -9,6 +9,11 @@
 //! replaces by `None`, are cut). Opcodes the scan does not know, and malformed or truncated
 //! input, end the scan: the reader reports those itself, and the depth of what was built so far
 //! is still checked.
+//!
+//! The same graph gives the pickle's size once the reader has copied every shared value (it
+//! copies what DUP and memo references share): a few bytes of DUP over a shared container can
+//! stand for billions of values. `shape` reports it, so that such a pickle is refused before
+//! the reader runs out of memory.
 
 use std::collections::HashMap;
 
@@ -27,12 +32,15 @@ struct Scan {
     nodes: u32,
     /// (parent, child) for every container held by a container.
     edges: Vec<(u32, u32)>,
+    /// By node: the scalars it holds (each copy of the node copies them too).
+    scalars: Vec<u64>,
 }
 
 impl Scan {
     fn node(&mut self) -> Option<u32> {
         let id = self.nodes;
         self.nodes = self.nodes.checked_add(1)?;
+        self.scalars.push(0);
         Some(id)
     }
 
@@ -50,8 +58,9 @@ impl Scan {
 
     fn link(&mut self, parent: u32, children: &[Item]) {
         for c in children {
-            if let Item::Node(c) = c {
-                self.edges.push((parent, *c));
+            match c {
+                Item::Node(c) => self.edges.push((parent, *c)),
+                Item::Scalar => self.scalars[parent as usize] += 1,
             }
         }
     }
@@ -243,16 +252,28 @@ fn counted_fixed(data: &[u8], pos: &mut usize, n: usize) -> Option<()> {
     take(data, pos, n).map(|_| ())
 }
 
-/// The deepest nesting of containers in the pickle `data` (0: no container), counting at most
-/// to `limit + 1`: the result is exact up to `limit`, and above it when deeper.
-pub fn depth(data: &[u8], limit: u32) -> u32 {
-    let mut s = Scan::default();
-    let _ = walk(data, &mut s);
-    longest_path(s.nodes as usize, &mut s.edges, limit)
+/// What reading a pickle would build: its deepest nesting of containers (0: none) and its size.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Shape {
+    /// The deepest nesting of containers, exact up to the limit given, `limit + 1` above.
+    pub depth: u32,
+    /// Containers and the scalars in them once every shared container is copied where it is
+    /// used (saturating; cycles cut), as a reader that copies shared values builds them; 0
+    /// when `depth` is over the limit (the pickle is refused for that).
+    pub expanded: u64,
 }
 
-/// The number of nodes on the longest path of the graph, cycles cut, capped at `limit + 1`.
-fn longest_path(nodes: usize, edges: &mut [(u32, u32)], limit: u32) -> u32 {
+/// The depth (counted to `limit + 1`) and expanded size of the pickle `data`.
+pub fn shape(data: &[u8], limit: u32) -> Shape {
+    let mut s = Scan::default();
+    let _ = walk(data, &mut s);
+    longest_path(s.nodes as usize, &mut s.edges, &s.scalars, limit)
+}
+
+/// The number of nodes on the longest path of the graph, cycles cut, capped at `limit + 1`,
+/// and the size of the roots' trees with shared nodes copied (`Shape::expanded`; 0 when the
+/// depth is over the limit, where the search stops).
+fn longest_path(nodes: usize, edges: &mut [(u32, u32)], scalars: &[u64], limit: u32) -> Shape {
     edges.sort_unstable();
     // Adjacency in compressed form: children of n are edges[start[n]..start[n + 1]].
     let mut start = vec![0usize; nodes + 1];
@@ -267,7 +288,11 @@ fn longest_path(nodes: usize, edges: &mut [(u32, u32)], limit: u32) -> u32 {
     const DONE: u8 = 2;
     let mut state = vec![NEW; nodes];
     let mut depth = vec![1u32; nodes];
+    // By node: its tree's size with shared nodes copied (itself, its scalars, its children's).
+    let mut size: Vec<u64> = (0..nodes).map(|n| scalars.get(n).copied().unwrap_or(0).saturating_add(1)).collect();
     let mut deepest = 0;
+    let mut expanded = 0u64;
+    let over = Shape { depth: limit + 1, expanded: 0 };
     // The path from the root being searched: (node, index of its next edge).
     let mut path: Vec<(usize, usize)> = Vec::new();
     for root in 0..nodes {
@@ -278,7 +303,7 @@ fn longest_path(nodes: usize, edges: &mut [(u32, u32)], limit: u32) -> u32 {
         path.push((root, start[root]));
         while let Some(&(n, next)) = path.last() {
             if path.len() > limit as usize {
-                return limit + 1;
+                return over;
             }
             if next < start[n + 1] {
                 if let Some(top) = path.last_mut() {
@@ -290,23 +315,37 @@ fn longest_path(nodes: usize, edges: &mut [(u32, u32)], limit: u32) -> u32 {
                         state[child] = OPEN;
                         path.push((child, start[child]));
                     }
-                    DONE => depth[n] = depth[n].max(depth[child] + 1),
-                    _ => {} // a cycle: cut, as the reader does
+                    DONE => {
+                        depth[n] = depth[n].max(depth[child] + 1);
+                        size[n] = size[n].saturating_add(size[child]);
+                    }
+                    // A cycle: cut, as the reader does (it leaves a None there).
+                    _ => size[n] = size[n].saturating_add(1),
                 }
             } else {
                 state[n] = DONE;
                 path.pop();
                 if depth[n] > limit {
-                    return limit + 1;
+                    return over;
                 }
                 if let Some(&(parent, _)) = path.last() {
                     depth[parent] = depth[parent].max(depth[n] + 1);
+                    size[parent] = size[parent].saturating_add(size[n]);
                 }
             }
         }
         deepest = deepest.max(depth[root]);
     }
-    deepest.min(limit + 1)
+    // Every tree the reader builds hangs from a container no other holds (the result, or one
+    // it dropped along the way; a cycle with no such container is left out, as small).
+    let mut held = vec![false; nodes];
+    for &(_, child) in edges.iter() {
+        held[child as usize] = true;
+    }
+    for n in (0..nodes).filter(|&n| !held[n]) {
+        expanded = expanded.saturating_add(size[n]);
+    }
+    Shape { depth: deepest.min(limit + 1), expanded }
 }
 
 #[cfg(test)]
@@ -316,15 +355,37 @@ mod tests {
     #[test]
     fn nesting_is_measured_through_memo_and_later_appends() {
         // [] : 1 level.
-        assert_eq!(depth(b"\x80\x04]\x94.", 100), 1);
+        assert_eq!(shape(b"\x80\x04]\x94.", 100).depth, 1);
         // [[[]]] built inside out: EMPTY_LIST, EMPTY_LIST, EMPTY_LIST, APPEND, APPEND.
-        assert_eq!(depth(b"]]]aa.", 100), 3);
+        assert_eq!(shape(b"]]]aa.", 100).depth, 3);
         // x = [] memoized, y = [x], then [[]] appended to x through the memo: y > x > [] > [].
-        assert_eq!(depth(b"]\x94]h\x00a0h\x00]]aa.", 100), 4);
+        assert_eq!(shape(b"]\x94]h\x00a0h\x00]]aa.", 100).depth, 4);
         // A dict holding a list: {"k": [()]}.
-        assert_eq!(depth(b"}\x8c\x01k])as.", 100), 3);
+        assert_eq!(shape(b"}\x8c\x01k])as.", 100).depth, 3);
         // Scalars nest nothing.
-        assert_eq!(depth(b"K\x01.", 100), 0);
+        assert_eq!(shape(b"K\x01.", 100).depth, 0);
+    }
+
+    #[test]
+    fn shared_containers_count_once_per_use() {
+        // [1, 2] alone: the list and its two scalars.
+        assert_eq!(shape(b"](K\x01K\x02e.", 100).expanded, 3);
+        // x = [1, 2]; [x, x, x] through DUP: 1 + 3 * 3 values once copied.
+        assert_eq!(shape(b"(](K\x01K\x02e22l.", 100).expanded, 10);
+        // The same through the memo.
+        assert_eq!(shape(b"(](K\x01K\x02e\x94h\x00h\x00l.", 100).expanded, 10);
+        // Sharing nested 40 times over, two uses per level: 2^40 copies of the innermost list,
+        // in 60 bytes, saturating rather than wrapping past 2^64 at 70 levels.
+        let doubling = |levels: usize| {
+            let mut p = vec![b']'];
+            for _ in 0..levels {
+                p.extend_from_slice(b"2\x86");
+            }
+            p.push(b'.');
+            p
+        };
+        assert_eq!(shape(&doubling(40), 100).expanded, (1u64 << 41) - 1);
+        assert_eq!(shape(&doubling(70), 100).expanded, u64::MAX);
     }
 
     #[test]
@@ -333,10 +394,10 @@ mod tests {
         p.extend(std::iter::repeat_n(b']', 20_000));
         p.extend(std::iter::repeat_n(b'a', 19_999));
         p.push(b'.');
-        assert_eq!(depth(&p, 100), 101);
+        assert_eq!(shape(&p, 100).depth, 101);
         // Tuples nesting through TUPLE1, and a truncated file (no STOP): still measured.
         let mut t = vec![b')'];
         t.extend(std::iter::repeat_n(0x85, 50_000));
-        assert_eq!(depth(&t, 100), 101);
+        assert_eq!(shape(&t, 100).depth, 101);
     }
 }

@@ -17,7 +17,8 @@
 //!
 //! Bounds: a pickle is read whole up to `MAX_PICKLE_BYTES`; torch's own pickles are decoded by
 //! `pickle_vm` (iterative, shared objects kept shared); any other is read by serde_pickle after
-//! its nesting is measured (`pickle_depth`: at most `MAX_PICKLE_DEPTH` levels); at most
+//! its nesting and its size with shared values copied are measured (`pickle_depth`: at most
+//! `MAX_PICKLE_DEPTH` levels, at most `max_expanded_values` values); at most
 //! `ops::MAX_DEVICES` device traces.
 
 use super::pickle_vm::{self, V};
@@ -33,6 +34,14 @@ pub const MAX_PICKLE_BYTES: u64 = 2 << 30;
 /// How deeply a pickle's values may nest. A snapshot nests 6 levels (dict, device_traces,
 /// a device's list, an entry, its frames, a frame).
 pub const MAX_PICKLE_DEPTH: u32 = 64;
+
+/// The most values serde_pickle may build for a pickle of `len` bytes: every shared value is
+/// copied where it is used, so DUP and memo references can make a few bytes stand for billions
+/// of values. A pickle that shares nothing builds at most one value per byte; torch's own
+/// snapshots, which share their frames, are read by `pickle_vm`, which keeps them shared.
+pub fn max_expanded_values(len: usize) -> u64 {
+    (1u64 << 22).saturating_add((len as u64).saturating_mul(8))
+}
 
 /// A snapshot; `F` is how each entry's frames are read (`TopFrame`, or `NoFrames` where
 /// serde_pickle reads the pickle: it cannot read the frames torch shares between entries).
@@ -241,11 +250,24 @@ pub fn parse_pickle(data: &[u8]) -> Result<Program, TraceError> {
             return replay(snapshot, "torch snapshot (pickle)");
         }
     }
-    if pickle_depth::depth(data, MAX_PICKLE_DEPTH) > MAX_PICKLE_DEPTH {
+    let shape = pickle_depth::shape(data, MAX_PICKLE_DEPTH);
+    if shape.depth > MAX_PICKLE_DEPTH {
         return Err(TraceError {
             position: "file".into(),
             message: format!(
                 "the pickle nests deeper than {MAX_PICKLE_DEPTH} levels (a PyTorch snapshot nests 6): not a memory snapshot"
+            ),
+        });
+    }
+    let most = max_expanded_values(data.len());
+    if shape.expanded > most {
+        return Err(TraceError {
+            position: "file".into(),
+            message: format!(
+                "the pickle's shared values stand for {} values once copied, more than the {most} read for a \
+                 file of {} bytes: not a memory snapshot",
+                shape.expanded,
+                data.len()
             ),
         });
     }
