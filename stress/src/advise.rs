@@ -364,7 +364,7 @@ pub fn advise(
         let r = &runs[i];
         let c = &candidates[i];
         let peak = r.peak_moment.clone();
-        let attribution = peak.as_ref().map(|p| attribute(program, p.op, TOP_GROUPS));
+        let attribution = peak.as_ref().map(|p| attribute(program, p.op, p.device, TOP_GROUPS));
         Choice {
             family: c.family,
             setting: c.setting.clone(),
@@ -548,18 +548,21 @@ fn size_class(size: u64) -> String {
     format!("[{}, {})", unit(1u128 << k), unit(1u128 << (k + 1)))
 }
 
-/// The allocations live just after event `op`, grouped by call site (size class when the
-/// trace has no frames); the `top` largest groups by bytes. Liveness is the trace's own: an
-/// allocation that ran out of memory in a replay still counts here.
-pub fn attribute(program: &Program, op: u64, top: usize) -> Attribution {
+/// The allocations on `device` live just after event `op` (the peak is one device's), grouped
+/// by call site (size class when the trace has no frames); the `top` largest groups by bytes.
+/// Liveness is the trace's own: an allocation that ran out of memory in a replay still counts.
+pub fn attribute(program: &Program, op: u64, device: usize, top: usize) -> Attribution {
     let mut live: Vec<Option<(u64, u32)>> = vec![None; program.ids as usize];
     let mut allocs = 0usize;
     let end = usize::try_from(op).unwrap_or(usize::MAX).saturating_add(1).min(program.ops.len());
     for o in &program.ops[..end] {
         match *o {
-            Op::Alloc { id, size, .. } => {
+            Op::Alloc { id, size, device: d, .. } => {
                 let site = program.site_of(allocs);
                 allocs += 1;
+                if usize::from(d) != device {
+                    continue;
+                }
                 if let Some(slot) = live.get_mut(id as usize) {
                     *slot = Some((size, site));
                 }

@@ -189,7 +189,7 @@ fn run(cli: Cli) -> Result<i32, String> {
                 finish(pb);
                 let mut run = run?;
                 if let Some(m) = &run.peak_moment {
-                    run.peak_attribution = Some(advise::attribute(program, m.op, advise::TOP_GROUPS));
+                    run.peak_attribution = Some(advise::attribute(program, m.op, m.device, advise::TOP_GROUPS));
                 }
                 run
             }

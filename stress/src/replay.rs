@@ -7,7 +7,7 @@
 //! Every peak is tracked per device (each device of a multi-device trace runs on its own
 //! device, so its figures are those of that device replayed alone); the run's headline is the
 //! worst device (`RunReport::devices`), never a sum of peaks. Timeline samples add the devices'
-//! current values at one moment; per-step figures still add the devices' step figures.
+//! current values at one moment; each step's figures are its worst device's (`StepReport::device`).
 
 use crate::ops::{Op, Program};
 use crate::report::{DeviceReport, PeakExplanation, RunReport, Sample, StepReport};
@@ -206,8 +206,10 @@ struct Runner<'a> {
     first_error: Option<String>,
     steps: Vec<StepReport>,
     step_floor: u64,
+    /// By device: live requested bytes' peak within the step, and reserved bytes at its begin.
+    device_step_floor: Vec<u64>,
+    device_step_reserved_begin: Vec<u64>,
     step_ooms: u64,
-    step_reserved_begin: u64,
     step_index_op: usize,
     step_driver_begin: DriverTotals,
     ext_frag_at_step_end: Vec<f64>,
@@ -240,8 +242,9 @@ impl<'a> Runner<'a> {
             first_error: None,
             steps: Vec::new(),
             step_floor: 0,
+            device_step_floor: vec![0; devices],
+            device_step_reserved_begin: vec![0; devices],
             step_ooms: 0,
-            step_reserved_begin: 0,
             step_index_op: 0,
             step_driver_begin: DriverTotals::default(),
             ext_frag_at_step_end: Vec::new(),
@@ -278,6 +281,7 @@ impl<'a> Runner<'a> {
                         let d = device as usize;
                         self.device_requested[d] += size;
                         self.device_floor[d] = self.device_floor[d].max(self.device_requested[d]);
+                        self.device_step_floor[d] = self.device_step_floor[d].max(self.device_requested[d]);
                         self.step_floor = self.step_floor.max(self.requested);
                         if self.explain {
                             self.maybe_explain(device as usize);
@@ -318,13 +322,13 @@ impl<'a> Runner<'a> {
                 self.allocator.step_begin(name).map_err(|e| format!("op {index}: step_begin: {e}"))?;
                 self.phase = Some(phase);
                 self.step_floor = self.requested;
+                self.device_step_floor.copy_from_slice(&self.device_requested);
                 self.step_ooms = 0;
                 self.step_index_op = index;
-                let mut reserved = 0;
                 for d in 0..self.devices {
-                    reserved += self.allocator.with_heap(d, |h| h.reserved_at_step_begin()).unwrap_or(0);
+                    self.device_step_reserved_begin[d] =
+                        self.allocator.with_heap(d, |h| h.reserved_at_step_begin()).unwrap_or(0);
                 }
-                self.step_reserved_begin = reserved;
                 self.step_driver_begin = self.driver_totals();
             }
             Op::StepEnd => {
@@ -343,21 +347,29 @@ impl<'a> Runner<'a> {
                 if empty_cache_every_step {
                     self.allocator.empty_cache().map_err(|e| format!("op {index}: empty_cache: {e}"))?;
                 }
+                // The step's figures are its worst device's (the highest peak reserved, then the
+                // highest peak requested, then the lowest number), as the run's headline is: a
+                // sum of several devices' peaks is the peak of nothing.
+                let worst = (0..figures.len().min(self.devices))
+                    .max_by_key(|&d| (figures[d].peak_reserved, self.device_step_floor[d], std::cmp::Reverse(d)))
+                    .unwrap_or(0);
                 let mut step = StepReport {
                     step: figures.first().map_or(0, |f| f.steps),
                     phase: figures.first().map(|f| f.phase.clone()).unwrap_or_default(),
                     first_op: self.step_index_op as u64,
-                    peak_requested: self.step_floor,
-                    reserved_at_begin: self.step_reserved_begin,
+                    device: worst,
+                    peak_requested: self.device_step_floor.get(worst).copied().unwrap_or(self.step_floor),
+                    reserved_at_begin: self.device_step_reserved_begin.get(worst).copied().unwrap_or(0),
                     ooms: self.step_ooms,
                     ..Default::default()
                 };
-                for f in &figures {
-                    step.peak_allocated += f.peak_allocated;
-                    step.peak_reserved += f.peak_reserved;
-                    step.device_mallocs += f.device_mallocs;
+                if let Some(f) = figures.get(worst) {
+                    step.peak_allocated = f.peak_allocated;
+                    step.peak_reserved = f.peak_reserved;
+                    step.device_mallocs = f.device_mallocs;
                 }
-                step.reserved_at_end = self.current_reserved();
+                step.reserved_at_end =
+                    self.allocator.stats(worst).map(|s| s.heap.reserved_bytes.all.current).unwrap_or(0);
                 let (begin, end) = (&self.step_driver_begin, self.driver_totals());
                 step.driver_time_s = end.time_s - begin.time_s;
                 step.driver_maps = end.maps.map(|e| e.saturating_sub(begin.maps.unwrap_or(0)));
@@ -443,10 +455,6 @@ impl<'a> Runner<'a> {
             add_opt(&mut t.creates, stat_u64(&map, NUM_CREATE_KEYS));
         }
         t
-    }
-
-    fn current_reserved(&self) -> u64 {
-        (0..self.devices).filter_map(|d| self.allocator.stats(d).ok()).map(|s| s.heap.reserved_bytes.all.current).sum()
     }
 
     fn sample(&mut self, op: u64) {

@@ -22,6 +22,9 @@ pub struct StepReport {
     pub phase: String,
     /// Index of the step's `StepBegin` in the event stream.
     pub first_op: u64,
+    /// The device these figures are of: the step's worst (highest peak reserved) where the run
+    /// has several; OOMs and driver figures are the whole step's, over every device.
+    pub device: usize,
     /// Peak live requested bytes within the step (the step's floor).
     pub peak_requested: u64,
     pub peak_allocated: u64,

@@ -4,10 +4,11 @@
 //! `agent --devices N` runs N ranks, each device equal to its rank run alone.
 
 use serde_json::{json, Value};
+use stepalloc_stress::advise;
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::ops::Program;
 use stepalloc_stress::replay::{self, RunConfig};
-use stepalloc_stress::report::{DeviceReport, RunReport};
+use stepalloc_stress::report::{DeviceReport, RunReport, StepReport};
 use stepalloc_stress::trace;
 use stepalloc_stress::workload::agent::{AgentArgs, AgentSpec, AgentStream, Preset};
 
@@ -135,6 +136,20 @@ fn two_device_snapshot_replays_each_device_as_alone() {
             // Not the sum of the two peaks (what the runner used to report).
             assert!(run.peak_reserved < big_alone.peak_reserved + small_alone.peak_reserved);
         }
+        // The peak's attribution counts the peak device's live allocations only, as alone.
+        {
+            let rc = &configs(2)[0];
+            let tracked = RunConfig { track_peak: true, ..rc.clone() };
+            let run = replay::run(&program, &tracked, None, None).unwrap();
+            let alone_program = parse(&[&big]);
+            let alone =
+                replay::run(&alone_program, &RunConfig { track_peak: true, ..configs(1)[0].clone() }, None, None);
+            let (m, a) = (run.peak_moment.unwrap(), alone.unwrap().peak_moment.unwrap());
+            assert_eq!(m.device, worst, "{}", rc.name);
+            let merged = advise::attribute(&program, m.op, m.device, 8);
+            let single = advise::attribute(&alone_program, a.op, 0, 8);
+            assert_eq!((merged.live_bytes, merged.live_count), (single.live_bytes, single.live_count), "{}", rc.name);
+        }
     }
 }
 
@@ -199,18 +214,42 @@ fn run_agent(spec: &AgentSpec, rc: &RunConfig) -> RunReport {
 /// figures are exactly those of its rank run alone.
 #[test]
 fn agent_ranks_replay_as_alone() {
+    let mut devices_seen = [false; 2];
     for (rc, rc_one) in configs(2).iter().zip(configs(1)) {
         let run = run_agent(&small_agent(5, 2), rc);
         assert_eq!(run.devices.len(), 2, "{}", rc.name);
         let mut worst = (0, 0);
+        let mut alone_steps = Vec::new();
         for rank in 0..2u64 {
             let alone = run_agent(&small_agent(5 + rank, 1), &rc_one);
             assert_eq!(as_device_0(&run.devices[rank as usize]), alone.devices[0], "{}: rank {rank}", rc.name);
             assert_eq!(run.steps_count, alone.steps_count, "the ranks share their steps");
             worst = worst.max((alone.peak_reserved, 1 - rank as usize));
+            alone_steps.push(alone.steps);
         }
         assert_headline_is(&run, 1 - worst.1);
+        // Each step reports its own worst device, with that rank's step figures alone.
+        assert!(!run.steps.is_empty());
+        for (k, step) in run.steps.iter().enumerate() {
+            let (a, b) = (&alone_steps[0][k], &alone_steps[1][k]);
+            let worse = if (b.peak_reserved, b.peak_requested) > (a.peak_reserved, a.peak_requested) { 1 } else { 0 };
+            let alone = &alone_steps[worse][k];
+            assert_eq!(step.device, worse, "{}: step {k}", rc.name);
+            devices_seen[worse] = true;
+            let figures = |s: &StepReport| {
+                (
+                    s.peak_requested,
+                    s.peak_allocated,
+                    s.peak_reserved,
+                    s.device_mallocs,
+                    s.reserved_at_begin,
+                    s.reserved_at_end,
+                )
+            };
+            assert_eq!(figures(step), figures(alone), "{}: step {k}", rc.name);
+        }
     }
+    assert_eq!(devices_seen, [true, true], "each rank is the worst in some step of some configuration");
 }
 
 /// The command line: `agent --devices 2 --json` has two per-device entries; bad counts are
