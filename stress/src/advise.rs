@@ -17,7 +17,7 @@
 use crate::compare::{self, Base};
 use crate::ops::{Op, Program};
 use crate::replay::{self, RunConfig};
-use crate::report::{gib, Attribution, AttributionGroup, PeakMoment, Report, RunReport};
+use crate::report::{gib, Attribution, AttributionGroup, DeviceReport, PeakMoment, Report, RunReport};
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use indicatif::ProgressBar;
 use serde::Serialize;
@@ -126,6 +126,11 @@ pub struct Choice {
     pub reserved_at_step_end_mean: f64,
     pub peak: Option<PeakMoment>,
     pub attribution: Option<Attribution>,
+    /// The device the figures above are of: the worst (highest peak reserved) of a trace with
+    /// several devices, each of which replays on its own simulated device of the capacity.
+    pub worst_device: usize,
+    /// Every device's own figures (one entry for a one-device trace).
+    pub devices: Vec<DeviceReport>,
 }
 
 /// What `advise` found.
@@ -382,6 +387,8 @@ pub fn advise(
             reserved_at_step_end_mean: r.reserved_at_step_end_mean,
             peak,
             attribution,
+            worst_device: r.worst_device,
+            devices: r.devices.clone(),
         }
     };
     let default = choice(0);
@@ -621,6 +628,30 @@ pub fn text(a: &Advice) -> String {
     }
     out.push_str(&t.to_string());
     out.push('\n');
+    if a.current.devices.len() > 1 {
+        let _ = writeln!(
+            out,
+            "{} devices, each on its own device of the capacity: every figure above is its worst device's; by device:",
+            a.current.devices.len()
+        );
+        for (label, c) in
+            [("current", &a.current), ("best native", &a.best_native), ("best stepalloc", &a.best_stepalloc)]
+        {
+            for d in &c.devices {
+                let worst = if d.device == c.worst_device { " (worst)" } else { "" };
+                let _ = writeln!(
+                    out,
+                    "  {label}: device {}{worst}: peak reserved {} GiB for {} GiB requested ({:.3}x), {} device calls, {} OOMs",
+                    d.device,
+                    gib(d.peak_reserved),
+                    gib(d.floor),
+                    d.reserved_over_floor,
+                    d.device_mallocs.saturating_add(d.device_frees),
+                    d.ooms
+                );
+            }
+        }
+    }
     if let Some(n) = &a.note {
         let _ = writeln!(out, "note: {n}");
     }

@@ -199,6 +199,23 @@ fn command_line_reports_every_device() {
     assert!(text.contains("2 devices: each column is its worst device"), "{text}");
     assert!(text.contains("per device: pytorch"), "{text}");
     assert!(text.contains("1 (worst)"), "{text}");
+
+    // `advise`: every choice's figures are its worst device's, and every device is listed.
+    let out = std::process::Command::new(EXE).args(["advise", "--json", "--"]).arg(&path).output().unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    for key in ["current", "best_native", "best_stepalloc"] {
+        let c = &v[key];
+        let devices = c["devices"].as_array().unwrap();
+        assert_eq!(devices.len(), 2, "{key}: {c}");
+        assert_eq!(c["worst_device"], 1, "{key}");
+        assert_eq!(c["peak_reserved"], devices[1]["peak_reserved"], "{key}");
+        assert!(devices[0]["peak_reserved"].as_u64() < devices[1]["peak_reserved"].as_u64(), "{key}");
+    }
+    let out = std::process::Command::new(EXE).args(["advise", "--"]).arg(&path).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("2 devices, each on its own device of the capacity"), "{text}");
+    assert!(text.contains("best stepalloc: device 1 (worst): peak reserved"), "{text}");
 }
 
 fn small_agent(seed: u64, devices: u64) -> AgentSpec {
