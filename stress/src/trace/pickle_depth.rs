@@ -337,7 +337,8 @@ fn longest_path(nodes: usize, edges: &mut [(u32, u32)], scalars: &[u64], limit: 
         deepest = deepest.max(depth[root]);
     }
     // Every tree the reader builds hangs from a container no other holds (the result, or one
-    // it dropped along the way; a cycle with no such container is left out, as small).
+    // it dropped along the way). Containers the memo made part of a cycle may have no such
+    // container above them: the largest single tree bounds those from below.
     let mut held = vec![false; nodes];
     for &(_, child) in edges.iter() {
         held[child as usize] = true;
@@ -345,6 +346,7 @@ fn longest_path(nodes: usize, edges: &mut [(u32, u32)], scalars: &[u64], limit: 
     for n in (0..nodes).filter(|&n| !held[n]) {
         expanded = expanded.saturating_add(size[n]);
     }
+    expanded = expanded.max(size.iter().copied().max().unwrap_or(0));
     Shape { depth: deepest.min(limit + 1), expanded }
 }
 
@@ -386,6 +388,12 @@ mod tests {
         };
         assert_eq!(shape(&doubling(40), 100).expanded, (1u64 << 41) - 1);
         assert_eq!(shape(&doubling(70), 100).expanded, u64::MAX);
+        // The same held by a list the memo then puts inside itself: no container is outside
+        // every other, and the copies still count.
+        let mut cycle = b"]\x94".to_vec();
+        cycle.extend_from_slice(&doubling(40)[..81]);
+        cycle.extend_from_slice(b"ah\x00a.");
+        assert!(shape(&cycle, 100).expanded >= (1u64 << 41) - 1);
     }
 
     #[test]

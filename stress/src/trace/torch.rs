@@ -37,10 +37,10 @@ pub const MAX_PICKLE_DEPTH: u32 = 64;
 
 /// The most values serde_pickle may build for a pickle of `len` bytes: every shared value is
 /// copied where it is used, so DUP and memo references can make a few bytes stand for billions
-/// of values. A pickle that shares nothing builds at most one value per byte; torch's own
-/// snapshots, which share their frames, are read by `pickle_vm`, which keeps them shared.
+/// of values. A pickle that shares nothing builds at most one value per opcode byte; torch's
+/// own snapshots, which share their frames, are read by `pickle_vm`, which keeps them shared.
 pub fn max_expanded_values(len: usize) -> u64 {
-    (1u64 << 22).saturating_add((len as u64).saturating_mul(8))
+    (1u64 << 16).saturating_add((len as u64).saturating_mul(2))
 }
 
 /// A snapshot; `F` is how each entry's frames are read (`TopFrame`, or `NoFrames` where
