@@ -27,7 +27,7 @@ use crate::error::{Error, OomReport, Result};
 use crate::freelist::{FreeList, ListKey};
 use crate::segment::{Arena, Block, BlockClass, BlockId, BlockState, Segment, SegmentId, ANY_STREAM, NIL};
 use crate::sizeclass::{self, GRANULE, MAX_REQUEST, SMALL_REQUEST};
-use crate::stats::{DeviceStats, HeapStats, ReleaseReason};
+use crate::stats::{DeviceStats, HeapStats, PoolCounter, ReleaseReason};
 use crate::step::StepState;
 use crate::trace::{TraceAction, TraceRing};
 use crate::units::{format_bytes, MIB};
@@ -78,7 +78,7 @@ pub struct Heap {
     pending: VecDeque<(Event, BlockId)>,
     /// Private pools; index `i` is pool number `i + 1` (0 is the general pool).
     private_pools: Vec<Option<PrivatePool>>,
-    pub(crate) stats: HeapStats,
+    pub(crate) stats: HeapStats<PoolCounter>,
     pub(crate) step: StepState,
     pub(crate) trace: TraceRing,
     device_total: u64,
@@ -285,7 +285,7 @@ impl Heap {
         if size >= self.config.max_split_size {
             s.oversize_allocations.increase(1);
         }
-        self.step.note_allocated(self.stats.allocated_bytes.all.current);
+        self.step.note_allocated(self.stats.allocated_bytes.current());
         self.trace.record(TraceAction::Alloc, addr, size, requested, stream.0, 0);
         addr
     }
@@ -327,7 +327,7 @@ impl Heap {
 
     /// One device reserve within the allowed limit: `Ok(None)` when out of memory.
     fn reserve(&mut self, bytes: u64) -> Result<Option<u64>> {
-        if self.stats.reserved_bytes.all.current.saturating_add(bytes) > self.allowed {
+        if self.stats.reserved_bytes.current().saturating_add(bytes) > self.allowed {
             self.stats.num_oom_rejections += 1;
             return Ok(None);
         }
@@ -367,7 +367,7 @@ impl Heap {
         if oversize {
             s.oversize_segments.increase(1);
         }
-        self.step.note_reserved(self.stats.reserved_bytes.all.current);
+        self.step.note_reserved(self.stats.reserved_bytes.current());
         self.trace.record(TraceAction::SegmentAlloc, addr, size, 0, stream.0, 0);
         id
     }
@@ -377,10 +377,10 @@ impl Heap {
         let (device_free, device_total) = self.backend.mem_info().unwrap_or((0, self.device_total));
         // As in torch's trace, an `oom` entry carries the device's free bytes in its address.
         self.trace.record(TraceAction::Oom, device_free, rounded, requested, 0, 0);
-        let reserved = self.stats.reserved_bytes.all.current;
-        let allocated = self.stats.allocated_bytes.all.current;
+        let reserved = self.stats.reserved_bytes.current();
+        let allocated = self.stats.allocated_bytes.current();
         let largest = self.largest_free_block();
-        let cached_free = reserved - self.stats.active_bytes.all.current;
+        let cached_free = reserved - self.stats.active_bytes.current();
         let hint = if cached_free >= rounded && largest < rounded && !self.config.page_reuse {
             format!(
                 "{} is cached but no free block is large enough: the cache is fragmented. \
@@ -809,7 +809,7 @@ impl Heap {
     pub fn stats(&mut self) -> DeviceStats {
         DeviceStats {
             device: self.device,
-            heap: self.stats.clone(),
+            heap: self.stats.read(),
             max_split_size: self.config.max_split_size,
             device_total: self.device_total,
             cached_free: self.cached_free(),
@@ -985,7 +985,7 @@ impl Heap {
         if in_lists != listed {
             return Err(format!("free lists hold {in_lists} blocks, {listed} blocks are free"));
         }
-        let s = &self.stats;
+        let s = self.stats.read();
         let checks = [
             ("allocated_bytes", &s.allocated_bytes, allocated),
             ("requested_bytes", &s.requested_bytes, requested),

@@ -33,7 +33,7 @@ impl Stat {
     }
 }
 
-/// A statistic split by pool: `all`, `small_pool`, `large_pool`.
+/// A statistic split by pool: `all`, `small_pool`, `large_pool`, as readers get it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct PoolStat {
     pub all: Stat,
@@ -42,30 +42,113 @@ pub struct PoolStat {
 }
 
 impl PoolStat {
-    pub fn increase(&mut self, small: bool, amount: u64) {
-        self.all.increase(amount);
-        self.pool_mut(small).increase(amount);
-    }
-
-    pub fn decrease(&mut self, small: bool, amount: u64) {
-        self.all.decrease(amount);
-        self.pool_mut(small).decrease(amount);
-    }
-
-    fn pool_mut(&mut self, small: bool) -> &mut Stat {
-        if small {
-            &mut self.small_pool
-        } else {
-            &mut self.large_pool
-        }
-    }
-
     fn stats(&self) -> [(&'static str, &Stat); 3] {
         [("all", &self.all), ("small_pool", &self.small_pool), ("large_pool", &self.large_pool)]
     }
+}
 
-    fn stats_mut(&mut self) -> [&mut Stat; 3] {
-        [&mut self.all, &mut self.small_pool, &mut self.large_pool]
+/// One pool's part of a `PoolCounter`. `current` cannot overflow: each statistic counts blocks
+/// (at most 2^32 ids) or bytes within the device's reserve, which `allowed` bounds. The lifetime
+/// total `allocated` is a `u128`: a 2^48-byte request at a time, it would take 2^80 of them to
+/// wrap, so a plain add is exact; the reader saturates it to `u64`. `freed` is not counted: it
+/// is what left, `allocated + base - current`, where `base` is `current` at the last reset.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Counter {
+    current: u64,
+    peak: u64,
+    allocated: u128,
+    base: u64,
+}
+
+impl Counter {
+    fn read(&self) -> Stat {
+        Stat {
+            current: self.current,
+            peak: self.peak,
+            allocated: saturate(self.allocated),
+            freed: saturate(freed(self.allocated, self.base, self.current)),
+        }
+    }
+}
+
+fn saturate(total: u128) -> u64 {
+    u64::try_from(total).unwrap_or(u64::MAX)
+}
+
+/// Bytes (or blocks) that left since the last reset: all that came, and what was there at the
+/// reset, less what is there now (never negative; saturating only guards a counting bug).
+fn freed(allocated: u128, base: u64, current: u64) -> u128 {
+    (allocated + u128::from(base)).saturating_sub(u128::from(current))
+}
+
+/// A `PoolStat` as the heap keeps it, for the hot path: an increase is three adds and two
+/// maxima (the pool's figures and the peak of the sum), a decrease one subtraction. `all`'s
+/// current value and lifetime totals are the pools' sums, derived when read; its peak is kept
+/// (the peak of a sum is not the sum of peaks). `read` gives exactly what a `PoolStat` updated
+/// on both `all` and the pool, with saturating totals, would hold.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PoolCounter {
+    small: Counter,
+    large: Counter,
+    all_peak: u64,
+}
+
+impl PoolCounter {
+    #[inline]
+    pub fn increase(&mut self, small: bool, amount: u64) {
+        let (pool, other) =
+            if small { (&mut self.small, self.large.current) } else { (&mut self.large, self.small.current) };
+        pool.current += amount;
+        pool.peak = pool.peak.max(pool.current);
+        pool.allocated += u128::from(amount);
+        self.all_peak = self.all_peak.max(pool.current + other);
+    }
+
+    #[inline]
+    pub fn decrease(&mut self, small: bool, amount: u64) {
+        let pool = if small { &mut self.small } else { &mut self.large };
+        debug_assert!(pool.current >= amount, "statistic would go negative");
+        pool.current = pool.current.saturating_sub(amount);
+    }
+
+    /// `all.current`.
+    #[inline]
+    pub fn current(&self) -> u64 {
+        self.small.current + self.large.current
+    }
+
+    /// `all.peak`.
+    pub fn peak(&self) -> u64 {
+        self.all_peak
+    }
+
+    pub fn read(&self) -> PoolStat {
+        let allocated = self.small.allocated + self.large.allocated;
+        let base = self.small.base + self.large.base;
+        let current = self.current();
+        PoolStat {
+            all: Stat {
+                current,
+                peak: self.all_peak,
+                allocated: saturate(allocated),
+                freed: saturate(freed(allocated, base, current)),
+            },
+            small_pool: self.small.read(),
+            large_pool: self.large.read(),
+        }
+    }
+
+    fn reset_peaks(&mut self) {
+        self.small.peak = self.small.current;
+        self.large.peak = self.large.current;
+        self.all_peak = self.current();
+    }
+
+    fn reset_accumulated(&mut self) {
+        for pool in [&mut self.small, &mut self.large] {
+            pool.allocated = 0;
+            pool.base = pool.current;
+        }
     }
 }
 
@@ -99,18 +182,19 @@ impl ReleaseReason {
     }
 }
 
-/// The counters a device heap keeps. Field names are torch's keys.
+/// The counters a device heap keeps. Field names are torch's keys. The heap keeps them as
+/// `HeapStats<PoolCounter>` (cheap to update); readers get `HeapStats<PoolStat>` (see `read`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct HeapStats {
-    pub allocation: PoolStat,
-    pub segment: PoolStat,
-    pub active: PoolStat,
-    pub inactive_split: PoolStat,
-    pub allocated_bytes: PoolStat,
-    pub reserved_bytes: PoolStat,
-    pub active_bytes: PoolStat,
-    pub inactive_split_bytes: PoolStat,
-    pub requested_bytes: PoolStat,
+pub struct HeapStats<P = PoolStat> {
+    pub allocation: P,
+    pub segment: P,
+    pub active: P,
+    pub inactive_split: P,
+    pub allocated_bytes: P,
+    pub reserved_bytes: P,
+    pub active_bytes: P,
+    pub inactive_split_bytes: P,
+    pub requested_bytes: P,
     pub oversize_allocations: Stat,
     pub oversize_segments: Stat,
     pub num_alloc_retries: u64,
@@ -146,7 +230,7 @@ pub struct HeapStats {
 /// Upper bounds (seconds) of the device-malloc latency histogram buckets.
 pub const DEVICE_ALLOC_BUCKETS_S: [f64; 11] = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 1e-1];
 
-impl HeapStats {
+impl HeapStats<PoolCounter> {
     pub fn record_device_alloc_latency(&mut self, ns: u64) {
         let seconds = ns as f64 * 1e-9;
         let bucket =
@@ -155,21 +239,7 @@ impl HeapStats {
         self.device_alloc_latency_sum_ns += ns;
     }
 
-    fn pool_stats(&self) -> [(&'static str, &PoolStat); 9] {
-        [
-            ("allocation", &self.allocation),
-            ("segment", &self.segment),
-            ("active", &self.active),
-            ("inactive_split", &self.inactive_split),
-            ("allocated_bytes", &self.allocated_bytes),
-            ("reserved_bytes", &self.reserved_bytes),
-            ("active_bytes", &self.active_bytes),
-            ("inactive_split_bytes", &self.inactive_split_bytes),
-            ("requested_bytes", &self.requested_bytes),
-        ]
-    }
-
-    fn pool_stats_mut(&mut self) -> [&mut PoolStat; 9] {
+    fn pool_stats_mut(&mut self) -> [&mut PoolCounter; 9] {
         [
             &mut self.allocation,
             &mut self.segment,
@@ -186,9 +256,7 @@ impl HeapStats {
     /// `torch.cuda.reset_peak_memory_stats`: every peak becomes the current value.
     pub fn reset_peaks(&mut self) {
         for pool in self.pool_stats_mut() {
-            for stat in pool.stats_mut() {
-                stat.peak = stat.current;
-            }
+            pool.reset_peaks();
         }
         for stat in [&mut self.oversize_allocations, &mut self.oversize_segments] {
             stat.peak = stat.current;
@@ -198,10 +266,7 @@ impl HeapStats {
     /// `torch.cuda.reset_accumulated_memory_stats`: allocated/freed totals and event counters to 0.
     pub fn reset_accumulated(&mut self) {
         for pool in self.pool_stats_mut() {
-            for stat in pool.stats_mut() {
-                stat.allocated = 0;
-                stat.freed = 0;
-            }
+            pool.reset_accumulated();
         }
         for stat in [&mut self.oversize_allocations, &mut self.oversize_segments] {
             stat.allocated = 0;
@@ -218,6 +283,58 @@ impl HeapStats {
         self.num_map = 0;
         self.num_unmap = 0;
         self.moved_bytes = 0;
+    }
+
+    /// The statistics as readers get them.
+    pub fn read(&self) -> HeapStats {
+        HeapStats {
+            allocation: self.allocation.read(),
+            segment: self.segment.read(),
+            active: self.active.read(),
+            inactive_split: self.inactive_split.read(),
+            allocated_bytes: self.allocated_bytes.read(),
+            reserved_bytes: self.reserved_bytes.read(),
+            active_bytes: self.active_bytes.read(),
+            inactive_split_bytes: self.inactive_split_bytes.read(),
+            requested_bytes: self.requested_bytes.read(),
+            oversize_allocations: self.oversize_allocations,
+            oversize_segments: self.oversize_segments,
+            num_alloc_retries: self.num_alloc_retries,
+            num_ooms: self.num_ooms,
+            num_device_alloc: self.num_device_alloc,
+            num_device_free: self.num_device_free,
+            num_sync_all_streams: self.num_sync_all_streams,
+            num_oom_rejections: self.num_oom_rejections,
+            num_mallocs: self.num_mallocs,
+            num_frees: self.num_frees,
+            num_cache_hits: self.num_cache_hits,
+            num_device_synchronize: self.num_device_synchronize,
+            virtual_reserved_bytes: self.virtual_reserved_bytes,
+            num_create: self.num_create,
+            num_release_physical: self.num_release_physical,
+            num_map: self.num_map,
+            num_unmap: self.num_unmap,
+            moved_bytes: self.moved_bytes,
+            released_bytes: self.released_bytes,
+            device_alloc_latency_buckets: self.device_alloc_latency_buckets,
+            device_alloc_latency_sum_ns: self.device_alloc_latency_sum_ns,
+        }
+    }
+}
+
+impl HeapStats {
+    fn pool_stats(&self) -> [(&'static str, &PoolStat); 9] {
+        [
+            ("allocation", &self.allocation),
+            ("segment", &self.segment),
+            ("active", &self.active),
+            ("inactive_split", &self.inactive_split),
+            ("allocated_bytes", &self.allocated_bytes),
+            ("reserved_bytes", &self.reserved_bytes),
+            ("active_bytes", &self.active_bytes),
+            ("inactive_split_bytes", &self.inactive_split_bytes),
+            ("requested_bytes", &self.requested_bytes),
+        ]
     }
 }
 
@@ -402,6 +519,87 @@ mod tests {
         s.increase(100);
         s.decrease(100);
         assert_eq!(s, Stat { current: 0, peak: 100, allocated: u64::MAX, freed: u64::MAX });
+    }
+
+    /// A `PoolStat` updated the plain way: both `all` and the pool, saturating totals.
+    fn reference_increase(p: &mut PoolStat, small: bool, amount: u64) {
+        p.all.increase(amount);
+        if small {
+            p.small_pool.increase(amount)
+        } else {
+            p.large_pool.increase(amount)
+        }
+    }
+
+    fn reference_decrease(p: &mut PoolStat, small: bool, amount: u64) {
+        p.all.decrease(amount);
+        if small {
+            p.small_pool.decrease(amount)
+        } else {
+            p.large_pool.decrease(amount)
+        }
+    }
+
+    /// The hot-path counter reads exactly what the plain update gives, step by step, across
+    /// resets of peaks and totals and past 2^64 lifetime bytes (where the totals saturate).
+    #[test]
+    fn pool_counter_reads_as_the_plain_update() {
+        let big = 1u64 << 48;
+        // (small, +amount / -amount); 0 = reset peaks, 1 = reset accumulated.
+        let mut program: Vec<(bool, i64)> = vec![
+            (true, 10),
+            (false, 30),
+            (true, -4),
+            (false, -30),
+            (true, 7),
+            (false, 0),
+            (true, 2),
+            (true, -15),
+            (false, 1),
+            (false, 5),
+            (true, 3),
+        ];
+        // 2^17 huge allocate/free pairs pass 2^64 bytes in total.
+        for _ in 0..(1 << 17) {
+            program.push((false, big as i64));
+            program.push((false, -(big as i64)));
+        }
+        program.extend([(true, 1), (false, 9), (true, 5), (false, -9), (true, -6)]);
+        let mut counter = PoolCounter::default();
+        let mut plain = PoolStat::default();
+        for (step, &(small, amount)) in program.iter().enumerate() {
+            match (small, amount) {
+                (false, 0) => {
+                    counter.reset_peaks();
+                    for s in [&mut plain.all, &mut plain.small_pool, &mut plain.large_pool] {
+                        s.peak = s.current;
+                    }
+                }
+                (false, 1) => {
+                    counter.reset_accumulated();
+                    for s in [&mut plain.all, &mut plain.small_pool, &mut plain.large_pool] {
+                        s.allocated = 0;
+                        s.freed = 0;
+                    }
+                }
+                (_, a) if a > 0 => {
+                    counter.increase(small, a as u64);
+                    reference_increase(&mut plain, small, a as u64);
+                }
+                (_, a) => {
+                    counter.decrease(small, a.unsigned_abs());
+                    reference_decrease(&mut plain, small, a.unsigned_abs());
+                }
+            }
+            if step < 20 || step % 4096 == 0 || step + 6 > program.len() {
+                assert_eq!(counter.read(), plain, "after step {step}");
+            }
+            assert_eq!(counter.current(), plain.all.current);
+        }
+        assert_eq!(plain.all.allocated, u64::MAX, "the program passes 2^64 bytes");
+        assert_eq!(plain.large_pool.freed, u64::MAX);
+        assert_eq!(counter.read(), plain);
+        assert_eq!(counter.peak(), plain.all.peak);
     }
 
     #[test]

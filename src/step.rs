@@ -120,14 +120,14 @@ impl Heap {
         if switching && self.config.phase_trim {
             self.trim_for_phase(index)?;
         }
-        let reserved = self.stats.reserved_bytes.all.current;
+        let reserved = self.stats.reserved_bytes.current();
         // A tick of its own, so that "freed before this step" is `freed_at < step_clock`.
         self.alloc_clock += 1;
         self.step_clock = self.alloc_clock;
         let s = &mut self.step;
         s.step += 1;
         s.in_step = true;
-        s.peak_allocated = self.stats.allocated_bytes.all.current;
+        s.peak_allocated = self.stats.allocated_bytes.current();
         s.peak_reserved = reserved;
         s.device_mallocs_at_begin = self.stats.num_device_alloc;
         s.reserved_at_begin = reserved;
@@ -168,7 +168,7 @@ impl Heap {
             peak_allocated,
             peak_reserved,
             device_mallocs: self.stats.num_device_alloc - self.step.device_mallocs_at_begin,
-            reserved_at_end: self.stats.reserved_bytes.all.current,
+            reserved_at_end: self.stats.reserved_bytes.current(),
             fragmentation: if peak_reserved == 0 { 0.0 } else { 1.0 - peak_allocated as f64 / peak_reserved as f64 },
         };
         self.step.last = figures.clone();
@@ -204,7 +204,7 @@ impl Heap {
             return Ok(0); // nothing known about this phase yet
         }
         let target = (record.peak_allocated as f64 * (1.0 + self.config.phase_trim_margin)) as u64;
-        if self.stats.reserved_bytes.all.current <= target {
+        if self.stats.reserved_bytes.current() <= target {
             return Ok(0);
         }
         let bit = 1u64 << (index % 64);
@@ -214,6 +214,6 @@ impl Heap {
             let usage = self.arena.segment_use(s);
             (usage.phase_mask & bit != 0, usage.last_used_step)
         });
-        self.release_in_order(order, ReleaseReason::PhaseSwitch, |h| h.stats.reserved_bytes.all.current <= target)
+        self.release_in_order(order, ReleaseReason::PhaseSwitch, |h| h.stats.reserved_bytes.current() <= target)
     }
 }

@@ -82,7 +82,7 @@ impl Heap {
     fn page_size(&self, small: bool) -> u64 {
         if small {
             SMALL_SEGMENT
-        } else if self.config.big_page > 0 && self.stats.reserved_bytes.all.peak >= self.config.big_page_after {
+        } else if self.config.big_page > 0 && self.stats.reserved_bytes.peak() >= self.config.big_page_after {
             self.config.big_page
         } else {
             self.config.large_page
@@ -292,7 +292,7 @@ impl Heap {
             (seg.addr, seg.page, seg.small, seg.stream)
         };
         let map_bytes = bytes.div_ceil(page).saturating_mul(page).min(size);
-        if self.stats.reserved_bytes.all.current.saturating_add(map_bytes) > self.allowed {
+        if self.stats.reserved_bytes.current().saturating_add(map_bytes) > self.allowed {
             self.stats.num_oom_rejections += 1;
             return Ok(None);
         }
@@ -343,7 +343,7 @@ impl Heap {
         let s = &mut self.stats;
         s.reserved_bytes.increase(small, map_bytes);
         s.num_device_alloc += 1;
-        self.step.note_reserved(self.stats.reserved_bytes.all.current);
+        self.step.note_reserved(self.stats.reserved_bytes.current());
         self.trace.record(TraceAction::SegmentMap, addr, map_bytes, 0, seg_stream.0, 0);
         let merged = self.merge_neighbours(id);
         self.enlist(merged);

@@ -201,7 +201,7 @@ impl Heap {
     }
 
     pub(crate) fn cached_free(&self) -> u64 {
-        self.stats.reserved_bytes.all.current - self.stats.active_bytes.all.current
+        self.stats.reserved_bytes.current() - self.stats.active_bytes.current()
     }
 
     pub(crate) fn over_cache_limit(&self) -> bool {
@@ -214,7 +214,7 @@ impl Heap {
     /// the average age until reserved drops below the threshold.
     pub(super) fn garbage_collect(&mut self) -> Result<()> {
         let threshold = (self.config.garbage_collection_threshold * self.allowed as f64) as u64;
-        let reserved = self.stats.reserved_bytes.all.current;
+        let reserved = self.stats.reserved_bytes.current();
         if reserved <= threshold {
             return Ok(());
         }
