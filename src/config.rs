@@ -23,7 +23,7 @@ pub const MAX_TRACE_ENTRIES: usize = 1 << 26;
 /// before the small pool maps a new page.
 /// (One line: the Python package's test reads it from this source.)
 #[rustfmt::skip]
-pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True";
+pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True,close_holes:True";
 
 /// Pages of expandable segments: multiples of the 2 MiB granularity, at most 1 GiB.
 const LARGE_PAGE_STEP: u64 = 2 * MIB;
@@ -165,6 +165,12 @@ pub const KEYS: &[KeyDoc] = &[
         doc: "a small request (at most 1 MiB) that finds no free small-pool block takes a free block of the large pool before the small pool maps a new page (counted in the large pool)",
     },
     KeyDoc {
+        name: "close_holes",
+        default: "False",
+        form: "True or False, with expandable_segments:True",
+        doc: "a request that needs pages goes first to the smallest unmapped hole it fills up to the free block after it (joining two mapped runs and their partly used end pages), then to PyTorch's first hole with room",
+    },
+    KeyDoc {
         name: "page_release",
         default: "False",
         form: "True or False",
@@ -281,6 +287,8 @@ pub struct Config {
     pub big_page_after: u64,
     /// Small requests take free large-pool blocks before the small pool grows.
     pub pack_small: bool,
+    /// Expandable segments: a request that needs pages closes a hole first (`close_holes`).
+    pub close_holes: bool,
     pub page_reuse: bool,
     pub page_release: bool,
     /// Free-block choice: exact best fit by (size, address) instead of the size-class head.
@@ -337,6 +345,7 @@ impl Default for Config {
             big_page: 0,
             big_page_after: 4096 * MIB,
             pack_small: false,
+            close_holes: false,
             page_reuse: false,
             page_release: false,
             exact_fit: false,
@@ -413,6 +422,7 @@ impl Config {
             ("page_release", self.page_release),
             ("big_page_mb", self.big_page > 0),
             ("pack_small", self.pack_small),
+            ("close_holes", self.close_holes),
         ] {
             if on && !self.expandable_segments {
                 return Err(Error::config(key, "works on expandable segments: add `expandable_segments:True`"));
@@ -472,6 +482,7 @@ impl Config {
             }
             "page_reuse" => self.page_reuse = parse_bool(value).ok_or_else(bad)?,
             "pack_small" => self.pack_small = parse_bool(value).ok_or_else(bad)?,
+            "close_holes" => self.close_holes = parse_bool(value).ok_or_else(bad)?,
             "big_page_mb" => self.big_page = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?,
             "big_page_after_mb" => {
                 self.big_page_after = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?

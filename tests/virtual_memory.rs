@@ -114,6 +114,40 @@ fn page_reuse_moves_idle_pages_instead_of_creating_memory() {
     }
 }
 
+/// `close_holes`: a request that fills an unmapped hole up to the free block after it goes
+/// there before PyTorch's first fit (a lower hole with more room), so the two mapped runs join
+/// and one pair of partly used end pages goes with them. PyTorch's expandable segments keep
+/// their first fit.
+#[test]
+fn close_holes_fills_a_hole_before_first_fit() {
+    let conf = "sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_reuse:True";
+    let half = MIB / 2;
+    for close in [false, true] {
+        let a = sim(&format!("{conf},close_holes:{}", if close { "True" } else { "False" }));
+        // Offsets in MiB: a [0, 3), b [3, 10.5), c [10.5, 12), d [12, 17.5), e [17.5, 20.5).
+        let sizes = [3 * MIB, 7 * MIB + half, MIB + half, 5 * MIB + half, 3 * MIB];
+        let ptrs: Vec<u64> = sizes.iter().map(|&s| a.malloc(0, s, S0).unwrap()).collect();
+        let base = ptrs[0];
+        a.free(0, ptrs[1], sizes[1]).unwrap();
+        a.free(0, ptrs[3], sizes[3]).unwrap();
+        // Unmaps the whole pages of b and d: holes [4, 10) (room 7.5 MiB with the free pieces
+        // [3, 4) and [10, 10.5)) and [12, 16) (room 5.5 MiB with the free piece [16, 17.5)).
+        a.empty_cache().unwrap();
+        let runs = |a: &Allocator| a.with_heap(0, |h| h.segments().len()).unwrap();
+        assert_eq!(runs(&a), 3);
+        let z = a.malloc(0, 5 * MIB, S0).unwrap();
+        a.check_invariants().unwrap();
+        if close {
+            assert_eq!(z, base + 12 * MIB, "the hole that 5 MiB closes");
+            assert_eq!(runs(&a), 2, "[0, 4) and [10, 20.5)");
+        } else {
+            assert_eq!(z, base + 3 * MIB, "PyTorch: the first hole with room");
+            assert_eq!(runs(&a), 3);
+        }
+        assert_eq!(stats(&a).heap.reserved_bytes.all.current, 16 * MIB, "12 MiB of pages left mapped, two more");
+    }
+}
+
 /// `big_page_mb`: once the peak of mapped bytes reaches `big_page_after_mb`, the large pool
 /// grows in a segment of its own with the big pages; a big page needed while fine pages are
 /// idle gives as many fine bytes back, so mapped bytes still track live ones.

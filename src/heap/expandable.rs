@@ -17,6 +17,8 @@
 //! stepalloc's additions, each behind its own key:
 //! - `big_page_mb`: past `big_page_after_mb` of peak mapped bytes, the large pool grows in
 //!   new segments with bigger pages (one growing segment per stream, pool and page size);
+//! - `close_holes`: a request that needs pages goes first to the smallest hole it fills up
+//!   to the free block after it (two mapped runs join), before PyTorch's first fit;
 //! - `pack_small` (in `Heap::malloc`): a small request that finds no free small-pool block
 //!   takes a free large-pool block before the small pool maps a page;
 //! - `page_reuse`: before creating physical memory for new pages, idle whole pages inside free
@@ -161,6 +163,11 @@ impl Heap {
             .map(|s| (self.arena.segment(s).addr, s))
             .collect();
         segments.sort_unstable();
+        // `close_holes`: the smallest chain that the request closes (one that reaches the free
+        // block after an unmapped hole) before PyTorch's first fit: a closed hole joins two
+        // mapped runs, and their partly used end pages with them.
+        let close_holes = self.config.close_holes;
+        let (mut first, mut closing): (Option<BlockId>, Option<(u64, BlockId)>) = (None, None);
         for (_, seg_id) in segments {
             for id in self.arena.segment_blocks(seg_id).collect::<Vec<_>>() {
                 if self.arena.state(id) != BlockState::Unmapped {
@@ -168,10 +175,22 @@ impl Heap {
                 }
                 let prev = self.arena.block(id).prev;
                 let start = if prev != NIL && self.reusable_by(prev, stream) { prev } else { id };
-                if self.room_from(start, rounded, stream) {
+                if !self.room_from(start, rounded, stream) {
+                    continue;
+                }
+                if !close_holes {
                     return Ok(Some(start));
                 }
+                first = first.or(Some(start));
+                if let Some(room) = self.room_closing(start, id, rounded, stream) {
+                    if closing.is_none_or(|(best, _)| room < best) {
+                        closing = Some((room, start));
+                    }
+                }
             }
+        }
+        if let Some(start) = closing.map(|(_, start)| start).or(first) {
+            return Ok(Some(start));
         }
         // A new segment: 1.125 × device memory of address space, as PyTorch reserves.
         let total = self.device_total;
@@ -229,6 +248,30 @@ impl Heap {
             id = b.next;
         }
         bytes >= rounded
+    }
+
+    /// When `rounded` bytes from `start` fill the unmapped block `hole` and reach the free
+    /// block after it, the room of the whole chain (free and unmapped blocks from `start`).
+    fn room_closing(&self, start: BlockId, hole: BlockId, rounded: u64, stream: Stream) -> Option<u64> {
+        let after = self.arena.block(hole).next;
+        if after == NIL || !self.reusable_by(after, stream) {
+            return None;
+        }
+        let mut before = 0u64;
+        let mut id = start;
+        while id != after {
+            before = before.saturating_add(self.arena.block(id).size);
+            id = self.arena.block(id).next;
+        }
+        if rounded <= before {
+            return None;
+        }
+        let mut room = before;
+        while id != NIL && (self.arena.state(id) == BlockState::Unmapped || self.reusable_by(id, stream)) {
+            room = room.saturating_add(self.arena.block(id).size);
+            id = self.arena.block(id).next;
+        }
+        Some(room)
     }
 
     /// The pages `map_chain(head, rounded)` will map, and the blocks of that chain.

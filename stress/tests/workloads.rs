@@ -302,7 +302,7 @@ fn run_stream(spec: &AgentSpec, names: &[&str]) -> Vec<report::RunReport> {
 
 /// Issue 9's targets on the agent presets: stepalloc's peak reserved (= mapped) at most 3% above
 /// the floor and strictly below PyTorch's expandable segments, without out-of-memory, with its
-/// modelled driver time at most 1% of the modelled compute time of the steps (measured 0.28% on
+/// modelled driver time at most 1% of the modelled compute time of the steps (measured 0.29% on
 /// `vlm-7b`, 0.96% on `llm-7b-sft`; 2.21% and 4.73% with 2 MiB pages throughout, before
 /// `big_page_mb`). PyTorch's expandable segments stay under 1% too.
 #[test]
