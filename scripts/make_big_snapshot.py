@@ -31,6 +31,21 @@ stacks = [
 ]
 trace = []
 live = {}
+
+
+def entry(action: str, e: dict, frames: list) -> dict:
+    return {
+        "action": action,
+        "addr": e["addr"],
+        "size": e["size"],
+        "stream": e.get("stream", 0),
+        "time_us": e["t_us"],
+        "frames": frames,
+        "compile_context": "N/A",
+        "user_metadata": "",
+    }
+
+
 with open(src) as f:
     for line in f:
         if len(trace) >= limit:
@@ -40,33 +55,11 @@ with open(src) as f:
         if op == "alloc":
             frames = stacks[(e["size"] >> 20) % len(stacks)]
             live[e["addr"]] = frames
-            trace.append(
-                {
-                    "action": "alloc",
-                    "addr": e["addr"],
-                    "size": e["size"],
-                    "stream": e.get("stream", 0),
-                    "time_us": e["t_us"],
-                    "frames": frames,
-                    "compile_context": "N/A",
-                    "user_metadata": "",
-                }
-            )
+            trace.append(entry("alloc", e, frames))
         elif op == "free":
             frames = live.pop(e["addr"], stacks[0])
             for action in ("free_requested", "free_completed"):
-                trace.append(
-                    {
-                        "action": action,
-                        "addr": e["addr"],
-                        "size": e["size"],
-                        "stream": e.get("stream", 0),
-                        "time_us": e["t_us"],
-                        "frames": frames,
-                        "compile_context": "N/A",
-                        "user_metadata": "",
-                    }
-                )
+                trace.append(entry(action, e, frames))
 settings = {
     "PYTORCH_CUDA_ALLOC_CONF": "",
     "max_split_size": -1,

@@ -1035,27 +1035,44 @@ mod tests {
 
     /// After a large phase the heap keeps its few live block records at the front of the
     /// arena and its live index small: the history of a heap does not slow it down.
-    #[test]
-    fn a_heap_that_shrank_reuses_low_slots_and_a_small_live_index() {
-        let mut heap = heap();
-        let mut state = 0x9E37_79B9_7F4A_7C15u64;
-        let mut next = move || {
+    /// A small xorshift generator: the heap tests' random sizes and victims, reproducible.
+    fn xorshift(mut state: u64) -> impl FnMut() -> u64 {
+        move || {
             state ^= state << 13;
             state ^= state >> 7;
             state ^= state << 17;
             state
-        };
+        }
+    }
+
+    /// 20,000 blocks of random sizes up to 256 KiB; `at_peak` sees the heap at its largest;
+    /// then random ones are freed until `keep` remain. Returns the live blocks.
+    fn grow_then_shrink(
+        heap: &mut Heap,
+        next: &mut impl FnMut() -> u64,
+        keep: usize,
+        at_peak: impl FnOnce(&Heap),
+    ) -> Vec<(u64, u64)> {
         let mut live: Vec<(u64, u64)> = (0..20_000)
             .map(|_| {
                 let size = 1 + next() % (256 << 10);
                 (heap.malloc(size, Stream(0), None).expect("malloc"), size)
             })
             .collect();
-        let large = heap.live.capacity();
-        while live.len() > 200 {
+        at_peak(heap);
+        while live.len() > keep {
             let (p, size) = live.swap_remove((next() % live.len() as u64) as usize);
             heap.free(p, size).expect("free");
         }
+        live
+    }
+
+    #[test]
+    fn a_heap_that_shrank_reuses_low_slots_and_a_small_live_index() {
+        let mut heap = heap();
+        let mut next = xorshift(0x9E37_79B9_7F4A_7C15);
+        let mut large = 0;
+        let mut live = grow_then_shrink(&mut heap, &mut next, 200, |h| large = h.live.capacity());
         assert!(heap.live.capacity() * 8 <= large, "live index {} of {large} after shrinking", heap.live.capacity());
         let vacant = |heap: &Heap| -> Vec<BlockId> { heap.arena.blocks_in_state(BlockState::Vacant).collect() };
         for _ in 0..200 {
@@ -1084,23 +1101,8 @@ mod tests {
     }
 
     fn shrink_then_churn(mut heap: Heap) {
-        let mut state = 0x2545_F491_4F6C_DD1Du64;
-        let mut next = move || {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            state
-        };
-        let mut live: Vec<(u64, u64)> = (0..20_000)
-            .map(|_| {
-                let size = 1 + next() % (256 << 10);
-                (heap.malloc(size, Stream(0), None).expect("malloc"), size)
-            })
-            .collect();
-        while live.len() > 500 {
-            let (p, size) = live.swap_remove((next() % live.len() as u64) as usize);
-            heap.free(p, size).expect("free");
-        }
+        let mut next = xorshift(0x2545_F491_4F6C_DD1D);
+        let mut live = grow_then_shrink(&mut heap, &mut next, 500, |_| {});
         let slots = heap.arena.blocks.len();
         for _ in 0..2_000 {
             let i = (next() % live.len() as u64) as usize;

@@ -435,20 +435,27 @@ impl Heap {
         Ok(())
     }
 
-    /// `page_reuse`: unmaps up to `needed` whole idle pages of size `page` from free blocks
-    /// outside `exclude`, largest blocks first, into `idle_pages`.
-    fn take_idle_pages(&mut self, needed: u64, page: u64, exclude: &[BlockId]) -> Result<()> {
+    /// Free large-pool blocks of at least `min` bytes, outside `exclude`, in segments whose page
+    /// size `keep` accepts: the blocks whose whole pages page reuse may take, largest first (the
+    /// fewest blocks cut for the pages needed; least recently freed first made fewer moves but
+    /// higher peaks on the model traces and agent presets).
+    fn page_sources(&self, min: u64, exclude: &[BlockId], keep: impl Fn(u64) -> bool) -> Vec<(u64, BlockId)> {
         let mut sources: Vec<(u64, BlockId)> = Vec::new();
         for list in &self.lists {
             if list.key.pool == 0 {
-                list.collect_at_least(&self.arena.blocks, page, &mut sources);
+                list.collect_at_least(&self.arena.blocks, min, &mut sources);
             }
         }
         sources
-            .retain(|&(_, id)| !exclude.contains(&id) && self.arena.segment(self.arena.block(id).segment).page == page);
-        // Largest holes first: the fewest blocks cut for the pages needed. (Least recently
-        // freed first made fewer moves but higher peaks on the model traces and agent presets.)
+            .retain(|&(_, id)| !exclude.contains(&id) && keep(self.arena.segment(self.arena.block(id).segment).page));
         sources.sort_unstable_by(|a, b| b.cmp(a));
+        sources
+    }
+
+    /// `page_reuse`: unmaps up to `needed` whole idle pages of size `page` from free blocks
+    /// outside `exclude`, largest blocks first, into `idle_pages`.
+    fn take_idle_pages(&mut self, needed: u64, page: u64, exclude: &[BlockId]) -> Result<()> {
+        let sources = self.page_sources(page, exclude, |p| p == page);
         let mut synced: Vec<Stream> = Vec::new();
         for &(_, id) in sources.iter().take(MAX_REUSE_SOURCES) {
             let have = self.idle_pages.len() as u64;
@@ -466,15 +473,7 @@ impl Heap {
     /// `page_reuse` with `big_page_mb`: unmaps and releases up to `bytes` of whole idle pages
     /// finer than `page` from free blocks outside `exclude`, largest blocks first.
     fn release_finer_pages(&mut self, bytes: u64, page: u64, exclude: &[BlockId]) -> Result<()> {
-        let mut sources: Vec<(u64, BlockId)> = Vec::new();
-        for list in &self.lists {
-            if list.key.pool == 0 {
-                list.collect_at_least(&self.arena.blocks, SMALL_SEGMENT, &mut sources);
-            }
-        }
-        sources
-            .retain(|&(_, id)| !exclude.contains(&id) && self.arena.segment(self.arena.block(id).segment).page < page);
-        sources.sort_unstable_by(|a, b| b.cmp(a));
+        let sources = self.page_sources(SMALL_SEGMENT, exclude, |p| p < page);
         let (mut released, mut synced) = (0u64, Vec::new());
         for &(_, id) in sources.iter().take(MAX_REUSE_SOURCES) {
             if released >= bytes {

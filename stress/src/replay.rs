@@ -10,7 +10,7 @@
 //! current values at one moment; each step's figures are its worst device's (`StepReport::device`).
 
 use crate::ops::{Op, Program};
-use crate::report::{DeviceReport, PeakExplanation, RunReport, Sample, StepReport};
+use crate::report::{worst_device, DeviceReport, PeakExplanation, RunReport, Sample, StepReport};
 use indicatif::ProgressBar;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -347,12 +347,16 @@ impl<'a> Runner<'a> {
                 if empty_cache_every_step {
                     self.allocator.empty_cache().map_err(|e| format!("op {index}: empty_cache: {e}"))?;
                 }
-                // The step's figures are its worst device's (the highest peak reserved, then the
-                // highest peak requested, then the lowest number), as the run's headline is: a
-                // sum of several devices' peaks is the peak of nothing.
-                let worst = (0..figures.len().min(self.devices))
-                    .max_by_key(|&d| (figures[d].peak_reserved, self.device_step_floor[d], std::cmp::Reverse(d)))
-                    .unwrap_or(0);
+                // The step's figures are its worst device's, as the run's headline is: a sum of
+                // several devices' peaks is the peak of nothing.
+                let worst = worst_device(
+                    figures
+                        .iter()
+                        .zip(&self.device_step_floor)
+                        .enumerate()
+                        .map(|(d, (f, &floor))| (d, f.peak_reserved, floor)),
+                )
+                .unwrap_or(0);
                 let mut step = StepReport {
                     step: figures.first().map_or(0, |f| f.steps),
                     phase: figures.first().map(|f| f.phase.clone()).unwrap_or_default(),
@@ -501,10 +505,8 @@ impl<'a> Runner<'a> {
 
     fn finish(self, rc: &RunConfig, ops: u64, wall: f64) -> RunReport {
         let devices: Vec<DeviceReport> = (0..self.used).map(|d| self.device_report(d)).collect();
-        // The worst device: highest peak reserved, then highest floor, then lowest number.
-        let worst = devices
-            .iter()
-            .min_by_key(|d| (std::cmp::Reverse(d.peak_reserved), std::cmp::Reverse(d.floor), d.device))
+        let worst = worst_device(devices.iter().map(|d| (d.device, d.peak_reserved, d.floor)))
+            .and_then(|w| devices.get(w))
             .cloned()
             .unwrap_or_default();
         let mut r = RunReport {

@@ -125,6 +125,13 @@ pub struct RunReport {
     pub worst_device: usize,
 }
 
+/// Which of several devices' figures stand for the run (or a step): the highest peak reserved,
+/// then the highest peak requested, then the lowest device number. Items are
+/// `(device, peak reserved, peak requested)`.
+pub fn worst_device(devices: impl IntoIterator<Item = (usize, u64, u64)>) -> Option<usize> {
+    devices.into_iter().max_by_key(|&(d, reserved, requested)| (reserved, requested, std::cmp::Reverse(d))).map(|w| w.0)
+}
+
 /// One device's figures over a run: its own peaks, tracked on that device as the run goes.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct DeviceReport {
