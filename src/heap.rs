@@ -271,7 +271,6 @@ impl Heap {
         b.stream = stream;
         let (addr, size) = (b.addr, b.size);
         let usage = self.arena.segment_use_mut(seg_id);
-        usage.busy += 1;
         usage.last_used_step = step;
         usage.phase_mask |= phase_bit;
         self.live.insert(&self.arena.blocks, id);
@@ -471,7 +470,6 @@ impl Heap {
         self.stats.active.decrease(small, 1);
         self.stats.active_bytes.decrease(small, size);
         self.trace.record(TraceAction::FreeCompleted, addr, size, requested, stream.0, 0);
-        self.arena.segment_use_mut(seg_id).busy -= 1;
         let id = self.merge_neighbours(id);
         self.enlist(id);
         self.split_stat_in(id);
@@ -903,7 +901,6 @@ impl Heap {
             reserved[p] += seg.mapped;
             let mut mapped = 0;
             let mut expect = seg.addr;
-            let mut busy = 0;
             let mut prev = NIL;
             let mut prev_free_stream: Option<Stream> = None;
             for id in self.arena.segment_blocks(seg_id) {
@@ -927,7 +924,6 @@ impl Heap {
                 }
                 match state {
                     BlockState::Allocated => {
-                        busy += 1;
                         allocated[p] += b.size;
                         requested[p] += b.requested;
                         active[p] += b.size;
@@ -937,7 +933,6 @@ impl Heap {
                         }
                     }
                     BlockState::Pending => {
-                        busy += 1;
                         active[p] += b.size;
                     }
                     BlockState::Free => {
@@ -972,10 +967,6 @@ impl Heap {
                 if pages * seg.page != seg.mapped {
                     return Err(format!("segment {:#x}: {pages} pages mapped for {} bytes", seg.addr, seg.mapped));
                 }
-            }
-            let counted = self.arena.segment_use(seg_id).busy;
-            if busy != counted {
-                return Err(format!("segment {:#x}: busy {counted} but counted {busy}", seg.addr));
             }
         }
         if live_count != self.live.len() {

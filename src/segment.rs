@@ -15,8 +15,7 @@
 //! merged with mapped blocks, never in a free list).
 //!
 //! Invariants: the blocks of a segment tile it without gap or overlap; two physically adjacent
-//! free blocks of compatible streams are always merged; `busy` counts the blocks of a segment
-//! that are allocated or pending.
+//! free blocks of compatible streams are always merged.
 
 use crate::backend::Stream;
 use rustc_hash::FxHashMap;
@@ -161,8 +160,6 @@ impl Segment {
 /// `malloc` and `free` then do not load).
 #[derive(Clone, Copy, Debug, Default)]
 pub struct SegmentUse {
-    /// Blocks that are allocated or pending.
-    pub busy: u32,
     /// Step number of the last allocation from this segment.
     pub last_used_step: u64,
     /// Bit per phase (phase index mod 64) that allocated from this segment.
@@ -332,7 +329,7 @@ impl Arena {
 
     pub fn new_segment(&mut self, segment: Segment, last_used_step: u64) -> SegmentId {
         self.live_segments += 1;
-        let usage = SegmentUse { busy: 0, last_used_step, phase_mask: 0 };
+        let usage = SegmentUse { last_used_step, phase_mask: 0 };
         match self.vacant_segments.pop() {
             Some(id) => {
                 self.segments[id as usize] = segment;

@@ -17,8 +17,7 @@ impl Heap {
         let seg = self.arena.segment(seg_id).clone();
         let id = seg.first;
         debug_assert!(
-            self.arena.segment_use(seg_id).busy == 0
-                && self.arena.block(id).next == NIL
+            self.arena.block(id).next == NIL
                 && self.arena.state(id) == BlockState::Free
         );
         self.wait_for_last_use(id)?;
@@ -61,7 +60,9 @@ impl Heap {
     /// Whether a plain segment is entirely one free block (expandable ones give back pages).
     pub(crate) fn segment_is_free(&self, seg_id: SegmentId) -> bool {
         let seg = self.arena.segment(seg_id);
-        !seg.expandable() && self.arena.segment_use(seg_id).busy == 0 && {
+        // A plain segment is free when its first block is free and is all of it (an allocated or
+        // pending block is never in the `Free` state).
+        !seg.expandable() && {
             let b = self.arena.block(seg.first);
             b.next == NIL && self.arena.state(seg.first) == BlockState::Free
         }
