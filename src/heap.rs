@@ -251,17 +251,27 @@ impl Heap {
     fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64, stream: Stream) -> u64 {
         // A record from a heap's larger past moves to the front (see `Arena::pack`).
         let id = self.arena.pack(id);
-        let (seg_id, small, expandable) = {
+        let (seg_id, small, expandable, block_size, was_split) = {
             let b = self.arena.block(id);
-            (b.segment, b.class.small(), b.class.expandable())
+            (b.segment, b.class.small(), b.class.expandable(), b.size, b.is_split())
         };
-        self.split_stat_out(id);
-        if self.should_split(self.arena.block(id).size, rounded, small || expandable) {
+        debug_assert_eq!(self.arena.state(id), BlockState::Free);
+        // Inactive-split statistics change by the operation's net effect, as PyTorch's do: an
+        // already split block shrinks by `rounded` or leaves; an unsplit one leaves a new piece.
+        if self.should_split(block_size, rounded, small || expandable) {
             // The remainder stays free, reusable by whoever could reuse the whole block.
             let rest = self.split_block(id, rounded);
             self.arena.block_mut(rest).freed_at = self.alloc_clock;
             self.enlist(rest);
-            self.split_stat_in(rest);
+            if was_split {
+                self.stats.inactive_split_bytes.decrease(small, rounded);
+            } else {
+                self.stats.inactive_split.increase(small, 1);
+                self.stats.inactive_split_bytes.increase(small, block_size - rounded);
+            }
+        } else if was_split {
+            self.stats.inactive_split.decrease(small, 1);
+            self.stats.inactive_split_bytes.decrease(small, block_size);
         }
         let step = self.step.step;
         let phase_bit = self.step.phase_bit();
@@ -470,9 +480,9 @@ impl Heap {
         self.stats.active.decrease(small, 1);
         self.stats.active_bytes.decrease(small, size);
         self.trace.record(TraceAction::FreeCompleted, addr, size, requested, stream.0, 0);
-        let id = self.merge_neighbours(id);
+        let (id, absorbed, absorbed_bytes) = self.merge_neighbours(id);
         self.enlist(id);
-        self.split_stat_in(id);
+        self.count_merged_free(id, absorbed, absorbed_bytes);
         // Free neighbours of different streams do not merge, so check the merged result: the
         // segment is free when this block is all of it (what `segment_is_free` tests, without
         // loading the segment).
@@ -524,7 +534,11 @@ impl Heap {
 
     /// Merges the free block `id` (not in a list) with free neighbours of compatible streams,
     /// as far as they reach each way. Returns the id of the merged block.
-    fn merge_neighbours(&mut self, id: BlockId) -> BlockId {
+    /// Merges block `id` with its free neighbours. Returns the merged block and the number and
+    /// bytes of the free blocks it absorbed (each a piece of a split segment, counted in the
+    /// inactive-split statistics until now: see `count_merged_free`).
+    fn merge_neighbours(&mut self, id: BlockId) -> (BlockId, u64, u64) {
+        let (mut absorbed, mut absorbed_bytes) = (0, 0);
         for forward in [false, true] {
             loop {
                 let b = self.arena.block(id);
@@ -533,19 +547,42 @@ impl Heap {
                 if other == NIL || self.arena.state(other) != BlockState::Free {
                     break;
                 }
-                let Some(stream) = merged_stream(b.stream, self.arena.block(other).stream) else { break };
+                let o = self.arena.block(other);
+                let Some(stream) = merged_stream(b.stream, o.stream) else { break };
+                absorbed += 1;
+                absorbed_bytes += o.size;
                 self.absorb(id, other, forward, stream);
             }
         }
-        id
+        (id, absorbed, absorbed_bytes)
     }
 
-    /// Block `id` takes over its free neighbour `other` (after it when `forward`).
-    /// An unmapped `other` merges with an unmapped `id` (no list, no split statistics).
+    /// The inactive-split statistics after `merge_neighbours` made the free block `merged`,
+    /// which is not counted yet, from blocks that were: one net change, as PyTorch's
+    /// `free_block` makes.
+    fn count_merged_free(&mut self, merged: BlockId, absorbed: u64, absorbed_bytes: u64) {
+        let b = self.arena.block(merged);
+        let small = b.class.small();
+        let (count, bytes) = if b.is_split() { (1, b.size) } else { (0, 0) };
+        let s = &mut self.stats;
+        if count > absorbed {
+            s.inactive_split.increase(small, count - absorbed);
+        } else if count < absorbed {
+            s.inactive_split.decrease(small, absorbed - count);
+        }
+        if bytes > absorbed_bytes {
+            s.inactive_split_bytes.increase(small, bytes - absorbed_bytes);
+        } else if bytes < absorbed_bytes {
+            s.inactive_split_bytes.decrease(small, absorbed_bytes - bytes);
+        }
+    }
+
+    /// Block `id` takes over its neighbour `other` (after it when `forward`): a free `other`
+    /// leaves its list (its inactive-split count is the caller's), an unmapped `other` merges
+    /// with an unmapped `id` (no list, no split statistics).
     fn absorb(&mut self, id: BlockId, other: BlockId, forward: bool, stream: Stream) {
         if self.arena.state(other) == BlockState::Free {
             self.unlist(other);
-            self.split_stat_out(other);
         }
         let o = self.arena.block(other);
         let (o_addr, o_size, o_prev, o_next, o_freed_at) = (o.addr, o.size, o.prev, o.next, o.freed_at);

@@ -23,6 +23,24 @@ const S0: Stream = Stream(0);
 const S1: Stream = Stream(0x1111);
 const S2: Stream = Stream(0x2222);
 
+/// The inactive-split statistics change once per operation, by its net effect, as PyTorch's
+/// `alloc_found_block` and `free_block` change them: taking 1 KiB from an already split free
+/// block shrinks it (1 KiB freed, no block count change), not a block leaving and a smaller one
+/// arriving; so the lifetime totals are PyTorch's.
+#[test]
+fn inactive_split_totals_count_net_changes_as_pytorch() {
+    let a = sim("");
+    let p = a.malloc(0, 1000, S0).unwrap(); // an unsplit segment leaves a new free piece
+    let q = a.malloc(0, 1000, S0).unwrap(); // the piece shrinks by 1 KiB
+    a.free(0, q, 1000).unwrap(); // the piece grows back by 1 KiB
+    a.free(0, p, 1000).unwrap(); // the segment is whole again: the piece leaves
+    let s = stats(&a).heap;
+    assert_eq!((s.inactive_split.all.allocated, s.inactive_split.all.freed), (1, 1));
+    assert_eq!((s.inactive_split_bytes.all.allocated, s.inactive_split_bytes.all.freed), (2 * MIB, 2 * MIB));
+    assert_eq!(s.inactive_split_bytes.small_pool.current, 0);
+    a.check_invariants().unwrap();
+}
+
 #[test]
 fn small_requests_split_a_2mib_segment() {
     let a = sim("");

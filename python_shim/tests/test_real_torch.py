@@ -11,6 +11,7 @@ Skipped when the stubs are not built (``testdrv/build.sh``) or torch is not inst
 
 from __future__ import annotations
 
+import json
 import os
 import textwrap
 from pathlib import Path
@@ -349,7 +350,6 @@ def test_record_memory_history_and_dump_snapshot_under_stepalloc(tmp_path: Path)
     stress = ROOT / "target" / "debug" / "stepalloc-stress"
     if not stress.exists():
         pytest.skip("stepalloc-stress is not built (cargo build -p stepalloc-stress)")
-    import json
     import subprocess
 
     # The recorded run's own configuration (backend:cuda's defaults: PyTorch's rules with the
@@ -401,6 +401,46 @@ def test_stepalloc_reserves_no_more_than_pytorchs_own_allocator_on_the_same_scri
     assert default > 300 << 20
     assert ours <= default
     assert ours <= expandable
+
+
+# Small blocks of distinct sizes in one 2 MiB segment and large ones in one 20 MiB segment,
+# freed and reallocated so that free pieces are split, shrunk, grown and merged (no two free
+# blocks of one size, whose order PyTorch and stepalloc's `exact_fit` may break differently).
+STATISTICS_SCRIPT = """
+import json
+KIB = 1 << 10
+live = {}
+sizes = [3 * KIB, 700, 40 * KIB, 5 * KIB, 130 * KIB, 9 * KIB, 2 * MIB + 3, 3 * MIB + 5, 1536 * KIB, 4 * MIB + 7]
+for i, size in enumerate(sizes):
+    live[i] = torch.empty(size, dtype=torch.uint8, device="cuda")
+for i in (1, 3, 7, 8):
+    del live[i]
+for i, size in zip(range(10, 16), [600, 4 * KIB, 2 * MIB + 100, 1200 * KIB, 200, 2 * MIB]):
+    live[i] = torch.empty(size, dtype=torch.uint8, device="cuda")
+for i in (0, 2, 10, 6, 12):
+    del live[i]
+keys = ("allocation", "allocated_bytes", "active", "active_bytes", "inactive_split",
+        "inactive_split_bytes", "segment", "reserved_bytes", "requested_bytes")
+stats = READ
+print("stats=" + json.dumps({k: v for k, v in stats.items() if k.split(".")[0] in keys}))
+"""
+
+
+def test_statistics_equal_pytorchs_own_allocator_on_the_same_sequence() -> None:
+    """Every pool statistic (current, peak and the lifetime allocated / freed totals, per pool)
+    equals what PyTorch's own allocator reports after the same allocations and frees. The
+    inactive-split figures change once per operation by its net effect, as PyTorch's do."""
+
+    def stats(setup: str, read: str) -> dict[str, int]:
+        out = run_torch(setup + STATISTICS_SCRIPT.replace("READ", read))
+        return json.loads(values(out)["stats"])
+
+    native = stats("", "torch.cuda.memory_stats()")
+    ours = stats('stepalloc.install("backend:cuda,exact_fit:True")\n', "stepalloc.memory_stats(0)")
+    assert len(native) == 9 * 3 * 4, sorted(native)
+    assert native["inactive_split.all.allocated"] > 0 and native["inactive_split.all.freed"] > 0
+    differing = {k: (native[k], ours.get(k)) for k in native if native[k] != ours.get(k)}
+    assert not differing, f"(PyTorch, stepalloc): {differing}"
 
 
 def test_drift_check_names_what_the_installed_torch_needs_and_a_stub_lacks(tmp_path: Path) -> None:

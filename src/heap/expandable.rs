@@ -388,9 +388,9 @@ impl Heap {
         s.num_device_alloc += 1;
         self.step.note_reserved(self.stats.reserved_bytes.current());
         self.trace.record(TraceAction::SegmentMap, addr, map_bytes, 0, seg_stream.0, 0);
-        let merged = self.merge_neighbours(id);
+        let (merged, absorbed, absorbed_bytes) = self.merge_neighbours(id);
         self.enlist(merged);
-        self.split_stat_in(merged);
+        self.count_merged_free(merged, absorbed, absorbed_bytes);
         Ok(Some(merged))
     }
 

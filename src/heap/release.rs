@@ -16,10 +16,7 @@ impl Heap {
     pub(crate) fn release_segment(&mut self, seg_id: SegmentId, reason: ReleaseReason) -> Result<u64> {
         let seg = self.arena.segment(seg_id).clone();
         let id = seg.first;
-        debug_assert!(
-            self.arena.block(id).next == NIL
-                && self.arena.state(id) == BlockState::Free
-        );
+        debug_assert!(self.arena.block(id).next == NIL && self.arena.state(id) == BlockState::Free);
         self.wait_for_last_use(id)?;
         self.backend.release(seg.addr, seg.size)?;
         self.unlist(id);
@@ -158,9 +155,9 @@ impl Heap {
             }
             self.unlist(id);
             self.split_stat_out(id);
-            let merged = self.merge_neighbours(id);
+            let (merged, absorbed, absorbed_bytes) = self.merge_neighbours(id);
             self.enlist(merged);
-            self.split_stat_in(merged);
+            self.count_merged_free(merged, absorbed, absorbed_bytes);
         }
         Ok(())
     }
