@@ -27,7 +27,7 @@ use crate::error::{Error, OomReport, Result};
 use crate::freelist::{FreeList, ListKey};
 use crate::segment::{Arena, Block, BlockClass, BlockId, BlockState, Segment, SegmentId, ANY_STREAM, NIL};
 use crate::sizeclass::{self, GRANULE, MAX_REQUEST, SMALL_REQUEST};
-use crate::stats::{DeviceStats, HeapStats, PoolCounter, ReleaseReason};
+use crate::stats::{ActiveCounter, DeviceStats, HeapStats, PoolCounter, ReleaseReason};
 use crate::step::StepState;
 use crate::trace::{TraceAction, TraceRing};
 use crate::units::{format_bytes, MIB};
@@ -78,7 +78,7 @@ pub struct Heap {
     pending: VecDeque<(Event, BlockId)>,
     /// Private pools; index `i` is pool number `i + 1` (0 is the general pool).
     private_pools: Vec<Option<PrivatePool>>,
-    pub(crate) stats: HeapStats<PoolCounter>,
+    pub(crate) stats: HeapStats<PoolCounter, ActiveCounter>,
     pub(crate) step: StepState,
     pub(crate) trace: TraceRing,
     device_total: u64,
@@ -289,8 +289,10 @@ impl Heap {
         s.allocation.increase(small, 1);
         s.allocated_bytes.increase(small, size);
         s.requested_bytes.increase(small, requested);
-        s.active.increase(small, 1);
-        s.active_bytes.increase(small, size);
+        if s.active.any_pending() {
+            s.active.note_increase(&s.allocation);
+            s.active_bytes.note_increase(&s.allocated_bytes);
+        }
         if size >= self.config.max_split_size {
             s.oversize_allocations.increase(1);
         }
@@ -389,7 +391,7 @@ impl Heap {
         let reserved = self.stats.reserved_bytes.current();
         let allocated = self.stats.allocated_bytes.current();
         let largest = self.largest_free_block();
-        let cached_free = reserved - self.stats.active_bytes.current();
+        let cached_free = reserved - self.stats.active_bytes_current();
         let hint = if cached_free >= rounded && largest < rounded && !self.config.page_reuse {
             format!(
                 "{} is cached but no free block is large enough: the cache is fragmented. \
@@ -453,8 +455,16 @@ impl Heap {
             self.defer_free_events(id);
             return Ok(());
         }
-        self.arena.set_state(id, BlockState::Pending);
+        self.mark_pending(id);
         self.record_free_events(id)
+    }
+
+    /// A freed block waits for other streams' work before it is free (it stays active).
+    fn mark_pending(&mut self, id: BlockId) {
+        self.arena.set_state(id, BlockState::Pending);
+        let b = self.arena.block(id);
+        let (small, size) = (b.class.small(), b.size);
+        self.stats.note_pending(small, size);
     }
 
     #[cold]
@@ -468,6 +478,7 @@ impl Heap {
 
     /// A block becomes free: merge it with free neighbours and file it.
     fn finish_free(&mut self, id: BlockId) -> Result<()> {
+        let was_pending = self.arena.state(id) == BlockState::Pending;
         self.arena.set_state(id, BlockState::Free);
         let (seg_id, size, stream, addr, requested, class) = {
             let b = self.arena.block_mut(id);
@@ -477,8 +488,9 @@ impl Heap {
             (b.segment, b.size, b.stream, b.addr, requested, b.class)
         };
         let small = class.small();
-        self.stats.active.decrease(small, 1);
-        self.stats.active_bytes.decrease(small, size);
+        if was_pending {
+            self.stats.note_pending_done(small, size);
+        }
         self.trace.record(TraceAction::FreeCompleted, addr, size, requested, stream.0, 0);
         let (id, absorbed, absorbed_bytes) = self.merge_neighbours(id);
         self.enlist(id);
@@ -665,7 +677,7 @@ impl Heap {
     /// A free during a capture of a block used by several streams: it stays pending, and its
     /// events are recorded when no capture is underway.
     fn defer_free_events(&mut self, id: BlockId) {
-        self.arena.set_state(id, BlockState::Pending);
+        self.mark_pending(id);
         self.deferred_frees.push(id);
         self.deferred_work = true;
     }

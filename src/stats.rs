@@ -152,6 +152,103 @@ impl PoolCounter {
     }
 }
 
+/// `active` / `active_bytes` as the heap keeps them. A block is active from its malloc until
+/// its free completes, so active is what is allocated plus what is pending (freed while other
+/// streams' work may still use it), and every increase of active is an allocation's. Only the
+/// pending part is counted here; the rest comes from the allocation counter when read: the
+/// current value and lifetime totals are allocation's plus the pending part, and the peak is the
+/// larger of allocation's peak and the peaks seen after allocations made while something was
+/// pending (at any other moment active equals allocation, whose peak covers it). So a malloc
+/// updates this only while something is pending, and a free only when its block was pending.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ActiveCounter {
+    /// Pending blocks (or bytes), small pool then large.
+    pending: [u64; 2],
+    /// Per pool, the largest allocated + pending seen while something was pending.
+    peak: [u64; 2],
+    all_peak: u64,
+    /// Per pool, the active value at the last `reset_accumulated` (see `Counter::base`).
+    base: [u64; 2],
+}
+
+fn pool_index(small: bool) -> usize {
+    if small {
+        0
+    } else {
+        1
+    }
+}
+
+impl ActiveCounter {
+    /// Whether any block is pending (the hot path's only test).
+    #[inline]
+    pub fn any_pending(&self) -> bool {
+        (self.pending[0] | self.pending[1]) != 0
+    }
+
+    pub fn add_pending(&mut self, small: bool, amount: u64) {
+        self.pending[pool_index(small)] += amount;
+    }
+
+    pub fn remove_pending(&mut self, small: bool, amount: u64) {
+        let pending = &mut self.pending[pool_index(small)];
+        debug_assert!(*pending >= amount, "pending statistic would go negative");
+        *pending = pending.saturating_sub(amount);
+    }
+
+    /// After `allocation` increased while something is pending: a new peak of active may be
+    /// one allocation's peak does not show.
+    pub fn note_increase(&mut self, allocation: &PoolCounter) {
+        for (i, pool) in [&allocation.small, &allocation.large].into_iter().enumerate() {
+            self.peak[i] = self.peak[i].max(pool.current + self.pending[i]);
+        }
+        self.all_peak = self.all_peak.max(self.current(allocation));
+    }
+
+    /// `all.current`.
+    pub fn current(&self, allocation: &PoolCounter) -> u64 {
+        allocation.current() + self.pending[0] + self.pending[1]
+    }
+
+    pub fn read(&self, allocation: &PoolCounter) -> PoolStat {
+        let pools = [&allocation.small, &allocation.large];
+        let stat = |i: usize| {
+            let current = pools[i].current + self.pending[i];
+            Stat {
+                current,
+                peak: self.peak[i].max(pools[i].peak),
+                allocated: saturate(pools[i].allocated),
+                freed: saturate(freed(pools[i].allocated, self.base[i], current)),
+            }
+        };
+        let allocated = allocation.small.allocated + allocation.large.allocated;
+        let current = self.current(allocation);
+        PoolStat {
+            all: Stat {
+                current,
+                peak: self.all_peak.max(allocation.all_peak),
+                allocated: saturate(allocated),
+                freed: saturate(freed(allocated, self.base[0] + self.base[1], current)),
+            },
+            small_pool: stat(0),
+            large_pool: stat(1),
+        }
+    }
+
+    fn reset_peaks(&mut self, allocation: &PoolCounter) {
+        for (i, pool) in [&allocation.small, &allocation.large].into_iter().enumerate() {
+            self.peak[i] = pool.current + self.pending[i];
+        }
+        self.all_peak = self.current(allocation);
+    }
+
+    fn reset_accumulated(&mut self, allocation: &PoolCounter) {
+        for (i, pool) in [&allocation.small, &allocation.large].into_iter().enumerate() {
+            self.base[i] = pool.current + self.pending[i];
+        }
+    }
+}
+
 /// Why cached memory went back to the device (a metric label, a small fixed set).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ReleaseReason {
@@ -183,16 +280,17 @@ impl ReleaseReason {
 }
 
 /// The counters a device heap keeps. Field names are torch's keys. The heap keeps them as
-/// `HeapStats<PoolCounter>` (cheap to update); readers get `HeapStats<PoolStat>` (see `read`).
+/// `HeapStats<PoolCounter, ActiveCounter>` (cheap to update); readers get `HeapStats<PoolStat>`
+/// (see `read`).
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
-pub struct HeapStats<P = PoolStat> {
+pub struct HeapStats<P = PoolStat, A = P> {
     pub allocation: P,
     pub segment: P,
-    pub active: P,
+    pub active: A,
     pub inactive_split: P,
     pub allocated_bytes: P,
     pub reserved_bytes: P,
-    pub active_bytes: P,
+    pub active_bytes: A,
     pub inactive_split_bytes: P,
     pub requested_bytes: P,
     pub oversize_allocations: Stat,
@@ -230,7 +328,7 @@ pub struct HeapStats<P = PoolStat> {
 /// Upper bounds (seconds) of the device-malloc latency histogram buckets.
 pub const DEVICE_ALLOC_BUCKETS_S: [f64; 11] = [1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 1e-1];
 
-impl HeapStats<PoolCounter> {
+impl HeapStats<PoolCounter, ActiveCounter> {
     pub fn record_device_alloc_latency(&mut self, ns: u64) {
         let seconds = ns as f64 * 1e-9;
         let bucket =
@@ -239,22 +337,39 @@ impl HeapStats<PoolCounter> {
         self.device_alloc_latency_sum_ns += ns;
     }
 
-    fn pool_stats_mut(&mut self) -> [&mut PoolCounter; 9] {
+    fn pool_stats_mut(&mut self) -> [&mut PoolCounter; 7] {
         [
             &mut self.allocation,
             &mut self.segment,
-            &mut self.active,
             &mut self.inactive_split,
             &mut self.allocated_bytes,
             &mut self.reserved_bytes,
-            &mut self.active_bytes,
             &mut self.inactive_split_bytes,
             &mut self.requested_bytes,
         ]
     }
 
+    /// `active_bytes.all.current`.
+    pub fn active_bytes_current(&self) -> u64 {
+        self.active_bytes.current(&self.allocated_bytes)
+    }
+
+    /// A freed block becomes pending (its reuse waits for other streams' work).
+    pub fn note_pending(&mut self, small: bool, size: u64) {
+        self.active.add_pending(small, 1);
+        self.active_bytes.add_pending(small, size);
+    }
+
+    /// A pending block's free completed.
+    pub fn note_pending_done(&mut self, small: bool, size: u64) {
+        self.active.remove_pending(small, 1);
+        self.active_bytes.remove_pending(small, size);
+    }
+
     /// `torch.cuda.reset_peak_memory_stats`: every peak becomes the current value.
     pub fn reset_peaks(&mut self) {
+        self.active.reset_peaks(&self.allocation);
+        self.active_bytes.reset_peaks(&self.allocated_bytes);
         for pool in self.pool_stats_mut() {
             pool.reset_peaks();
         }
@@ -265,6 +380,8 @@ impl HeapStats<PoolCounter> {
 
     /// `torch.cuda.reset_accumulated_memory_stats`: allocated/freed totals and event counters to 0.
     pub fn reset_accumulated(&mut self) {
+        self.active.reset_accumulated(&self.allocation);
+        self.active_bytes.reset_accumulated(&self.allocated_bytes);
         for pool in self.pool_stats_mut() {
             pool.reset_accumulated();
         }
@@ -290,11 +407,11 @@ impl HeapStats<PoolCounter> {
         HeapStats {
             allocation: self.allocation.read(),
             segment: self.segment.read(),
-            active: self.active.read(),
+            active: self.active.read(&self.allocation),
             inactive_split: self.inactive_split.read(),
             allocated_bytes: self.allocated_bytes.read(),
             reserved_bytes: self.reserved_bytes.read(),
-            active_bytes: self.active_bytes.read(),
+            active_bytes: self.active_bytes.read(&self.allocated_bytes),
             inactive_split_bytes: self.inactive_split_bytes.read(),
             requested_bytes: self.requested_bytes.read(),
             oversize_allocations: self.oversize_allocations,
@@ -600,6 +717,113 @@ mod tests {
         assert_eq!(plain.large_pool.freed, u64::MAX);
         assert_eq!(counter.read(), plain);
         assert_eq!(counter.peak(), plain.all.peak);
+    }
+
+    /// What happens to one block in `active_counter_reads_as_the_plain_update`.
+    #[derive(Clone, Debug)]
+    enum ActiveOp {
+        Malloc {
+            small: bool,
+            size: u64,
+        },
+        /// Free the `pick`-th live block; `pending`: it waits for other streams first.
+        Free {
+            pick: usize,
+            pending: bool,
+        },
+        /// The `pick`-th pending block's free completes.
+        Complete {
+            pick: usize,
+        },
+        ResetPeaks,
+        ResetAccumulated,
+    }
+
+    fn active_op() -> impl proptest::strategy::Strategy<Value = ActiveOp> {
+        use proptest::prelude::*;
+        prop_oneof![
+            4 => (any::<bool>(), 1u64..1 << 30).prop_map(|(small, size)| ActiveOp::Malloc { small, size }),
+            3 => (any::<usize>(), any::<bool>()).prop_map(|(pick, pending)| ActiveOp::Free { pick, pending }),
+            2 => any::<usize>().prop_map(|pick| ActiveOp::Complete { pick }),
+            1 => Just(ActiveOp::ResetPeaks),
+            1 => Just(ActiveOp::ResetAccumulated),
+        ]
+    }
+
+    proptest::proptest! {
+        /// `active` / `active_bytes` kept as allocation plus pending (updated on the hot path
+        /// only while something is pending) read exactly what updating them on every malloc
+        /// and completed free gives: current, peaks and totals, per pool and overall.
+        #[test]
+        fn active_counter_reads_as_the_plain_update(ops in proptest::collection::vec(active_op(), 1..200)) {
+            let (mut allocation, mut allocated_bytes) = (PoolCounter::default(), PoolCounter::default());
+            let (mut active, mut active_bytes) = (ActiveCounter::default(), ActiveCounter::default());
+            let (mut plain, mut plain_bytes) = (PoolStat::default(), PoolStat::default());
+            let mut live: Vec<(bool, u64)> = Vec::new();
+            let mut pending: Vec<(bool, u64)> = Vec::new();
+            for op in ops {
+                match op {
+                    ActiveOp::Malloc { small, size } => {
+                        allocation.increase(small, 1);
+                        allocated_bytes.increase(small, size);
+                        if active.any_pending() {
+                            active.note_increase(&allocation);
+                            active_bytes.note_increase(&allocated_bytes);
+                        }
+                        reference_increase(&mut plain, small, 1);
+                        reference_increase(&mut plain_bytes, small, size);
+                        live.push((small, size));
+                    }
+                    ActiveOp::Free { pick, pending: waits } if !live.is_empty() => {
+                        let (small, size) = live.swap_remove(pick % live.len());
+                        allocation.decrease(small, 1);
+                        allocated_bytes.decrease(small, size);
+                        if waits {
+                            active.add_pending(small, 1);
+                            active_bytes.add_pending(small, size);
+                            pending.push((small, size));
+                        } else {
+                            reference_decrease(&mut plain, small, 1);
+                            reference_decrease(&mut plain_bytes, small, size);
+                        }
+                    }
+                    ActiveOp::Complete { pick } if !pending.is_empty() => {
+                        let (small, size) = pending.swap_remove(pick % pending.len());
+                        active.remove_pending(small, 1);
+                        active_bytes.remove_pending(small, size);
+                        reference_decrease(&mut plain, small, 1);
+                        reference_decrease(&mut plain_bytes, small, size);
+                    }
+                    ActiveOp::ResetPeaks => {
+                        active.reset_peaks(&allocation);
+                        active_bytes.reset_peaks(&allocated_bytes);
+                        allocation.reset_peaks();
+                        allocated_bytes.reset_peaks();
+                        for p in [&mut plain, &mut plain_bytes] {
+                            for s in [&mut p.all, &mut p.small_pool, &mut p.large_pool] {
+                                s.peak = s.current;
+                            }
+                        }
+                    }
+                    ActiveOp::ResetAccumulated => {
+                        active.reset_accumulated(&allocation);
+                        active_bytes.reset_accumulated(&allocated_bytes);
+                        allocation.reset_accumulated();
+                        allocated_bytes.reset_accumulated();
+                        for p in [&mut plain, &mut plain_bytes] {
+                            for s in [&mut p.all, &mut p.small_pool, &mut p.large_pool] {
+                                s.allocated = 0;
+                                s.freed = 0;
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+                proptest::prop_assert_eq!(active.read(&allocation), plain);
+                proptest::prop_assert_eq!(active_bytes.read(&allocated_bytes), plain_bytes);
+                proptest::prop_assert_eq!(active_bytes.current(&allocated_bytes), plain_bytes.all.current);
+            }
+        }
     }
 
     #[test]

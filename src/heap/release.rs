@@ -199,7 +199,7 @@ impl Heap {
     }
 
     pub(crate) fn cached_free(&self) -> u64 {
-        self.stats.reserved_bytes.current() - self.stats.active_bytes.current()
+        self.stats.reserved_bytes.current() - self.stats.active_bytes_current()
     }
 
     pub(crate) fn over_cache_limit(&self) -> bool {
