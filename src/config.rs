@@ -20,10 +20,12 @@ pub const MAX_TRACE_ENTRIES: usize = 1 << 26;
 /// 4 GiB of mapped bytes the large pool grows in 16 MiB pages, which keeps the driver's time
 /// on a large heap under 1% of the step time (2 MiB pages throughout took 2–5%); a small
 /// request that finds no free small-pool block takes free space in the large pool's pages
-/// before the small pool maps a new page.
+/// before the small pool maps a new page; a request that needs pages closes an unmapped hole
+/// first; while pages are fine, parameter-sized requests (gradients, optimizer states) have
+/// segments of their own, so short-lived tensors leave no partly used pages between them.
 /// (One line: the Python package's test reads it from this source.)
 #[rustfmt::skip]
-pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True,close_holes:True";
+pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True,close_holes:True,param_lane:True";
 
 /// Pages of expandable segments: multiples of the 2 MiB granularity, at most 1 GiB.
 const LARGE_PAGE_STEP: u64 = 2 * MIB;
