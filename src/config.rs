@@ -176,7 +176,7 @@ pub const KEYS: &[KeyDoc] = &[
         name: "param_lane",
         default: "False",
         form: "True or False, with expandable_segments:True",
-        doc: "a request of the size of a block live when the first step began (a parameter: gradients and optimizer states have its size) is placed in expandable segments of its own while large-pool pages are large_segment_size_mb, so that a step's short-lived tensors do not leave free partly used pages between long-lived ones",
+        doc: "a request of the size of a block live when the first step began (a parameter: gradients and optimizer states have its size) is placed in expandable segments of its own while large-pool pages are large_segment_size_mb, so that a step's short-lived tensors do not leave free partly used pages between long-lived ones; without step markers it does nothing",
     },
     KeyDoc {
         name: "page_release",
