@@ -432,3 +432,35 @@ fn param_lane_packs_optimizer_states_apart_from_activations() {
         a.check_invariants().unwrap();
     }
 }
+
+/// `param_lane` notes the parameters' sizes at the first step's begin (before it, a request of
+/// the same size stays with the others) and stops once the large pool's pages are big: past
+/// `big_page_after_mb` a parameter-sized request is served like any other.
+#[test]
+fn param_lane_starts_at_the_first_step_and_stops_at_big_pages() {
+    let conf = "sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_reuse:True";
+    let a = sim(&format!("{conf},big_page_mb:16,big_page_after_mb:64,param_lane:True"));
+    let p = 3 * MIB + MIB / 2;
+    let segment_of = |ptr: u64| a.with_heap(0, |h| h.base_allocation(ptr)).unwrap().unwrap().0;
+    let weight = a.malloc(0, p, S0).unwrap();
+    let before = a.malloc(0, p, S0).unwrap();
+    assert_eq!(segment_of(before), segment_of(weight), "no step has begun: no lane");
+    a.free(0, before, p).unwrap();
+    a.step_begin("train").unwrap();
+    let grad = a.malloc(0, p, S0).unwrap();
+    assert_ne!(segment_of(grad), segment_of(weight), "a parameter's size: the lane");
+    let other = a.malloc(0, p + MIB, S0).unwrap();
+    assert_eq!(segment_of(other), segment_of(weight), "another size: not the lane");
+    // 70 MiB: the peak of mapped bytes passes 64 MiB, and the large pool's pages are big.
+    let big = a.malloc(0, 70 * MIB, S0).unwrap();
+    let big_segment = segment_of(big);
+    a.free(0, big, 70 * MIB).unwrap();
+    let late = a.malloc(0, p, S0).unwrap();
+    assert_eq!(segment_of(late), big_segment, "big pages: the lane has stopped, the free big pages serve it");
+    for (ptr, size) in [(weight, p), (grad, p), (other, p + MIB), (late, p)] {
+        a.free(0, ptr, size).unwrap();
+    }
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 0, "every lane's pages unmapped");
+}
