@@ -20,10 +20,12 @@ pub const MAX_TRACE_ENTRIES: usize = 1 << 26;
 /// 4 GiB of mapped bytes the large pool grows in 16 MiB pages, which keeps the driver's time
 /// on a large heap under 1% of the step time (2 MiB pages throughout took 2–5%); a small
 /// request that finds no free small-pool block takes free space in the large pool's pages
-/// before the small pool maps a new page.
+/// before the small pool maps a new page; a request that needs pages closes an unmapped hole
+/// first; while pages are fine, parameter-sized requests (gradients, optimizer states) have
+/// segments of their own, so short-lived tensors leave no partly used pages between them.
 /// (One line: the Python package's test reads it from this source.)
 #[rustfmt::skip]
-pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True,close_holes:True";
+pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True,close_holes:True,param_lane:True";
 
 /// Pages of expandable segments: multiples of the 2 MiB granularity, at most 1 GiB.
 const LARGE_PAGE_STEP: u64 = 2 * MIB;
@@ -171,6 +173,12 @@ pub const KEYS: &[KeyDoc] = &[
         doc: "a request that needs pages goes first to the smallest unmapped hole it fills up to the free block after it (joining two mapped runs and their partly used end pages), then to PyTorch's first hole with room",
     },
     KeyDoc {
+        name: "param_lane",
+        default: "False",
+        form: "True or False, with expandable_segments:True",
+        doc: "a request of the size of a block live when the first step began (a parameter: gradients and optimizer states have its size) is placed in expandable segments of its own while large-pool pages are large_segment_size_mb, so that a step's short-lived tensors do not leave free partly used pages between long-lived ones; without step markers it does nothing",
+    },
+    KeyDoc {
         name: "page_release",
         default: "False",
         form: "True or False",
@@ -289,6 +297,8 @@ pub struct Config {
     pub pack_small: bool,
     /// Expandable segments: a request that needs pages closes a hole first (`close_holes`).
     pub close_holes: bool,
+    /// Expandable segments: parameter-sized requests have segments of their own (`param_lane`).
+    pub param_lane: bool,
     pub page_reuse: bool,
     pub page_release: bool,
     /// Free-block choice: exact best fit by (size, address) instead of the size-class head.
@@ -346,6 +356,7 @@ impl Default for Config {
             big_page_after: 4096 * MIB,
             pack_small: false,
             close_holes: false,
+            param_lane: false,
             page_reuse: false,
             page_release: false,
             exact_fit: false,
@@ -423,6 +434,7 @@ impl Config {
             ("big_page_mb", self.big_page > 0),
             ("pack_small", self.pack_small),
             ("close_holes", self.close_holes),
+            ("param_lane", self.param_lane),
         ] {
             if on && !self.expandable_segments {
                 return Err(Error::config(key, "works on expandable segments: add `expandable_segments:True`"));
@@ -483,6 +495,7 @@ impl Config {
             "page_reuse" => self.page_reuse = parse_bool(value).ok_or_else(bad)?,
             "pack_small" => self.pack_small = parse_bool(value).ok_or_else(bad)?,
             "close_holes" => self.close_holes = parse_bool(value).ok_or_else(bad)?,
+            "param_lane" => self.param_lane = parse_bool(value).ok_or_else(bad)?,
             "big_page_mb" => self.big_page = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?,
             "big_page_after_mb" => {
                 self.big_page_after = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?
@@ -872,13 +885,16 @@ mod tests {
             ("big_page_mb:16", "expandable_segments:True"),
             ("pack_small:True", "expandable_segments:True"),
             ("expandable_segments:True,pack_small:yes", "bad value `yes`"),
+            ("param_lane:True", "expandable_segments:True"),
+            ("expandable_segments:True,param_lane:2", "bad value `2`"),
             ("expandable_segments:True,big_page_mb:3", "bad value `3`"),
             ("expandable_segments:True,big_page_mb:2048", "bad value `2048`"),
             ("expandable_segments:True,big_page_mb:-2", "bad value `-2`"),
             ("expandable_segments:True,big_page_after_mb:18446744073709551615", "bad value"),
         ] {
             let e = Config::parse(bad).unwrap_err();
-            let key = ["big_page_after_mb", "pack_small", "big_page_mb"].into_iter().find(|k| bad.contains(k)).unwrap();
+            let keys = ["big_page_after_mb", "pack_small", "big_page_mb", "param_lane"];
+            let key = keys.into_iter().find(|k| bad.contains(k)).unwrap();
             assert!(matches!(e, Error::Config { key: ref k, .. } if k == key), "{bad}: {e}");
             assert!(e.to_string().contains(expected), "{bad}: {e}");
         }

@@ -17,6 +17,8 @@ pub struct ListKey {
     pub pool: u32,
     pub small: bool,
     pub stream: Stream,
+    /// The parameter lane's blocks (`param_lane`) are listed apart.
+    pub lane: bool,
 }
 
 pub struct FreeList {

@@ -106,6 +106,8 @@ pub struct Heap {
     idle_pages: Vec<PhysHandle>,
     /// `alloc_clock` when the current step began (`page_release`).
     pub(crate) step_clock: u64,
+    /// `param_lane`: rounded sizes of the blocks live when the first step began.
+    param_sizes: rustc_hash::FxHashSet<u64>,
 }
 
 impl Heap {
@@ -133,6 +135,7 @@ impl Heap {
             pages: FxHashMap::default(),
             idle_pages: Vec::new(),
             step_clock: 0,
+            param_sizes: Default::default(),
             deferred_frees: Vec::new(),
             deferred_work: false,
             deferred_empty_cache: false,
@@ -179,12 +182,13 @@ impl Heap {
         };
         let rounded = sizeclass::round_size(size, &self.config);
         let small = sizeclass::is_small(rounded);
-        let mut found = self.find_free(pool_index, small, stream, rounded);
+        let lane = self.config.param_lane && pool_index == 0 && self.in_param_lane(rounded);
+        let mut found = self.find_free(pool_index, small, stream, rounded, lane);
         if found.is_none() && small && pool_index == 0 && self.config.pack_small {
             // `pack_small`: free space in the large pool's mapped pages (the partly used pages
             // at the ends of its free blocks, which page reuse cannot move) before a new
             // small-pool page.
-            found = self.find_free(pool_index, false, stream, rounded);
+            found = self.find_free(pool_index, false, stream, rounded, lane);
         }
         let id = match found {
             Some(id) => {
@@ -193,17 +197,18 @@ impl Heap {
             }
             None if self.config.expandable_segments && pool_index == 0 => {
                 // As PyTorch: CUDA-graph pools keep plain segments.
-                self.grow_expandable(small, stream, rounded, size)?
+                self.grow_expandable(small, stream, rounded, size, lane)?
             }
             None => self.grow(pool_index, small, stream, rounded, size)?,
         };
         Ok(self.hand_out(id, rounded, size, stream))
     }
 
-    /// A cached block for the request: this stream's list first, then blocks any stream may use.
-    fn find_free(&mut self, pool: u32, small: bool, stream: Stream, rounded: u64) -> Option<BlockId> {
+    /// A cached block for the request: this stream's list first, then blocks any stream may use;
+    /// `lane`: the parameter lane's lists (`param_lane`).
+    fn find_free(&mut self, pool: u32, small: bool, stream: Stream, rounded: u64, lane: bool) -> Option<BlockId> {
         for s in [stream, ANY_STREAM] {
-            let Some(li) = self.list_index(ListKey { pool, small, stream: s }) else { continue };
+            let Some(li) = self.list_index(ListKey { pool, small, stream: s, lane }) else { continue };
             let oversize_request = rounded >= self.config.max_split_size;
             let found = if oversize_request {
                 self.lists[li].find_oversize(rounded, self.config.max_non_split_rounding)
@@ -360,7 +365,19 @@ impl Heap {
     fn new_segment(&mut self, addr: u64, size: u64, small: bool, pool: u32, stream: Stream) -> BlockId {
         let oversize = size >= self.config.max_split_size;
         let seg = self.arena.new_segment(
-            Segment { addr, size, small, pool, stream, first: NIL, oversize, live: true, page: 0, mapped: size },
+            Segment {
+                addr,
+                size,
+                small,
+                pool,
+                stream,
+                first: NIL,
+                oversize,
+                live: true,
+                page: 0,
+                mapped: size,
+                lane: false,
+            },
             self.step.step,
         );
         let block = Block::unlinked(addr, size, seg, BlockClass::new(pool, small, false), stream, self.alloc_clock);
@@ -782,9 +799,10 @@ impl Heap {
         Some(li as usize)
     }
 
-    /// The key of the list a free block belongs in: (its pool, its size class, its stream).
+    /// The key of the list a free block belongs in: (its pool, its size class, its stream, its
+    /// lane).
     fn list_key(b: &Block) -> ListKey {
-        ListKey { pool: b.class.pool(), small: b.class.small(), stream: b.stream }
+        ListKey { pool: b.class.pool(), small: b.class.small(), stream: b.stream, lane: b.class.lane() }
     }
 
     /// Files a free block in the list of its (pool, size class, stream).

@@ -41,28 +41,40 @@ pub enum BlockState {
     Vacant,
 }
 
-/// What a block inherits from its segment and the free path needs: the pool, the size class
-/// and whether the segment is expandable, packed in one word (`pool << 2 | expandable << 1 |
-/// small`), so that `free` never loads the segment record.
+/// What a block inherits from its segment and the free path needs: the pool, the size class,
+/// whether the segment is expandable and its lane (`param_lane`), packed in one word
+/// (`pool << 3 | lane << 2 | expandable << 1 | small`), so that `free` never loads the segment
+/// record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BlockClass(u32);
 
 impl BlockClass {
-    /// Pool numbers are indices into the heap's private pools plus one; 2^30 of them would take
+    /// Pool numbers are indices into the heap's private pools plus one; 2^29 of them would take
     /// far more memory than any process has.
-    pub const MAX_POOL: u32 = u32::MAX >> 2;
+    pub const MAX_POOL: u32 = u32::MAX >> 3;
+    const LANE: u32 = 1 << 2;
 
     pub fn new(pool: u32, small: bool, expandable: bool) -> BlockClass {
         debug_assert!(pool <= Self::MAX_POOL);
-        BlockClass((pool.min(Self::MAX_POOL) << 2) | (u32::from(expandable) << 1) | u32::from(small))
+        BlockClass((pool.min(Self::MAX_POOL) << 3) | (u32::from(expandable) << 1) | u32::from(small))
+    }
+
+    /// The class of a block in the parameter lane (`param_lane`) when `lane`.
+    pub fn in_lane(self, lane: bool) -> BlockClass {
+        BlockClass(if lane { self.0 | Self::LANE } else { self.0 & !Self::LANE })
     }
 
     pub fn of(segment: &Segment) -> BlockClass {
-        BlockClass::new(segment.pool, segment.small, segment.expandable())
+        BlockClass::new(segment.pool, segment.small, segment.expandable()).in_lane(segment.lane)
     }
 
     pub fn pool(self) -> u32 {
-        self.0 >> 2
+        self.0 >> 3
+    }
+
+    /// Whether the block is in the parameter lane's segments (`param_lane`).
+    pub fn lane(self) -> bool {
+        self.0 & Self::LANE != 0
     }
 
     pub fn small(self) -> bool {
@@ -148,6 +160,9 @@ pub struct Segment {
     pub page: u64,
     /// Bytes mapped (the whole size for a plain segment).
     pub mapped: u64,
+    /// An expandable segment of the parameter lane (`param_lane`): its free blocks serve only
+    /// requests of the lane, and the lane's requests only its free blocks.
+    pub lane: bool,
 }
 
 impl Segment {

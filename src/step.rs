@@ -120,6 +120,7 @@ impl Heap {
         if switching && self.config.phase_trim {
             self.trim_for_phase(index)?;
         }
+        self.note_param_sizes();
         let reserved = self.stats.reserved_bytes.current();
         // A tick of its own, so that "freed before this step" is `freed_at < step_clock`.
         self.alloc_clock += 1;

@@ -71,11 +71,11 @@ const CONFIGS: &[&str] = &[
     "backend:sim,sim_devices:2,sim_capacity_mb:160,release_idle_steps:1,phase_trim:True,phase_trim_margin:0",
     // Virtual memory: PyTorch's expandable segments, then stepalloc's page policies on top.
     "backend:sim,sim_devices:2,sim_capacity_mb:160,expandable_segments:True,exact_fit:True,sim_fail_prob:0.03,sim_fail_map_prob:0.03,sim_event_delay_us:20",
-    "backend:sim,sim_devices:2,sim_capacity_mb:128,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True,cache_limit_mb:16,sim_fail_nth:7,sim_event_delay_us:20",
+    "backend:sim,sim_devices:2,sim_capacity_mb:128,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True,param_lane:True,cache_limit_mb:16,sim_fail_nth:7,sim_event_delay_us:20",
     "backend:sim,sim_devices:2,sim_capacity_mb:200,expandable_segments:True,max_split_size_mb:24,page_reuse:True,per_process_memory_fraction:0.6,sim_fail_prob:0.02,sim_fail_map_prob:0.05",
     // Big pages past 16 MiB of mapped bytes (two page sizes in the large pool at once), small
     // requests packed into the large pool.
-    "backend:sim,sim_devices:2,sim_capacity_mb:160,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:8,big_page_after_mb:16,pack_small:True,close_holes:True,sim_fail_prob:0.02,sim_fail_map_prob:0.03,sim_event_delay_us:20",
+    "backend:sim,sim_devices:2,sim_capacity_mb:160,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:8,big_page_after_mb:16,pack_small:True,close_holes:True,param_lane:True,sim_fail_prob:0.02,sim_fail_map_prob:0.03,sim_event_delay_us:20",
 ];
 
 #[derive(Clone, Copy)]

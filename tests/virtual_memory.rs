@@ -376,3 +376,91 @@ fn map_failures_roll_back_and_retry() {
     a.empty_cache().unwrap();
     assert_eq!(stats(&a).heap.reserved_bytes.all.current, 0);
 }
+
+/// `param_lane`: requests of a parameter's size (a block live when the first step began) have
+/// segments of their own. A step in miniature: four 3.5 MiB weights, four 4 MiB activations and
+/// 16 MiB of logits; the backward pass frees each activation and takes a gradient, the
+/// optimizer creates two states per weight, `zero_grad` frees the gradients. Without the lane
+/// the first state fills the activations' hole after the weights and the others follow the
+/// last gradient, so once the gradients are gone two mapped runs hold them, each with a partly
+/// used end page (the 0.5 MiB after the first state, 1.5 MiB before the second); in the lane
+/// the gradients' pages are whole and the states pack behind them, page-aligned.
+#[test]
+fn param_lane_packs_optimizer_states_apart_from_activations() {
+    let conf = "sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_reuse:True";
+    let (p, act, logits) = (3 * MIB + MIB / 2, 4 * MIB, 16 * MIB);
+    for lane in [false, true] {
+        let a = sim(&format!("{conf},param_lane:{}", if lane { "True" } else { "False" }));
+        let weights: Vec<u64> = (0..4).map(|_| a.malloc(0, p, S0).unwrap()).collect();
+        a.step_begin("train").unwrap();
+        let acts: Vec<u64> = (0..4).map(|_| a.malloc(0, act, S0).unwrap()).collect();
+        let x = a.malloc(0, logits, S0).unwrap();
+        a.free(0, x, logits).unwrap();
+        let mut grads = Vec::new();
+        for &ptr in acts.iter().rev() {
+            grads.push(a.malloc(0, p, S0).unwrap());
+            a.free(0, ptr, act).unwrap();
+        }
+        let states: Vec<u64> = (0..8).map(|_| a.malloc(0, p, S0).unwrap()).collect();
+        for &g in &grads {
+            a.free(0, g, p).unwrap();
+        }
+        a.step_end().unwrap();
+        a.check_invariants().unwrap();
+        let base = weights[0];
+        let segment_of = |ptr: u64| a.with_heap(0, |h| h.base_allocation(ptr)).unwrap().unwrap().0;
+        assert_eq!(segment_of(grads[0]) != segment_of(base), lane, "the gradients' segment is the lane's");
+        if lane {
+            let lane_base = *grads.iter().min().unwrap();
+            for (i, &s) in states.iter().enumerate() {
+                assert_eq!(s, lane_base + (4 + i as u64) * p, "state {i} packed behind the gradients");
+            }
+        } else {
+            // In half MiB from the first weight: the hole at 14 MiB, then after the last
+            // gradient (33.5 MiB).
+            let offsets: Vec<u64> = states.iter().map(|&s| (s - base) / (MIB / 2)).collect();
+            assert_eq!(offsets, [28, 67, 74, 81, 88, 95, 102, 109]);
+        }
+        // The next step's peak: every free whole page moves to one large activation.
+        a.step_begin("train").unwrap();
+        let big = a.malloc(0, 64 * MIB, S0).unwrap();
+        let mapped = stats(&a).heap.reserved_bytes.all.current;
+        let live = 4 * p + 8 * p + 64 * MIB;
+        let waste = if lane { 0 } else { 2 * MIB };
+        assert_eq!(mapped - live, waste, "mapped bytes at the peak beyond live bytes: partly used pages");
+        a.free(0, big, 64 * MIB).unwrap();
+        a.check_invariants().unwrap();
+    }
+}
+
+/// `param_lane` notes the parameters' sizes at the first step's begin (before it, a request of
+/// the same size stays with the others) and stops once the large pool's pages are big: past
+/// `big_page_after_mb` a parameter-sized request is served like any other.
+#[test]
+fn param_lane_starts_at_the_first_step_and_stops_at_big_pages() {
+    let conf = "sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_reuse:True";
+    let a = sim(&format!("{conf},big_page_mb:16,big_page_after_mb:64,param_lane:True"));
+    let p = 3 * MIB + MIB / 2;
+    let segment_of = |ptr: u64| a.with_heap(0, |h| h.base_allocation(ptr)).unwrap().unwrap().0;
+    let weight = a.malloc(0, p, S0).unwrap();
+    let before = a.malloc(0, p, S0).unwrap();
+    assert_eq!(segment_of(before), segment_of(weight), "no step has begun: no lane");
+    a.free(0, before, p).unwrap();
+    a.step_begin("train").unwrap();
+    let grad = a.malloc(0, p, S0).unwrap();
+    assert_ne!(segment_of(grad), segment_of(weight), "a parameter's size: the lane");
+    let other = a.malloc(0, p + MIB, S0).unwrap();
+    assert_eq!(segment_of(other), segment_of(weight), "another size: not the lane");
+    // 70 MiB: the peak of mapped bytes passes 64 MiB, and the large pool's pages are big.
+    let big = a.malloc(0, 70 * MIB, S0).unwrap();
+    let big_segment = segment_of(big);
+    a.free(0, big, 70 * MIB).unwrap();
+    let late = a.malloc(0, p, S0).unwrap();
+    assert_eq!(segment_of(late), big_segment, "big pages: the lane has stopped, the free big pages serve it");
+    for (ptr, size) in [(weight, p), (grad, p), (other, p + MIB), (late, p)] {
+        a.free(0, ptr, size).unwrap();
+    }
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 0, "every lane's pages unmapped");
+}

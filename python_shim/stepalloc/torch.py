@@ -41,7 +41,7 @@ HOOKS: dict[str, str] = {
 }
 # The best measured configuration (README, "Figures"); `install()` uses it when given none and
 # STEPALLOC_CONF is unset. The same string as the core's `config::RECOMMENDED`.
-RECOMMENDED = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True,close_holes:True"
+RECOMMENDED = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True,close_holes:True,param_lane:True"
 
 ALLOC_FN = "stepalloc_torch_malloc"
 MEMPOOL_ALLOC_FN = "stepalloc_malloc"

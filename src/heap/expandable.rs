@@ -21,6 +21,9 @@
 //!   to the free block after it (two mapped runs join), before PyTorch's first fit;
 //! - `pack_small` (in `Heap::malloc`): a small request that finds no free small-pool block
 //!   takes a free large-pool block before the small pool maps a page;
+//! - `param_lane`: requests of a parameter's size (gradients, optimizer states) have segments
+//!   and free lists of their own (a lane bit in the block class and the list key), so a step's
+//!   short-lived tensors never sit between long-lived ones; pages stay fungible across lanes;
 //! - `page_reuse`: before creating physical memory for new pages, idle whole pages inside free
 //!   blocks elsewhere (any stream's segment with the same page size) are unmapped and mapped
 //!   where the request needs them, so mapped bytes track live bytes;
@@ -75,6 +78,33 @@ impl Heap {
         self.config.expandable_segments = false;
         self.config.page_reuse = false;
         self.config.page_release = false;
+        self.config.param_lane = false;
+    }
+
+    /// `param_lane`: whether a request of `rounded` bytes belongs in the parameter lane: its
+    /// size is that of a block live when the first step began (a parameter, whose gradient and
+    /// optimizer states have its size) and the large pool's pages are still fine. Kept apart,
+    /// the optimizer states created in the first step pack together instead of filling holes
+    /// between that step's activations, which would leave them as islands whose partly used
+    /// end pages stay mapped. Past `big_page_after` the lane stops: its free gradient pages
+    /// would move to the activations at each step's peak and back for the next gradients,
+    /// driver time a large heap's budget does not have (measured: README, "Real-model traces").
+    pub(super) fn in_param_lane(&self, rounded: u64) -> bool {
+        self.config.expandable_segments
+            && !self.param_sizes.is_empty()
+            && self.page_size(false) == self.config.large_page
+            && self.param_sizes.contains(&rounded)
+    }
+
+    /// `param_lane`, at a step's begin: the first step that finds blocks live records their
+    /// rounded sizes (the model's parameters and buffers, in a training loop).
+    pub(crate) fn note_param_sizes(&mut self) {
+        if !self.config.param_lane || !self.param_sizes.is_empty() {
+            return;
+        }
+        let config = &self.config;
+        let sizes = self.live.ids().map(|id| crate::sizeclass::round_size(self.arena.block(id).requested, config));
+        self.param_sizes = sizes.collect();
     }
 
     /// The page size of the pool's expandable segments that grow now: the large pool's turns
@@ -99,15 +129,16 @@ impl Heap {
         stream: Stream,
         rounded: u64,
         requested: u64,
+        lane: bool,
     ) -> Result<BlockId> {
-        if let Some(id) = self.try_expand(small, stream, rounded)? {
+        if let Some(id) = self.try_expand(small, stream, rounded, lane)? {
             return Ok(id);
         }
         let mut unmapped = 0;
         if self.captures_underway == 0 {
             self.stats.num_alloc_retries += 1;
             unmapped = self.release_all_cached(ReleaseReason::Oom)?;
-            if let Some(id) = self.try_expand(small, stream, rounded)? {
+            if let Some(id) = self.try_expand(small, stream, rounded, lane)? {
                 return Ok(id);
             }
         }
@@ -121,9 +152,9 @@ impl Heap {
 
     /// One attempt: the block (out of its list) holding `rounded` bytes, or `None` when the
     /// device (or the memory fraction) has no room.
-    fn try_expand(&mut self, small: bool, stream: Stream, rounded: u64) -> Result<Option<BlockId>> {
+    fn try_expand(&mut self, small: bool, stream: Stream, rounded: u64, lane: bool) -> Result<Option<BlockId>> {
         let page = self.page_size(small);
-        let Some(mut head) = self.find_expandable(small, stream, rounded, page)? else { return Ok(None) };
+        let Some(mut head) = self.find_expandable(small, stream, rounded, page, lane)? else { return Ok(None) };
         if self.config.page_reuse && self.captures_underway == 0 {
             let (needed, chain) = self.pages_to_map(head, rounded, page);
             if needed > 0 {
@@ -135,7 +166,7 @@ impl Heap {
                     self.release_finer_pages(short.saturating_mul(page), page, &chain)?;
                 }
                 // Taking pages reshapes blocks: look for the place again.
-                match self.find_expandable(small, stream, rounded, page)? {
+                match self.find_expandable(small, stream, rounded, page, lane)? {
                     Some(h) => head = h,
                     None => {
                         self.release_idle_pages()?;
@@ -150,15 +181,28 @@ impl Heap {
     }
 
     /// PyTorch's `find_expandable_block`: the first chain, in address order over this stream's
-    /// segments, of a free block or unmapped block followed by blocks that together hold
-    /// `rounded` bytes; a new segment when none has room. `None` when no range can be reserved.
-    fn find_expandable(&mut self, small: bool, stream: Stream, rounded: u64, page: u64) -> Result<Option<BlockId>> {
+    /// segments (of the parameter lane when `lane`), of a free block or unmapped block followed
+    /// by blocks that together hold `rounded` bytes; a new segment when none has room. `None`
+    /// when no range can be reserved.
+    fn find_expandable(
+        &mut self,
+        small: bool,
+        stream: Stream,
+        rounded: u64,
+        page: u64,
+        lane: bool,
+    ) -> Result<Option<BlockId>> {
         let mut segments: Vec<(u64, SegmentId)> = self
             .arena
             .live_segment_ids()
             .filter(|&s| {
                 let seg = self.arena.segment(s);
-                seg.expandable() && seg.small == small && seg.pool == 0 && seg.stream == stream && seg.page == page
+                seg.expandable()
+                    && seg.small == small
+                    && seg.pool == 0
+                    && seg.stream == stream
+                    && seg.page == page
+                    && seg.lane == lane
             })
             .map(|s| (self.arena.segment(s).addr, s))
             .collect();
@@ -216,10 +260,11 @@ impl Heap {
                 live: true,
                 page,
                 mapped: 0,
+                lane,
             },
             self.step.step,
         );
-        let class = BlockClass::new(0, small, true);
+        let class = BlockClass::new(0, small, true).in_lane(lane);
         let block = Block::unlinked(addr, bytes, seg, class, stream, self.alloc_clock);
         let id = self.arena.new_block(block, BlockState::Unmapped);
         self.arena.segment_mut(seg).first = id;
