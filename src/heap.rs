@@ -589,6 +589,7 @@ impl Heap {
     /// The inactive-split statistics after `merge_neighbours` made the free block `merged`,
     /// which is not counted yet, from blocks that were: one net change, as PyTorch's
     /// `free_block` makes.
+    #[inline]
     fn count_merged_free(&mut self, merged: BlockId, absorbed: u64, absorbed_bytes: u64) {
         let b = self.arena.block(merged);
         let small = b.class.small();

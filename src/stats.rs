@@ -94,14 +94,19 @@ pub struct PoolCounter {
 }
 
 impl PoolCounter {
+    /// The adds wrap rather than carry the release profile's overflow checks: `current` is
+    /// bounded by the device's reserve (see `Counter`), and `allocated` would need 2^80 requests
+    /// of the largest size; a check would only turn an impossible overflow into a panic halfway
+    /// through a heap update. Debug builds (the tests) check them.
     #[inline]
     pub fn increase(&mut self, small: bool, amount: u64) {
         let (pool, other) =
             if small { (&mut self.small, self.large.current) } else { (&mut self.large, self.small.current) };
-        pool.current += amount;
+        debug_assert!(pool.current.checked_add(amount).and_then(|c| c.checked_add(other)).is_some());
+        pool.current = pool.current.wrapping_add(amount);
         pool.peak = pool.peak.max(pool.current);
-        pool.allocated += u128::from(amount);
-        self.all_peak = self.all_peak.max(pool.current + other);
+        pool.allocated = pool.allocated.wrapping_add(u128::from(amount));
+        self.all_peak = self.all_peak.max(pool.current.wrapping_add(other));
     }
 
     #[inline]
