@@ -11,17 +11,15 @@
 
 #[path = "../tests/common/mod.rs"]
 mod common;
+mod victim;
 
 use criterion::{BenchmarkId, Criterion};
-use std::ffi::{c_char, c_int, c_void};
 use std::hint::black_box;
-use std::time::Instant;
 use stepalloc::{Allocator, Config, Stream};
+use victim::{median_pair_ns, CAbi, CONF};
 
 /// The core bench's sizes: small-pool and large-pool, odd sizes too.
 const SIZES: [u64; 8] = [512, 3000, 65_536, 200_000, 1 << 20, 3 << 20, 12_345_678, 40 << 20];
-/// 16 TiB simulated device, so 100 k live blocks fit whatever their sizes.
-const CONF: &str = "backend:sim,sim_capacity_mb:16777216";
 
 /// A malloc/free pair of functions: the core allocator or the loaded library.
 trait Path {
@@ -42,44 +40,14 @@ impl Path for Core {
     }
 }
 
-type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
-type FreeFn = unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void);
-type ConfigureFn = unsafe extern "C" fn(*const c_char) -> c_int;
-
-struct Abi {
-    malloc: MallocFn,
-    free: FreeFn,
-    _library: libloading::Library,
-}
-
-impl Abi {
-    fn load() -> Abi {
-        // Safety: loading our own library runs no initialiser with preconditions.
-        let library = unsafe { libloading::Library::new(common::library()) }.expect("dlopen libstepalloc.so");
-        // Safety: the symbol types are the header's declarations; the strings are NUL-terminated.
-        unsafe {
-            let configure = *library.get::<ConfigureFn>(b"stepalloc_configure\0").expect("dlsym");
-            let conf = std::ffi::CString::new(CONF).expect("no NUL");
-            assert_eq!(configure(conf.as_ptr()), 0, "configure");
-            let malloc = *library.get::<MallocFn>(b"stepalloc_malloc\0").expect("dlsym");
-            let free = *library.get::<FreeFn>(b"stepalloc_free\0").expect("dlsym");
-            Abi { malloc, free, _library: library }
-        }
-    }
-}
-
-impl Path for Abi {
+impl Path for CAbi {
     #[inline]
     fn malloc(&self, size: u64) -> u64 {
-        // Safety: the library's malloc with valid arguments; NULL is the default stream.
-        let p = unsafe { (self.malloc)(size as usize, 0, std::ptr::null_mut()) };
-        assert!(!p.is_null());
-        p as u64
+        CAbi::malloc(self, size)
     }
     #[inline]
     fn free(&self, ptr: u64, size: u64) {
-        // Safety: `ptr` came from this library's malloc with this size.
-        unsafe { (self.free)(ptr as *mut c_void, size as usize, 0, std::ptr::null_mut()) }
+        CAbi::free(self, ptr, size)
     }
 }
 
@@ -115,26 +83,10 @@ fn pair(path: &dyn Path, i: &mut usize) {
     path.free(black_box(p), size);
 }
 
-/// Median nanoseconds per pair over 21 samples of 20 000 pairs.
-fn median_pair_ns(path: &dyn Path) -> f64 {
-    let mut i = 0;
-    let mut samples: Vec<f64> = (0..21)
-        .map(|_| {
-            let start = Instant::now();
-            for _ in 0..20_000 {
-                pair(path, &mut i);
-            }
-            start.elapsed().as_nanos() as f64 / 20_000.0
-        })
-        .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
-}
-
 fn main() {
     let mut criterion = Criterion::default().configure_from_args();
     let core = Core(Allocator::new(Config::parse(CONF).expect("config")).expect("allocator"));
-    let abi = Abi::load();
+    let abi = CAbi::load(common::library());
     let (mut core_state, mut abi_state) = (0x9E37_79B9_7F4A_7C15u64, 0x9E37_79B9_7F4A_7C15u64);
     let (mut core_kept, mut abi_kept) = (Vec::new(), Vec::new());
     let mut ratios = Vec::new();
@@ -149,8 +101,9 @@ fn main() {
         // Interleaved, so both paths see the same machine state; best of three medians.
         let (mut core_ns, mut abi_ns) = (f64::INFINITY, f64::INFINITY);
         for _ in 0..3 {
-            core_ns = core_ns.min(median_pair_ns(&core));
-            abi_ns = abi_ns.min(median_pair_ns(&abi));
+            let mut i = 0;
+            core_ns = core_ns.min(median_pair_ns(|n| (0..n).for_each(|_| pair(&core, &mut i))));
+            abi_ns = abi_ns.min(median_pair_ns(|n| (0..n).for_each(|_| pair(&abi, &mut i))));
         }
         ratios.push((live, core_ns, abi_ns));
     }

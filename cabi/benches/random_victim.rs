@@ -18,21 +18,7 @@ mod common;
 mod victim;
 
 use criterion::{BenchmarkId, Criterion};
-use std::time::Instant;
-use victim::Churn;
-
-/// Median nanoseconds per pair over 21 samples of 20 000 pairs.
-fn median_pair_ns(churn: &mut Churn) -> f64 {
-    let mut samples: Vec<f64> = (0..21)
-        .map(|_| {
-            let start = Instant::now();
-            churn.pairs(20_000);
-            start.elapsed().as_nanos() as f64 / 20_000.0
-        })
-        .collect();
-    samples.sort_by(f64::total_cmp);
-    samples[samples.len() / 2]
-}
+use victim::{median_pair_ns, Churn};
 
 fn main() {
     let mut criterion = Criterion::default().configure_from_args();
@@ -54,7 +40,7 @@ fn main() {
         let mut best = vec![f64::INFINITY; churns.len()];
         for _ in 0..5 {
             for (b, (_, churn)) in best.iter_mut().zip(&mut churns) {
-                *b = b.min(median_pair_ns(churn));
+                *b = b.min(median_pair_ns(|n| churn.pairs(n)));
             }
         }
         for (b, (name, _)) in best.into_iter().zip(&churns) {
