@@ -14,8 +14,9 @@
 //!   policies run at step boundaries.
 //!
 //! Layers, top to bottom: `allocator` (the lock, the process-wide instance) → `heap` (policy)
-//! → `freelist` + `bitmap` + `sizeclass` (O(1) lookup) and `segment` (metadata) → `backend`
-//! (`cuda`, `sim`). Beside them: `config`, `stats`, `step`, `trace`, `snapshot`, `metrics`.
+//! → `freelist` + `bitmap` + `sizeclass` (O(1) lookup) and `segment` (metadata; with `live`,
+//! which finds allocated blocks by address) → `backend` (`cuda`, `sim`).
+//! Beside them: `config`, `stats`, `step`, `trace`, `snapshot`, `metrics`.
 
 #![deny(clippy::unwrap_used)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
@@ -28,6 +29,7 @@ pub mod config;
 pub mod error;
 pub mod freelist;
 pub mod heap;
+mod live;
 pub mod metrics;
 pub mod segment;
 pub mod sizeclass;

@@ -18,6 +18,7 @@
 //! free blocks of compatible streams are always merged.
 
 use crate::backend::Stream;
+use crate::live::LiveIndex;
 use rustc_hash::FxHashMap;
 
 pub type BlockId = u32;
@@ -28,9 +29,10 @@ pub const NIL: u32 = u32::MAX;
 pub const ANY_STREAM: Stream = Stream(u64::MAX);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
 pub enum BlockState {
     /// Handed out to the caller.
-    Allocated,
+    Allocated = 0,
     /// Freed by the caller, but other streams' work may still use it: waits for events.
     Pending,
     /// In a free list.
@@ -181,17 +183,26 @@ pub struct SegmentUse {
     pub phase_mask: u64,
 }
 
-/// Slot storage for blocks and segments, with reuse of vacant slots.
+/// Slot storage for blocks and segments, with reuse of vacant slots, and the lookup of
+/// allocated blocks by address.
 ///
-/// A new block takes the lowest vacant slot, so live records stay packed at the front of
-/// `blocks` even after the heap shrinks (a heap that once held many blocks does not keep its
-/// few live ones spread over a large array).
-#[derive(Default)]
+/// Each address has a *home*: a bucket of four slots chosen by a hash of the address. A new
+/// block takes a vacant slot of its home when there is one, and a free block handed out again
+/// moves home when it is not there yet (`rehome`). Each slot's byte in the dense state array
+/// holds, beside the state, a 5-bit tag of the block's address, so `free` finds its block by
+/// reading one byte group and then loading the one record it must change anyway, instead of a
+/// hash-table probe followed by the record (two dependent cache misses at 100 k live blocks).
+/// Allocated blocks not at home (their bucket was full) are in a small index, `displaced`.
+/// The slot array stays at least twice the blocks in it, a power of two, so buckets are rarely
+/// full; its records are a cache line each, so a heap that shrank leaves its records spread
+/// over a large array without touching more cache lines.
 pub struct Arena {
     pub blocks: Vec<Block>,
-    /// The state of each block slot, densely: one byte per slot (`Vacant` for vacant slots).
-    states: Vec<BlockState>,
+    /// Each block slot's state and tag (`SlotByte`), densely: one byte per slot.
+    states: Vec<u8>,
     vacant_blocks: VacantSet,
+    /// The allocated blocks not in their home bucket, by address.
+    displaced: LiveIndex,
     /// Other streams that used a block (`record_stream`); entries only for blocks that have any.
     extra_streams: FxHashMap<BlockId, Vec<Stream>>,
     /// Events still to complete before a pending block is free; entries only while non-zero.
@@ -203,69 +214,261 @@ pub struct Arena {
     pub live_segments: usize,
 }
 
+/// A slot's byte: its `BlockState` in the low three bits and, for an allocated block filed at
+/// home, its address's tag above them (0 otherwise). A lookup compares whole bytes, so it loads
+/// the record only of a slot whose state and tag match (a false match, 1 in 32, costs a load).
+mod slot_byte {
+    use super::BlockState;
+
+    pub const VACANT: u8 = BlockState::Vacant as u8;
+
+    #[inline]
+    pub fn state(byte: u8) -> BlockState {
+        match byte & 7 {
+            0 => BlockState::Allocated,
+            1 => BlockState::Pending,
+            2 => BlockState::Free,
+            3 => BlockState::Unmapped,
+            _ => BlockState::Vacant,
+        }
+    }
+
+    /// The byte of an allocated block at home, at the address with home hash `hash`.
+    #[inline]
+    pub fn allocated(hash: u64) -> u8 {
+        ((hash >> 59) as u8) << 3 | BlockState::Allocated as u8
+    }
+
+    /// Bit 8 i + 7 set for each of the bucket's bytes `i` equal to `byte`, lowest first
+    /// (a higher bit can be set falsely; the lowest set one is always a true match). Without a
+    /// branch per slot: which slot of a bucket holds a block is random, so a loop over the
+    /// slots mispredicts.
+    #[inline]
+    pub fn matches(bucket: [u8; 4], byte: u8) -> u32 {
+        let x = u32::from_le_bytes(bucket) ^ (u32::from(byte) * 0x0101_0101);
+        x.wrapping_sub(0x0101_0101) & !x & 0x8080_8080
+    }
+}
+
+/// Block slots of a new arena.
+const FIRST_SLOTS: usize = 1024;
+/// Slots in a home bucket: four state bytes read as one word, four records of which a lookup
+/// loads the one whose tag matches.
+const BUCKET: usize = 4;
+
+/// The home hash of an address: Fibonacci hashing of its 512-byte granule. The bucket is its
+/// bits from 29 up, masked (so a slot array twice as large keeps a bucket's low bits, and half
+/// the records stay home when it grows); the tag is its top five bits.
+#[inline]
+fn home_hash(addr: u64) -> u64 {
+    (addr >> 9).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+}
+
+impl Default for Arena {
+    fn default() -> Arena {
+        let mut arena = Arena {
+            blocks: Vec::new(),
+            states: Vec::new(),
+            vacant_blocks: VacantSet::default(),
+            displaced: LiveIndex::default(),
+            extra_streams: FxHashMap::default(),
+            pending_events: FxHashMap::default(),
+            segments: Vec::new(),
+            uses: Vec::new(),
+            vacant_segments: Vec::new(),
+            live_segments: 0,
+        };
+        arena.grow_slots();
+        arena
+    }
+}
+
 impl Arena {
+    /// The first slot of the home bucket of a block at `addr`.
+    #[inline]
+    pub fn home(&self, addr: u64) -> BlockId {
+        Self::home_in(home_hash(addr), self.blocks.len())
+    }
+
+    /// The home bucket's first slot for `hash` in an array of `slots` slots (a power of two).
+    #[inline]
+    fn home_in(hash: u64, slots: usize) -> BlockId {
+        ((hash >> 29) & (slots as u64 - 1) & !(BUCKET as u64 - 1)) as BlockId
+    }
+
+    /// Whether block `id` is in its home bucket.
+    #[inline]
+    pub fn is_home(&self, id: BlockId) -> bool {
+        id & !(BUCKET as BlockId - 1) == self.home(self.blocks[id as usize].addr)
+    }
+
+    /// The state bytes of the bucket starting at `home`.
+    #[inline]
+    fn bucket(&self, home: BlockId) -> [u8; BUCKET] {
+        let h = home as usize;
+        let mut bytes = [0; BUCKET];
+        bytes.copy_from_slice(&self.states[h..h + BUCKET]);
+        bytes
+    }
+
+    /// A vacant slot of the bucket starting at `home`.
+    #[inline]
+    fn vacant_in(&self, home: BlockId) -> Option<BlockId> {
+        let m = slot_byte::matches(self.bucket(home), slot_byte::VACANT);
+        (m != 0).then(|| home + m.trailing_zeros() / 8)
+    }
+
     pub fn new_block(&mut self, block: Block, state: BlockState) -> BlockId {
-        match self.vacant_blocks.pop_lowest() {
+        if self.blocks_in_use() * 2 >= self.blocks.len() {
+            self.grow_slots();
+        }
+        let id = match self.vacant_in(self.home(block.addr)) {
             Some(id) => {
-                self.blocks[id as usize] = block;
-                self.states[id as usize] = state;
+                self.vacant_blocks.remove(id);
                 id
             }
-            None => {
-                let capacity = self.blocks.capacity();
-                self.blocks.push(block);
-                self.states.push(state);
-                if self.blocks.capacity() != capacity {
-                    advise_huge_pages(&self.blocks);
-                }
-                (self.blocks.len() - 1) as BlockId
+            // At most half the slots are in use, so one is vacant.
+            None => self.vacant_blocks.pop_lowest().unwrap_or_else(|| unreachable!("half the block slots are vacant")),
+        };
+        self.blocks[id as usize] = block;
+        self.states[id as usize] = state as u8;
+        id
+    }
+
+    /// Doubles the slot array. Allocated records that were home and whose home moved to the
+    /// new half are displaced now: they are filed in `displaced` (amortised over the inserts
+    /// that filled the array; records never move here, so no id held elsewhere changes).
+    #[cold]
+    #[inline(never)]
+    fn grow_slots(&mut self) {
+        let old = self.blocks.len();
+        let new = (old * 2).max(FIRST_SLOTS);
+        self.blocks.resize(new, Block::unlinked(0, 0, NIL, BlockClass(0), ANY_STREAM, 0));
+        self.states.resize(new, slot_byte::VACANT);
+        advise_huge_pages(&self.blocks);
+        for id in old..new {
+            self.vacant_blocks.insert(id as BlockId);
+        }
+        for id in 0..old as BlockId {
+            let hash = home_hash(self.blocks[id as usize].addr);
+            // Only an allocated block at home has a tagged byte.
+            if self.states[id as usize] == slot_byte::allocated(hash)
+                && Self::home_in(hash, old) == id & !(BUCKET as BlockId - 1)
+                && !self.is_home(id)
+            {
+                self.states[id as usize] = BlockState::Allocated as u8;
+                self.displaced.insert(&self.blocks, id);
             }
         }
     }
 
-    /// Moves the record of block `id` to the lowest vacant slot when `id` lies beyond the
-    /// packed front of the array (a quarter more slots than are in use): after a heap shrank,
-    /// the records it hands out again then gather at the front instead of staying spread over
-    /// the large array of its past (the history effect). The block must be in no free list and
-    /// not in the live index (the caller files it afterwards). Returns its id, new or not.
+    /// Moves the record of block `id` into its home bucket when it is not there and the bucket
+    /// has a vacant slot (a merge can leave a record under its neighbour's address, and a grown
+    /// array moves homes). The block must be in no free list and not allocated (the caller
+    /// files it afterwards). Returns its id, new or not.
     #[inline]
-    pub fn pack(&mut self, id: BlockId) -> BlockId {
-        let in_use = self.blocks.len() - self.vacant_blocks.len;
-        if (id as usize) < in_use + in_use / 4 {
+    pub fn rehome(&mut self, id: BlockId) -> BlockId {
+        if self.is_home(id) {
             return id;
         }
-        self.move_to_front(id)
+        match self.vacant_in(self.home(self.blocks[id as usize].addr)) {
+            Some(to) => self.move_block(id, to),
+            None => id,
+        }
     }
 
     #[cold]
     #[inline(never)]
-    fn move_to_front(&mut self, id: BlockId) -> BlockId {
-        let Some(low) = self.vacant_blocks.pop_lowest() else { return id };
-        if low > id {
-            self.vacant_blocks.insert(low);
-            return id;
-        }
+    fn move_block(&mut self, id: BlockId, to: BlockId) -> BlockId {
+        debug_assert_eq!(self.states[to as usize], slot_byte::VACANT);
+        debug_assert_ne!(self.state(id), BlockState::Allocated);
+        self.vacant_blocks.remove(to);
         let block = self.blocks[id as usize].clone();
         let (prev, next, segment) = (block.prev, block.next, block.segment);
         if prev != NIL {
-            self.blocks[prev as usize].next = low;
+            self.blocks[prev as usize].next = to;
         } else if self.segments[segment as usize].first == id {
-            self.segments[segment as usize].first = low;
+            self.segments[segment as usize].first = to;
         }
         if next != NIL {
-            self.blocks[next as usize].prev = low;
+            self.blocks[next as usize].prev = to;
         }
-        self.blocks[low as usize] = block;
-        self.states[low as usize] = self.states[id as usize];
+        self.blocks[to as usize] = block;
+        self.states[to as usize] = self.states[id as usize];
         // The side tables are empty for a block leaving a free list; moved all the same.
         if let Some(streams) = self.take_extra_streams(id) {
-            self.extra_streams.insert(low, streams);
+            self.extra_streams.insert(to, streams);
         }
         if let Some(events) = self.pending_events.remove(&id) {
-            self.pending_events.insert(low, events);
+            self.pending_events.insert(to, events);
         }
         self.drop_block(id);
-        low
+        to
+    }
+
+    /// The slot of the allocated block at `addr` in its home bucket: the slot whose byte holds
+    /// the allocated state and the address's tag, and whose record holds the address.
+    #[inline]
+    fn find_home(&self, addr: u64) -> Option<BlockId> {
+        let hash = home_hash(addr);
+        let home = Self::home_in(hash, self.blocks.len());
+        let mut m = slot_byte::matches(self.bucket(home), slot_byte::allocated(hash));
+        while m != 0 {
+            let id = home + m.trailing_zeros() / 8;
+            // A false match (another address's tag, or the bit trick's) is rare.
+            if self.blocks[id as usize].addr == addr && self.states[id as usize] == slot_byte::allocated(hash) {
+                return Some(id);
+            }
+            m &= m - 1;
+        }
+        None
+    }
+
+    /// The allocated block at `addr`.
+    #[inline]
+    pub fn find_allocated(&self, addr: u64) -> Option<BlockId> {
+        self.find_home(addr).or_else(|| self.displaced.get(&self.blocks, addr))
+    }
+
+    /// Finds the allocated block at `addr` for its free, when `accept` agrees (the free's
+    /// checks), and stops filing it: the caller marks it pending or free at once. `Ok(id)`
+    /// when taken, `Err(Some(id))` when refused (it stays allocated), `Err(None)` when no block
+    /// is allocated there.
+    #[inline]
+    pub fn take_allocated(
+        &mut self,
+        addr: u64,
+        accept: impl FnOnce(&Block) -> bool,
+    ) -> Result<BlockId, Option<BlockId>> {
+        if let Some(id) = self.find_home(addr) {
+            return if accept(&self.blocks[id as usize]) { Ok(id) } else { Err(Some(id)) };
+        }
+        if self.displaced.len() == 0 {
+            return Err(None);
+        }
+        self.displaced.remove_if(&self.blocks, addr, accept)
+    }
+
+    /// Files block `id`, just marked allocated, for `find_allocated`: tags its byte when it is
+    /// home, else files it as displaced.
+    #[inline]
+    pub fn file_allocated(&mut self, id: BlockId) {
+        debug_assert_eq!(self.state(id), BlockState::Allocated);
+        if self.is_home(id) {
+            self.states[id as usize] = slot_byte::allocated(home_hash(self.blocks[id as usize].addr));
+        } else {
+            self.displaced.insert(&self.blocks, id);
+        }
+    }
+
+    /// Allocated blocks not in their home bucket (what `displaced` holds).
+    pub fn displaced_blocks(&self) -> usize {
+        self.displaced.len()
+    }
+
+    #[cfg(test)]
+    pub fn displaced_capacity(&self) -> usize {
+        self.displaced.capacity()
     }
 
     /// Block slots holding a block (not vacant).
@@ -274,7 +477,7 @@ impl Arena {
     }
 
     pub fn drop_block(&mut self, id: BlockId) {
-        self.states[id as usize] = BlockState::Vacant;
+        self.states[id as usize] = slot_byte::VACANT;
         if !self.extra_streams.is_empty() {
             self.extra_streams.remove(&id);
         }
@@ -286,17 +489,18 @@ impl Arena {
 
     #[inline]
     pub fn state(&self, id: BlockId) -> BlockState {
-        self.states[id as usize]
+        slot_byte::state(self.states[id as usize])
     }
 
+    /// Sets a block's state (an allocated one untagged: `file_allocated` tags it).
     #[inline]
     pub fn set_state(&mut self, id: BlockId, state: BlockState) {
-        self.states[id as usize] = state;
+        self.states[id as usize] = state as u8;
     }
 
     /// Ids of the block slots in `state` (a scan of the dense state array).
     pub fn blocks_in_state(&self, state: BlockState) -> impl Iterator<Item = BlockId> + '_ {
-        self.states.iter().enumerate().filter(move |(_, &s)| s == state).map(|(i, _)| i as BlockId)
+        self.states.iter().enumerate().filter(move |(_, &s)| slot_byte::state(s) == state).map(|(i, _)| i as BlockId)
     }
 
     /// Whether the block has streams recorded by `record_stream`.
@@ -461,12 +665,12 @@ impl VacantSet {
         self.top[t] |= 1 << (m % 64);
     }
 
-    fn pop_lowest(&mut self) -> Option<BlockId> {
-        let t = self.top.iter().position(|&x| x != 0)?;
-        let m = t * 64 + self.top[t].trailing_zeros() as usize;
-        let w = m * 64 + self.mid[m].trailing_zeros() as usize;
-        let bit = self.slots[w].trailing_zeros() as usize;
-        self.slots[w] &= !(1 << bit);
+    /// Takes slot `id`, which must be vacant.
+    fn remove(&mut self, id: BlockId) {
+        let i = id as usize;
+        let (w, m, t) = (i / 64, i / 4096, i / 262_144);
+        debug_assert!(self.slots[w] & (1 << (i % 64)) != 0, "slot {id} is not vacant");
+        self.slots[w] &= !(1 << (i % 64));
         self.len -= 1;
         if self.slots[w] == 0 {
             self.mid[m] &= !(1 << (w % 64));
@@ -474,7 +678,15 @@ impl VacantSet {
                 self.top[t] &= !(1 << (m % 64));
             }
         }
-        Some((w * 64 + bit) as BlockId)
+    }
+
+    fn pop_lowest(&mut self) -> Option<BlockId> {
+        let t = self.top.iter().position(|&x| x != 0)?;
+        let m = t * 64 + self.top[t].trailing_zeros() as usize;
+        let w = m * 64 + self.mid[m].trailing_zeros() as usize;
+        let id = (w * 64 + self.slots[w].trailing_zeros() as usize) as BlockId;
+        self.remove(id);
+        Some(id)
     }
 }
 
@@ -493,6 +705,72 @@ mod tests {
         set.insert(9);
         assert_eq!(set.pop_lowest(), Some(9));
         assert_eq!(set.pop_lowest(), None);
+    }
+
+    proptest::proptest! {
+        /// The lowest flagged byte of `matches` is the first byte equal to the one sought, and
+        /// no flag is set when none is (higher flags may be false; the lookup checks them).
+        #[test]
+        fn slot_byte_matches_flags_the_first_equal_byte(bucket: [u8; 4], byte: u8) {
+            let m = slot_byte::matches(bucket, byte);
+            let first = bucket.iter().position(|&b| b == byte);
+            proptest::prop_assert_eq!(first, (m != 0).then(|| (m.trailing_zeros() / 8) as usize));
+            for (i, &b) in bucket.iter().enumerate() {
+                if b == byte {
+                    proptest::prop_assert!(m & (0x80 << (8 * i)) != 0, "byte {} not flagged", i);
+                }
+            }
+        }
+    }
+
+    /// Every state survives the slot byte, tagged or not.
+    #[test]
+    fn slot_bytes_keep_the_state() {
+        for state in
+            [BlockState::Allocated, BlockState::Pending, BlockState::Free, BlockState::Unmapped, BlockState::Vacant]
+        {
+            assert_eq!(slot_byte::state(state as u8), state);
+        }
+        for hash in [0, u64::MAX, 0x9E37_79B9_7F4A_7C15] {
+            assert_eq!(slot_byte::state(slot_byte::allocated(hash)), BlockState::Allocated);
+        }
+    }
+
+    /// The arena finds allocated blocks at home and displaced ones alike, across the doublings
+    /// of its slot array (each of which displaces half the blocks at home: they stay where
+    /// they are, filed in the index, so no id changes); blocks made again find their homes.
+    #[test]
+    fn allocated_blocks_are_found_at_home_or_displaced() {
+        let mut arena = Arena::default();
+        let class = BlockClass::new(0, true, false);
+        let make = |arena: &mut Arena, i: u64| {
+            let id = arena.new_block(Block::unlinked(i * 512, 512, 0, class, Stream(0), 0), BlockState::Allocated);
+            arena.file_allocated(id);
+            (i * 512, id)
+        };
+        let mut ids: Vec<_> = (0..5_000).map(|i| make(&mut arena, i)).collect();
+        assert!(arena.blocks.len() >= 10_000, "{} slots for 5 000 blocks", arena.blocks.len());
+        for round in 0..2 {
+            for &(addr, id) in &ids {
+                assert_eq!(arena.find_allocated(addr), Some(id), "block at {addr:#x}");
+                assert_eq!(arena.find_allocated(addr + 512 * 5_000), None);
+            }
+            let not_home = ids.iter().filter(|&&(_, id)| !arena.is_home(id)).count();
+            assert_eq!(not_home, arena.displaced_blocks());
+            // A free takes each block once; the second time it is unknown.
+            for &(addr, id) in &ids {
+                assert_eq!(arena.take_allocated(addr, |_| false), Err(Some(id)), "a refused take keeps it");
+                assert_eq!(arena.take_allocated(addr, |_| true), Ok(id));
+                arena.drop_block(id);
+                assert_eq!(arena.take_allocated(addr, |_| true), Err(None));
+            }
+            assert_eq!(arena.displaced_blocks(), 0);
+            if round == 1 {
+                // The second time, in a slot array that no longer grows, nearly all are home.
+                assert!(not_home * 20 <= ids.len(), "{not_home} of {} blocks not home", ids.len());
+            }
+            ids = (0..5_000).map(|i| make(&mut arena, i)).collect();
+        }
     }
 
     #[test]

@@ -103,7 +103,10 @@ impl Heap {
             return;
         }
         let config = &self.config;
-        let sizes = self.live.ids().map(|id| crate::sizeclass::round_size(self.arena.block(id).requested, config));
+        let sizes = self
+            .arena
+            .blocks_in_state(BlockState::Allocated)
+            .map(|id| crate::sizeclass::round_size(self.arena.block(id).requested, config));
         self.param_sizes = sizes.collect();
     }
 
