@@ -8,17 +8,38 @@
 
 use crate::backend::Stream;
 use crate::bitmap::BinBitmap;
-use crate::segment::{Block, BlockId, NIL};
+use crate::segment::{Block, BlockClass, BlockId, NIL};
 use crate::sizeclass::{bin_down, bin_up, BIN_COUNT};
 use std::collections::BTreeSet;
 
+/// Which list a free block belongs in: its pool, size class (small or large pool) and lane
+/// (`param_lane`'s blocks are listed apart), packed as a `BlockClass` with the expandable bit
+/// clear, and the stream that may reuse it. Two words, so the heap's one-entry cache of the
+/// last list found compares in two instructions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct ListKey {
-    pub pool: u32,
-    pub small: bool,
+    class: BlockClass,
     pub stream: Stream,
-    /// The parameter lane's blocks (`param_lane`) are listed apart.
-    pub lane: bool,
+}
+
+impl ListKey {
+    pub fn new(pool: u32, small: bool, stream: Stream, lane: bool) -> ListKey {
+        ListKey { class: BlockClass::new(pool, small, false).in_lane(lane), stream }
+    }
+
+    /// The key of the list a free block with `class` and `stream` belongs in.
+    #[inline]
+    pub fn of(class: BlockClass, stream: Stream) -> ListKey {
+        ListKey { class: class.not_expandable(), stream }
+    }
+
+    pub fn pool(self) -> u32 {
+        self.class.pool()
+    }
+
+    pub fn small(self) -> bool {
+        self.class.small()
+    }
 }
 
 pub struct FreeList {
@@ -44,15 +65,13 @@ impl FreeList {
         }
     }
 
+    #[inline]
     pub fn insert(&mut self, blocks: &mut [Block], id: BlockId, oversize: bool) {
         let b = &mut blocks[id as usize];
         self.bytes += b.size;
         self.count += 1;
         if oversize {
-            b.link_prev = NIL;
-            b.link_next = NIL;
-            self.oversize.insert((b.size, b.addr, id));
-            return;
+            return self.insert_oversize(b, id);
         }
         let bin = bin_down(b.size);
         let head = self.heads[bin];
@@ -65,6 +84,14 @@ impl FreeList {
         self.bitmap.set(bin);
     }
 
+    #[cold]
+    fn insert_oversize(&mut self, b: &mut Block, id: BlockId) {
+        b.link_prev = NIL;
+        b.link_next = NIL;
+        self.oversize.insert((b.size, b.addr, id));
+    }
+
+    #[inline]
     pub fn remove(&mut self, blocks: &mut [Block], id: BlockId, oversize: bool) {
         let (size, addr, prev, next) = {
             let b = &blocks[id as usize];
@@ -73,8 +100,7 @@ impl FreeList {
         self.bytes -= size;
         self.count -= 1;
         if oversize {
-            self.oversize.remove(&(size, addr, id));
-            return;
+            return self.remove_oversize(size, addr, id);
         }
         if prev != NIL {
             blocks[prev as usize].link_next = next;
@@ -88,6 +114,11 @@ impl FreeList {
         if next != NIL {
             blocks[next as usize].link_prev = prev;
         }
+    }
+
+    #[cold]
+    fn remove_oversize(&mut self, size: u64, addr: u64, id: BlockId) {
+        self.oversize.remove(&(size, addr, id));
     }
 
     /// A free block below `max_split_size` that holds `size` bytes. First the head of the bin

@@ -203,7 +203,7 @@ impl Heap {
     /// `lane`: the parameter lane's lists (`param_lane`).
     fn find_free(&mut self, pool: u32, small: bool, stream: Stream, rounded: u64, lane: bool) -> Option<BlockId> {
         for s in [stream, ANY_STREAM] {
-            let Some(li) = self.list_index(ListKey { pool, small, stream: s, lane }) else { continue };
+            let Some(li) = self.list_index(ListKey::new(pool, small, s, lane)) else { continue };
             let oversize_request = rounded >= self.config.max_split_size;
             let found = if oversize_request {
                 self.lists[li].find_oversize(rounded, self.config.max_non_split_rounding)
@@ -784,7 +784,7 @@ impl Heap {
     /// streams have lists.
     #[inline]
     fn list_index(&self, key: ListKey) -> Option<usize> {
-        let cached = &self.list_cache[usize::from(key.small)];
+        let cached = &self.list_cache[usize::from(key.small())];
         if let Some((k, li)) = cached.get() {
             if k == key {
                 return Some(li as usize);
@@ -797,28 +797,34 @@ impl Heap {
 
     /// The key of the list a free block belongs in: (its pool, its size class, its stream, its
     /// lane).
+    #[inline]
     fn list_key(b: &Block) -> ListKey {
-        ListKey { pool: b.class.pool(), small: b.class.small(), stream: b.stream, lane: b.class.lane() }
+        ListKey::of(b.class, b.stream)
     }
 
     /// Files a free block in the list of its (pool, size class, stream).
+    #[inline]
     fn enlist(&mut self, id: BlockId) {
         let b = self.arena.block(id);
         let key = Self::list_key(b);
         let oversize = b.size >= self.config.max_split_size;
         let li = match self.list_index(key) {
             Some(li) => li,
-            None => {
-                self.lists.push(FreeList::new(key));
-                self.list_of.insert(key, (self.lists.len() - 1) as u32);
-                self.lists.len() - 1
-            }
+            None => self.new_list(key),
         };
         self.lists[li].insert(&mut self.arena.blocks, id, oversize);
     }
 
+    #[cold]
+    fn new_list(&mut self, key: ListKey) -> usize {
+        self.lists.push(FreeList::new(key));
+        self.list_of.insert(key, (self.lists.len() - 1) as u32);
+        self.lists.len() - 1
+    }
+
     /// Takes a free block out of its list (the one its key names: a listed block's stream,
     /// pool and size class do not change).
+    #[inline]
     fn unlist(&mut self, id: BlockId) {
         let b = self.arena.block(id);
         let oversize = b.size >= self.config.max_split_size;
@@ -990,7 +996,10 @@ impl Heap {
                         allocated[p] += b.size;
                         requested[p] += b.requested;
                         active[p] += b.size;
-                        displaced += usize::from(!self.arena.is_home(id));
+                        if self.arena.filed_at_home(id) && !self.arena.is_home(id) {
+                            return Err(format!("allocated block {:#x} filed at home outside it", b.addr));
+                        }
+                        displaced += usize::from(!self.arena.filed_at_home(id));
                         if self.arena.find_allocated(b.addr) != Some(id) {
                             return Err(format!("allocated block {:#x} not found by its address", b.addr));
                         }
@@ -1034,7 +1043,7 @@ impl Heap {
         }
         if displaced != self.arena.displaced_blocks() {
             let filed = self.arena.displaced_blocks();
-            return Err(format!("{filed} blocks filed as displaced, {displaced} allocated blocks are not home"));
+            return Err(format!("{filed} blocks in the index of displaced ones, {displaced} filed as displaced"));
         }
         let in_lists: u64 = self.lists.iter().map(|l| l.count).sum();
         if in_lists != listed {
@@ -1167,10 +1176,10 @@ mod tests {
             let id = heap.arena.find_allocated(p).expect("allocated");
             if !heap.arena.is_home(id) {
                 let home = heap.arena.home(p);
-                assert_ne!(
-                    heap.arena.state(home),
-                    BlockState::Vacant,
-                    "block {p:#x} in slot {id}, its home {home} vacant"
+                let bucket: Vec<_> = (home..home + 4).map(|h| heap.arena.state(h)).collect();
+                assert!(
+                    !bucket.contains(&BlockState::Vacant),
+                    "block {p:#x} in slot {id}, its home bucket at {home} has a vacant slot: {bucket:?}"
                 );
             }
             if round % 100 == 0 {

@@ -47,7 +47,7 @@ pub enum BlockState {
 /// whether the segment is expandable and its lane (`param_lane`), packed in one word
 /// (`pool << 3 | lane << 2 | expandable << 1 | small`), so that `free` never loads the segment
 /// record.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BlockClass(u32);
 
 impl BlockClass {
@@ -55,6 +55,7 @@ impl BlockClass {
     /// far more memory than any process has.
     pub const MAX_POOL: u32 = u32::MAX >> 3;
     const LANE: u32 = 1 << 2;
+    const EXPANDABLE: u32 = 1 << 1;
 
     pub fn new(pool: u32, small: bool, expandable: bool) -> BlockClass {
         debug_assert!(pool <= Self::MAX_POOL);
@@ -64,6 +65,12 @@ impl BlockClass {
     /// The class of a block in the parameter lane (`param_lane`) when `lane`.
     pub fn in_lane(self, lane: bool) -> BlockClass {
         BlockClass(if lane { self.0 | Self::LANE } else { self.0 & !Self::LANE })
+    }
+
+    /// The class with the expandable bit clear.
+    #[inline]
+    pub fn not_expandable(self) -> BlockClass {
+        BlockClass(self.0 & !Self::EXPANDABLE)
     }
 
     pub fn of(segment: &Segment) -> BlockClass {
@@ -84,7 +91,7 @@ impl BlockClass {
     }
 
     pub fn expandable(self) -> bool {
-        self.0 & 2 != 0
+        self.0 & Self::EXPANDABLE != 0
     }
 }
 
@@ -193,11 +200,16 @@ pub struct SegmentUse {
 /// reading one byte group and then loading the one record it must change anyway, instead of a
 /// hash-table probe followed by the record (two dependent cache misses at 100 k live blocks).
 /// Allocated blocks not at home (their bucket was full) are in a small index, `displaced`.
-/// The slot array stays at least twice the blocks in it, a power of two, so buckets are rarely
-/// full; its records are a cache line each, so a heap that shrank leaves its records spread
-/// over a large array without touching more cache lines.
+/// The home table (the first `home_slots` slots) stays at least twice the blocks in use, a
+/// power of two, so buckets are rarely full. When the heap shrinks to an eighth of it, the
+/// table halves: records beyond it move into it as they are handed out again, and new ones
+/// take its vacant slots, so a heap that was large has its records and state bytes gathered in
+/// a small table again (the history effect) without moving any record another part of the
+/// heap holds an id of.
 pub struct Arena {
     pub blocks: Vec<Block>,
+    /// The slots homes are chosen among: a power of two, at most `blocks.len()`.
+    home_slots: usize,
     /// Each block slot's state and tag (`SlotByte`), densely: one byte per slot.
     states: Vec<u8>,
     vacant_blocks: VacantSet,
@@ -215,21 +227,34 @@ pub struct Arena {
 }
 
 /// A slot's byte: its `BlockState` in the low three bits and, for an allocated block filed at
-/// home, its address's tag above them (0 otherwise). A lookup compares whole bytes, so it loads
-/// the record only of a slot whose state and tag match (a false match, 1 in 32, costs a load).
+/// home, its address's tag above them. An allocated block not filed at home (displaced) has a
+/// code of its own, so a lookup, which compares whole bytes, never takes it for a block at home,
+/// and loads the record only of a slot whose code and tag match (a false match, 1 in 32).
 mod slot_byte {
     use super::BlockState;
 
     pub const VACANT: u8 = BlockState::Vacant as u8;
+    /// An allocated block filed in the index of displaced blocks.
+    pub const DISPLACED: u8 = 5;
 
     #[inline]
     pub fn state(byte: u8) -> BlockState {
         match byte & 7 {
-            0 => BlockState::Allocated,
+            0 | DISPLACED => BlockState::Allocated,
             1 => BlockState::Pending,
             2 => BlockState::Free,
             3 => BlockState::Unmapped,
             _ => BlockState::Vacant,
+        }
+    }
+
+    /// The byte of a block in `state`, an allocated one as displaced (`file_allocated` tags it
+    /// when it is home).
+    #[inline]
+    pub fn of(state: BlockState) -> u8 {
+        match state {
+            BlockState::Allocated => DISPLACED,
+            other => other as u8,
         }
     }
 
@@ -268,6 +293,7 @@ impl Default for Arena {
     fn default() -> Arena {
         let mut arena = Arena {
             blocks: Vec::new(),
+            home_slots: 0,
             states: Vec::new(),
             vacant_blocks: VacantSet::default(),
             displaced: LiveIndex::default(),
@@ -278,7 +304,7 @@ impl Default for Arena {
             vacant_segments: Vec::new(),
             live_segments: 0,
         };
-        arena.grow_slots();
+        arena.resize_homes(FIRST_SLOTS);
         arena
     }
 }
@@ -287,7 +313,7 @@ impl Arena {
     /// The first slot of the home bucket of a block at `addr`.
     #[inline]
     pub fn home(&self, addr: u64) -> BlockId {
-        Self::home_in(home_hash(addr), self.blocks.len())
+        Self::home_in(home_hash(addr), self.home_slots)
     }
 
     /// The home bucket's first slot for `hash` in an array of `slots` slots (a power of two).
@@ -319,8 +345,8 @@ impl Arena {
     }
 
     pub fn new_block(&mut self, block: Block, state: BlockState) -> BlockId {
-        if self.blocks_in_use() * 2 >= self.blocks.len() {
-            self.grow_slots();
+        if self.blocks_in_use() * 2 >= self.home_slots {
+            self.resize_homes(self.home_slots * 2);
         }
         let id = match self.vacant_in(self.home(block.addr)) {
             Some(id) => {
@@ -331,32 +357,37 @@ impl Arena {
             None => self.vacant_blocks.pop_lowest().unwrap_or_else(|| unreachable!("half the block slots are vacant")),
         };
         self.blocks[id as usize] = block;
-        self.states[id as usize] = state as u8;
+        self.states[id as usize] = slot_byte::of(state);
         id
     }
 
-    /// Doubles the slot array. Allocated records that were home and whose home moved to the
-    /// new half are displaced now: they are filed in `displaced` (amortised over the inserts
-    /// that filled the array; records never move here, so no id held elsewhere changes).
+    /// Makes the home table `slots` slots (a power of two), growing the array when it is
+    /// smaller. Allocated blocks filed at home whose home bucket moved are displaced now: filed
+    /// in `displaced` (amortised over the inserts or removals since the last resize; records
+    /// never move here, so no id held elsewhere changes).
     #[cold]
     #[inline(never)]
-    fn grow_slots(&mut self) {
+    fn resize_homes(&mut self, slots: usize) {
         let old = self.blocks.len();
-        let new = (old * 2).max(FIRST_SLOTS);
-        self.blocks.resize(new, Block::unlinked(0, 0, NIL, BlockClass(0), ANY_STREAM, 0));
-        self.states.resize(new, slot_byte::VACANT);
-        advise_huge_pages(&self.blocks);
-        for id in old..new {
-            self.vacant_blocks.insert(id as BlockId);
+        if slots > old {
+            // A new array, advised before any of it is written: its pages are then faulted in
+            // as huge pages (growing in place would fault them in first, as small ones).
+            let mut blocks = Vec::with_capacity(slots);
+            advise_huge_pages(&blocks);
+            blocks.extend_from_slice(&self.blocks);
+            blocks.resize(slots, Block::unlinked(0, 0, NIL, BlockClass(0), ANY_STREAM, 0));
+            self.blocks = blocks;
+            self.states.resize(slots, slot_byte::VACANT);
+            for id in old..slots {
+                self.vacant_blocks.insert(id as BlockId);
+            }
         }
-        for id in 0..old as BlockId {
+        // Blocks filed at home all lie in the old table.
+        let filed = std::mem::replace(&mut self.home_slots, slots);
+        for id in 0..filed as BlockId {
             let hash = home_hash(self.blocks[id as usize].addr);
-            // Only an allocated block at home has a tagged byte.
-            if self.states[id as usize] == slot_byte::allocated(hash)
-                && Self::home_in(hash, old) == id & !(BUCKET as BlockId - 1)
-                && !self.is_home(id)
-            {
-                self.states[id as usize] = BlockState::Allocated as u8;
+            if self.states[id as usize] == slot_byte::allocated(hash) && !self.is_home(id) {
+                self.states[id as usize] = slot_byte::DISPLACED;
                 self.displaced.insert(&self.blocks, id);
             }
         }
@@ -411,7 +442,7 @@ impl Arena {
     #[inline]
     fn find_home(&self, addr: u64) -> Option<BlockId> {
         let hash = home_hash(addr);
-        let home = Self::home_in(hash, self.blocks.len());
+        let home = Self::home_in(hash, self.home_slots);
         let mut m = slot_byte::matches(self.bucket(home), slot_byte::allocated(hash));
         while m != 0 {
             let id = home + m.trailing_zeros() / 8;
@@ -461,7 +492,17 @@ impl Arena {
         }
     }
 
-    /// Allocated blocks not in their home bucket (what `displaced` holds).
+    /// Whether allocated block `id` is filed at home (its byte tagged), not as displaced.
+    pub fn filed_at_home(&self, id: BlockId) -> bool {
+        self.states[id as usize] & 7 == 0
+    }
+
+    /// The slots homes are chosen among (see `Arena`).
+    pub fn home_slots(&self) -> usize {
+        self.home_slots
+    }
+
+    /// Allocated blocks filed as displaced (what `displaced` holds).
     pub fn displaced_blocks(&self) -> usize {
         self.displaced.len()
     }
@@ -478,6 +519,9 @@ impl Arena {
 
     pub fn drop_block(&mut self, id: BlockId) {
         self.states[id as usize] = slot_byte::VACANT;
+        if self.home_slots > FIRST_SLOTS && self.blocks_in_use() * 8 < self.home_slots {
+            self.resize_homes(self.home_slots / 2);
+        }
         if !self.extra_streams.is_empty() {
             self.extra_streams.remove(&id);
         }
@@ -495,7 +539,7 @@ impl Arena {
     /// Sets a block's state (an allocated one untagged: `file_allocated` tags it).
     #[inline]
     pub fn set_state(&mut self, id: BlockId, state: BlockState) {
-        self.states[id as usize] = state as u8;
+        self.states[id as usize] = slot_byte::of(state);
     }
 
     /// Ids of the block slots in `state` (a scan of the dense state array).
@@ -616,9 +660,9 @@ impl Arena {
 }
 
 /// Asks the kernel to back the whole 2 MiB pages of a large array with huge pages (Linux
-/// transparent huge pages in `madvise` mode): at 100 k blocks the records span 6.4 MB, and a
-/// random free then costs an address-translation miss as well as a cache miss. Called when the
-/// array grows (once per doubling); a refusal changes nothing.
+/// transparent huge pages in `madvise` mode): at 100 k blocks the slots span 16-32 MB, and a
+/// random free then costs an address-translation miss as well as a cache miss. Called on a new
+/// array before it is written (once per doubling); a refusal changes nothing.
 #[cfg(target_os = "linux")]
 #[allow(unsafe_code)] // one madvise call; the block says why it is sound
 fn advise_huge_pages<T>(array: &Vec<T>) {
@@ -737,8 +781,9 @@ mod tests {
     }
 
     /// The arena finds allocated blocks at home and displaced ones alike, across the doublings
-    /// of its slot array (each of which displaces half the blocks at home: they stay where
-    /// they are, filed in the index, so no id changes); blocks made again find their homes.
+    /// of its home table (each of which displaces half the blocks at home: they stay where they
+    /// are, filed in the index, so no id changes); blocks made again in a table that no longer
+    /// grows find their homes; and the table halves as the blocks go.
     #[test]
     fn allocated_blocks_are_found_at_home_or_displaced() {
         let mut arena = Arena::default();
@@ -748,29 +793,38 @@ mod tests {
             arena.file_allocated(id);
             (i * 512, id)
         };
-        let mut ids: Vec<_> = (0..5_000).map(|i| make(&mut arena, i)).collect();
-        assert!(arena.blocks.len() >= 10_000, "{} slots for 5 000 blocks", arena.blocks.len());
-        for round in 0..2 {
-            for &(addr, id) in &ids {
+        let check = |arena: &Arena, ids: &[(u64, BlockId)]| {
+            for &(addr, id) in ids {
                 assert_eq!(arena.find_allocated(addr), Some(id), "block at {addr:#x}");
                 assert_eq!(arena.find_allocated(addr + 512 * 5_000), None);
+                assert!(!arena.filed_at_home(id) || arena.is_home(id), "block {id} filed at home elsewhere");
             }
-            let not_home = ids.iter().filter(|&&(_, id)| !arena.is_home(id)).count();
-            assert_eq!(not_home, arena.displaced_blocks());
-            // A free takes each block once; the second time it is unknown.
-            for &(addr, id) in &ids {
-                assert_eq!(arena.take_allocated(addr, |_| false), Err(Some(id)), "a refused take keeps it");
-                assert_eq!(arena.take_allocated(addr, |_| true), Ok(id));
-                arena.drop_block(id);
-                assert_eq!(arena.take_allocated(addr, |_| true), Err(None));
-            }
-            assert_eq!(arena.displaced_blocks(), 0);
-            if round == 1 {
-                // The second time, in a slot array that no longer grows, nearly all are home.
-                assert!(not_home * 20 <= ids.len(), "{not_home} of {} blocks not home", ids.len());
-            }
-            ids = (0..5_000).map(|i| make(&mut arena, i)).collect();
+            let displaced = ids.iter().filter(|&&(_, id)| !arena.filed_at_home(id)).count();
+            assert_eq!(displaced, arena.displaced_blocks());
+            displaced
+        };
+        let mut ids: Vec<_> = (0..5_000).map(|i| make(&mut arena, i)).collect();
+        assert!(arena.home_slots() >= 10_000, "{} home slots for 5 000 blocks", arena.home_slots());
+        assert!(check(&arena, &ids) > 0, "growth displaced no block");
+        // A free takes a block once; the second time it is unknown. Half go and come back.
+        for i in (0..5_000).step_by(2) {
+            let (addr, id) = ids[i];
+            assert_eq!(arena.take_allocated(addr, |_| false), Err(Some(id)), "a refused take keeps it");
+            assert_eq!(arena.take_allocated(addr, |_| true), Ok(id));
+            arena.drop_block(id);
+            assert_eq!(arena.take_allocated(addr, |_| true), Err(None));
+            ids[i] = make(&mut arena, i as u64);
         }
+        check(&arena, &ids);
+        let remade: Vec<_> = ids.iter().step_by(2).copied().collect();
+        let not_home = remade.iter().filter(|&&(_, id)| !arena.is_home(id)).count();
+        assert!(not_home * 20 <= remade.len(), "{not_home} of {} blocks made again not home", remade.len());
+        for &(addr, id) in &ids {
+            assert_eq!(arena.take_allocated(addr, |_| true), Ok(id));
+            arena.drop_block(id);
+        }
+        assert_eq!(arena.displaced_blocks(), 0);
+        assert_eq!(arena.home_slots(), FIRST_SLOTS, "the home table after every block went");
     }
 
     #[test]

@@ -490,7 +490,7 @@ impl Heap {
     fn page_sources(&self, min: u64, exclude: &[BlockId], keep: impl Fn(u64) -> bool) -> Vec<(u64, BlockId)> {
         let mut sources: Vec<(u64, BlockId)> = Vec::new();
         for list in &self.lists {
-            if list.key.pool == 0 {
+            if list.key.pool() == 0 {
                 list.collect_at_least(&self.arena.blocks, min, &mut sources);
             }
         }
