@@ -201,6 +201,7 @@ impl Heap {
 
     /// A cached block for the request: this stream's list first, then blocks any stream may use;
     /// `lane`: the parameter lane's lists (`param_lane`).
+    #[inline(always)]
     fn find_free(&mut self, pool: u32, small: bool, stream: Stream, rounded: u64, lane: bool) -> Option<BlockId> {
         for s in [stream, ANY_STREAM] {
             let Some(li) = self.list_index(ListKey::new(pool, small, s, lane)) else { continue };
@@ -561,6 +562,7 @@ impl Heap {
     /// Merges block `id` with its free neighbours. Returns the merged block and the number and
     /// bytes of the free blocks it absorbed (each a piece of a split segment, counted in the
     /// inactive-split statistics until now: see `count_merged_free`).
+    #[inline(always)]
     fn merge_neighbours(&mut self, id: BlockId) -> (BlockId, u64, u64) {
         let (mut absorbed, mut absorbed_bytes) = (0, 0);
         for forward in [false, true] {
@@ -803,7 +805,7 @@ impl Heap {
     }
 
     /// Files a free block in the list of its (pool, size class, stream).
-    #[inline]
+    #[inline(always)]
     fn enlist(&mut self, id: BlockId) {
         let b = self.arena.block(id);
         let key = Self::list_key(b);
@@ -824,7 +826,7 @@ impl Heap {
 
     /// Takes a free block out of its list (the one its key names: a listed block's stream,
     /// pool and size class do not change).
-    #[inline]
+    #[inline(always)]
     fn unlist(&mut self, id: BlockId) {
         let b = self.arena.block(id);
         let oversize = b.size >= self.config.max_split_size;
