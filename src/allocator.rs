@@ -48,13 +48,17 @@ impl Allocator {
         self.devices.len()
     }
 
+    #[inline]
     fn heap(&self, device: usize) -> Result<MutexGuard<'_, Heap>> {
         match self.devices.get(device) {
             Some(heap) => Ok(heap.lock()),
-            None => {
-                Err(Error::InvalidArgument(format!("device {device} does not exist ({} devices)", self.devices.len())))
-            }
+            None => Err(self.no_device(device)),
         }
+    }
+
+    #[cold]
+    fn no_device(&self, device: usize) -> Error {
+        Error::InvalidArgument(format!("device {device} does not exist ({} devices)", self.devices.len()))
     }
 
     #[inline]
@@ -63,6 +67,7 @@ impl Allocator {
     }
 
     /// Allocates into a CUDA graph's private pool (`None`: the general pool).
+    #[inline]
     pub fn malloc_in_pool(&self, device: usize, size: u64, stream: Stream, pool: Option<PoolId>) -> Result<u64> {
         self.heap(device)?.malloc(size, stream, pool)
     }

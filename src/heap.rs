@@ -230,10 +230,16 @@ impl Heap {
 
     /// Expandable segments, as PyTorch: a free block followed by unmapped space (the free tail,
     /// which can grow in place) is taken only when no other free block fits.
+    #[inline]
     fn prefer_not_tail(&mut self, li: usize, id: BlockId, rounded: u64) -> BlockId {
         if !self.config.expandable_segments {
             return id; // no neighbour to load on the plain path
         }
+        self.prefer_not_tail_expandable(li, id, rounded)
+    }
+
+    #[inline(never)]
+    fn prefer_not_tail_expandable(&mut self, li: usize, id: BlockId, rounded: u64) -> BlockId {
         let next = self.arena.block(id).next;
         if next == NIL || self.arena.state(next) != BlockState::Unmapped || rounded >= self.config.max_split_size {
             return id;
