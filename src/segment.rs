@@ -210,7 +210,7 @@ pub struct Arena {
     pub blocks: Vec<Block>,
     /// The slots homes are chosen among: a power of two, at most `blocks.len()`.
     home_slots: usize,
-    /// Each block slot's state and tag (`SlotByte`), densely: one byte per slot.
+    /// Each block slot's state and tag (see `slot_byte`), densely: one byte per slot.
     states: Vec<u8>,
     vacant_blocks: VacantSet,
     /// The allocated blocks not in their home bucket, by address.
@@ -316,7 +316,7 @@ impl Arena {
         Self::home_in(home_hash(addr), self.home_slots)
     }
 
-    /// The home bucket's first slot for `hash` in an array of `slots` slots (a power of two).
+    /// The home bucket's first slot for `hash` in a home table of `slots` slots (a power of two).
     #[inline]
     fn home_in(hash: u64, slots: usize) -> BlockId {
         ((hash >> 29) & (slots as u64 - 1) & !(BUCKET as u64 - 1)) as BlockId
