@@ -486,7 +486,8 @@ impl Heap {
     /// Free large-pool blocks of at least `min` bytes, outside `exclude`, in segments whose page
     /// size `keep` accepts: the blocks whose whole pages page reuse may take, largest first (the
     /// fewest blocks cut for the pages needed; least recently freed first made fewer moves but
-    /// higher peaks on the model traces and agent presets).
+    /// higher peaks on the model traces and agent presets), equal sizes highest address first
+    /// (an order of the heap's contents, not of where their records happen to lie).
     fn page_sources(&self, min: u64, exclude: &[BlockId], keep: impl Fn(u64) -> bool) -> Vec<(u64, BlockId)> {
         let mut sources: Vec<(u64, BlockId)> = Vec::new();
         for list in &self.lists {
@@ -496,7 +497,7 @@ impl Heap {
         }
         sources
             .retain(|&(_, id)| !exclude.contains(&id) && keep(self.arena.segment(self.arena.block(id).segment).page));
-        sources.sort_unstable_by(|a, b| b.cmp(a));
+        sources.sort_unstable_by_key(|&(size, id)| std::cmp::Reverse((size, self.arena.block(id).addr)));
         sources
     }
 
