@@ -564,9 +564,8 @@ impl Heap {
     }
 
     /// Merges the free block `id` (not in a list) with free neighbours of compatible streams,
-    /// as far as they reach each way. Returns the id of the merged block.
-    /// Merges block `id` with its free neighbours. Returns the merged block and the number and
-    /// bytes of the free blocks it absorbed (each a piece of a split segment, counted in the
+    /// as far as they reach each way. Returns the merged block and the number and bytes of the
+    /// free blocks it absorbed (each a piece of a split segment, counted in the
     /// inactive-split statistics until now: see `count_merged_free`).
     #[inline(always)]
     fn merge_neighbours(&mut self, id: BlockId) -> (BlockId, u64, u64) {
@@ -1161,9 +1160,9 @@ mod tests {
         heap.check_invariants().expect("invariants");
     }
 
-    /// A block handed out from the cache moves to its home slot when that is vacant, so `free`
-    /// finds nearly every block with one load; the few that are not home are those whose home
-    /// another block holds.
+    /// A block handed out from the cache moves to a vacant slot of its home bucket when it has
+    /// one, so `free` finds nearly every block with one load; the few that are not home are
+    /// those whose bucket other blocks fill.
     #[test]
     fn blocks_handed_out_move_home() {
         for conf in ["", ",expandable_segments:True"] {

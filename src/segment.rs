@@ -494,12 +494,7 @@ impl Arena {
 
     /// Whether allocated block `id` is filed at home (its byte tagged), not as displaced.
     pub fn filed_at_home(&self, id: BlockId) -> bool {
-        self.states[id as usize] & 7 == 0
-    }
-
-    /// The slots homes are chosen among (see `Arena`).
-    pub fn home_slots(&self) -> usize {
-        self.home_slots
+        self.states[id as usize] & 7 == BlockState::Allocated as u8
     }
 
     /// Allocated blocks filed as displaced (what `displaced` holds).
@@ -804,7 +799,7 @@ mod tests {
             displaced
         };
         let mut ids: Vec<_> = (0..5_000).map(|i| make(&mut arena, i)).collect();
-        assert!(arena.home_slots() >= 10_000, "{} home slots for 5 000 blocks", arena.home_slots());
+        assert!(arena.home_slots >= 10_000, "{} home slots for 5 000 blocks", arena.home_slots);
         assert!(check(&arena, &ids) > 0, "growth displaced no block");
         // A free takes a block once; the second time it is unknown. Half go and come back.
         for i in (0..5_000).step_by(2) {
@@ -824,7 +819,7 @@ mod tests {
             arena.drop_block(id);
         }
         assert_eq!(arena.displaced_blocks(), 0);
-        assert_eq!(arena.home_slots(), FIRST_SLOTS, "the home table after every block went");
+        assert_eq!(arena.home_slots, FIRST_SLOTS, "the home table after every block went");
     }
 
     #[test]
