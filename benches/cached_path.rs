@@ -2,7 +2,7 @@
 //! call), on the simulated device, with 10 k and 100 k other blocks live. The allocator's cost
 //! must not grow with the number of cached or live blocks.
 //!
-//! Run: `cargo bench --bench cached_path` (figures in the README).
+//! Run: `cargo bench --bench cached_path` (figures in docs/performance.md).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use std::hint::black_box;

@@ -1,7 +1,7 @@
 // Memory latency on this machine as a dependent load sees it: a pointer chase over a random
 // cycle of 64-byte lines spanning SIZE KiB, in huge pages when HUGE is set (transparent huge
 // pages in madvise mode). What the random-victim bench's 100 k case pays per miss on its chain
-// (README, "The hot path at scale").
+// (docs/performance.md, "What the 100 k case pays").
 //
 //   cc -O2 -o /tmp/pointer_chase scripts/pointer_chase.c
 //   for kb in 2048 4096 8192 16384; do HUGE=1 taskset -c 1 /tmp/pointer_chase $kb; done

@@ -44,7 +44,7 @@ fi
 )
 # The real-PyTorch tests (test_real_torch.py) preload the stub runtime in their child processes.
 LD_LIBRARY_PATH="$PWD/target/hostcuda/standins${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" python3 -m pytest python_shim/tests -q
-# The GPU run kit (issue 11): the bundle a GPU machine runs without Rust (size limit, manifest,
+# The GPU run kit: the bundle a GPU machine runs without Rust (size limit, manifest,
 # glibc needs: gpu/tests), then the whole run from it over the host-memory driver (validation,
 # CUDA backend checks, the end-to-end comparison as a CPU dry run) with its JSON summary.
 scripts/gpu-bundle.sh target/gpu-bundle > /dev/null

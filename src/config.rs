@@ -15,7 +15,7 @@ pub const ROUNDUP_INTERVALS: usize = 16;
 pub const MAX_TRACE_ENTRIES: usize = 1 << 26;
 
 /// stepalloc's recommended configuration: the best measured on the agent presets and on
-/// real-model traces (README, "Figures"): PyTorch's expandable segments with 2 MiB pages in
+/// real-model traces (docs/performance.md): PyTorch's expandable segments with 2 MiB pages in
 /// both pools, and idle pages moved to where they are needed instead of creating memory; past
 /// 4 GiB of mapped bytes the large pool grows in 16 MiB pages, which keeps the driver's time
 /// on a large heap under 1% of the step time (2 MiB pages throughout took 2–5%); a small
@@ -783,7 +783,7 @@ mod tests {
     }
 
     /// Strings PyTorch's parser (c10/core/AllocatorConfig.cpp, c10/cuda/CUDAAllocatorConfig.cpp)
-    /// accepts must be accepted unchanged (issue 12, item 17).
+    /// accepts must be accepted unchanged.
     #[test]
     fn pytorch_strings_are_accepted() {
         for text in [
@@ -831,7 +831,7 @@ mod tests {
         assert_eq!(table("roundup_power2_divisions:[]"), [0; ROUNDUP_INTERVALS]);
     }
 
-    /// Errors name the key, the value and the accepted range (issue 12, item 18), and where
+    /// Errors name the key, the value and the accepted range, and where
     /// the string came from when the caller says.
     #[test]
     fn errors_name_the_value_and_the_range() {
@@ -868,7 +868,7 @@ mod tests {
 
     #[test]
     fn an_embedded_nul_is_an_error_not_a_truncation() {
-        // issue 12, item 14: "backend:sim\0garbage" read as "backend:sim" by a C caller.
+        // "backend:sim\0garbage" must not be read as "backend:sim" by a C caller.
         for bad in ["backend:sim\0garbage", "sim_capacity_mb:1\0", "max_split_size_mb\0:128"] {
             let e = Config::parse(bad).unwrap_err().to_string();
             assert!(e.contains("NUL character"), "{bad:?}: {e}");

@@ -843,7 +843,7 @@ mod tests {
 
     #[test]
     fn max_split_size_is_torchs_int64() {
-        // issue 12, item 11: written as 2^64 - 1, which a reader of PyTorch's int64 rejects.
+        // Once written as 2^64 - 1, which a reader of PyTorch's int64 rejects.
         let unlimited = DeviceStats { max_split_size: u64::MAX, ..Default::default() }.to_map();
         assert_eq!(unlimited["max_split_size"], serde_json::json!(-1));
         let set = DeviceStats { max_split_size: 128 << 20, ..Default::default() }.to_map();

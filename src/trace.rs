@@ -195,7 +195,7 @@ mod tests {
 
     #[test]
     fn ring_memory_grows_with_use_not_with_the_limit() {
-        // issue 12, item 6: `trace_entries:67108864` on 64 devices reserved 64 x 3.5 GiB at start.
+        // `trace_entries:67108864` on 64 devices must not reserve 64 x 3.5 GiB at start.
         let mut ring = TraceRing::new(1 << 26);
         assert_eq!(ring.allocated(), 0, "nothing is reserved before the first entry");
         for i in 0..1000 {

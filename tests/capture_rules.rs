@@ -1,4 +1,4 @@
-//! CUDA-graph capture rules and the other heap duties of issue 10, on the simulated device
+//! CUDA-graph capture rules and the heap's duties around them, on the simulated device
 //! through a watching backend. During a global-mode capture any event record, query or wait,
 //! device free or synchronization invalidates the capture (a device reserve is allowed: PyTorch
 //! makes it in relaxed mode). The `Watched` backend delegates to `SimDevice` and records a

@@ -1,4 +1,4 @@
-//! Input extremes on the core API (issue 12, item 7): sizes, times, fractions and division
+//! Input extremes on the core API: sizes, times, fractions and division
 //! counts at the ends of their types give an error or a saturated figure, never an overflow
 //! (the tests run with overflow checks, in the debug and the release profile alike) and never
 //! a silently wrong result.

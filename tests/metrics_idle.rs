@@ -1,4 +1,4 @@
-//! Idle connections do not delay scrapes (issue 12, item 16): 10 sockets that send nothing and
+//! Idle connections do not delay scrapes: 10 sockets that send nothing and
 //! reconnect as soon as the server closes them, while the allocator's hot path runs; every
 //! scrape meanwhile is answered at once (the server used to take one connection at a time,
 //! and each scrape waited ~10 s behind the idle ones). Also: binding an address other than

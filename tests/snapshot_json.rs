@@ -1,6 +1,5 @@
 //! The snapshot written straight to text (`Allocator::snapshot_json`, what the C ABI serves)
-//! is the same document as the JSON tree, and the settings are PyTorch's types (issue 12,
-//! items 11 and 21).
+//! is the same document as the JSON tree, and the settings are PyTorch's types.
 
 use stepalloc::{Allocator, Config, Stream};
 

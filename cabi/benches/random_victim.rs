@@ -8,10 +8,10 @@
 //!
 //! With `STEPALLOC_BASELINE=/path/to/other/libstepalloc.so` the same churn also runs on that
 //! library (loaded beside this one, with its own allocator), interleaved, so both figures come
-//! from one run on the same machine state: how the README's before/after figures are taken.
+//! from one run on the same machine state: how docs/performance.md compares two builds.
 //!
 //! Instruction and cache-miss counts per pair, which a busy machine does not disturb, come
-//! from the `random_victim` example under cachegrind (see the README, "Figures").
+//! from the `random_victim` example under cachegrind (docs/performance.md, "Instructions and misses per pair").
 
 #[path = "../tests/common/mod.rs"]
 mod common;

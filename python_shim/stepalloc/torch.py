@@ -39,7 +39,7 @@ HOOKS: dict[str, str] = {
     "set_end_allocate_to_pool_fn": "stepalloc_end_allocate_to_pool",
     "set_release_pool": "stepalloc_release_pool",
 }
-# The best measured configuration (README, "Figures"); `install()` uses it when given none and
+# The best measured configuration (docs/performance.md); `install()` uses it when given none and
 # STEPALLOC_CONF is unset. The same string as the core's `config::RECOMMENDED`.
 RECOMMENDED = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True,close_holes:True,param_lane:True"
 

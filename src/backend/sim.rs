@@ -23,7 +23,7 @@ const COST_RESERVE_PER_GIB_NS: u64 = 5_000;
 const COST_RELEASE_NS: u64 = 40_000;
 const COST_EVENT_RECORD_NS: u64 = 2_000;
 const COST_EVENT_QUERY_NS: u64 = 1_000;
-/// Virtual-memory calls (open question until measured on a GPU; see the README): published
+/// Virtual-memory calls (open question until measured on a GPU; see docs/performance.md): published
 /// measurements put cuMemCreate of a 2 MiB chunk at tens of microseconds, cuMemMap plus
 /// cuMemSetAccess of one chunk at about 10 µs, cuMemUnmap similar, and an idle
 /// cuStreamSynchronize at a few microseconds.
@@ -442,8 +442,8 @@ mod tests {
 
     #[test]
     fn a_huge_event_delay_never_completes_at_once() {
-        // issue 12, item 7: now + delay wrapped in a release build, so the event was complete
-        // at once and its block was reused while another stream still used it.
+        // now + delay must not wrap in a release build: the event would be complete at once
+        // and its block reused while another stream still used it.
         let mut d = device("sim_event_delay_us:18446744073709551,sim_cost_model:True");
         d.reserve(2 * MIB).unwrap(); // the cost model moves the clock past 0
         let e = d.record_event(Stream(1)).unwrap();

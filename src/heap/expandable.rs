@@ -88,7 +88,7 @@ impl Heap {
     /// between that step's activations, which would leave them as islands whose partly used
     /// end pages stay mapped. Past `big_page_after` the lane stops: its free gradient pages
     /// would move to the activations at each step's peak and back for the next gradients,
-    /// driver time a large heap's budget does not have (measured: README, "Real-model traces").
+    /// driver time a large heap's budget does not have (measured: docs/performance.md, "param_lane").
     pub(super) fn in_param_lane(&self, rounded: u64) -> bool {
         self.config.expandable_segments
             && !self.param_sizes.is_empty()

@@ -89,7 +89,7 @@ pub struct RunReport {
     pub driver_time_per_step_s: f64,
     /// Modelled GPU compute time of the steps run, summed (generated workloads only).
     pub modelled_step_time_s: Option<f64>,
-    /// `driver_time_s` over `modelled_step_time_s` (issue 9's target: at most 1%). The driver
+    /// `driver_time_s` over `modelled_step_time_s` (the target: at most 1%). The driver
     /// time of the whole run (the weights' before the first step too) over the compute of its
     /// steps, the driver's own time not added to them: an upper bound of its share.
     pub driver_share_of_step: Option<f64>,

@@ -1,4 +1,4 @@
-//! Hostile input to the stress tool (issue 12): every flag, trace and snapshot that once
+//! Hostile input to the stress tool: every flag, trace and snapshot that once
 //! crashed, hung, overflowed or silently changed a result now gives a clear error naming the
 //! input and its limit, or the right result. One test per finding, named after it.
 

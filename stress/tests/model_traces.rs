@@ -79,7 +79,7 @@ fn model_traces_replay_under_pytorchs_rules_above_their_floor() {
     }
 }
 
-/// Issue 9's targets on real-model traces: stepalloc's peak reserved (= mapped) at most 1% above
+/// The targets on real-model traces: stepalloc's peak reserved (= mapped) at most 1% above
 /// the floor and strictly below PyTorch's expandable segments.
 #[test]
 fn stepalloc_beats_expandable_segments_on_model_traces() {

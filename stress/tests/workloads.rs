@@ -300,7 +300,7 @@ fn run_stream(spec: &AgentSpec, names: &[&str]) -> Vec<report::RunReport> {
         .collect()
 }
 
-/// Issue 9's targets on the agent presets: stepalloc's peak reserved (= mapped) at most 3% above
+/// The targets on the agent presets: stepalloc's peak reserved (= mapped) at most 3% above
 /// the floor and strictly below PyTorch's expandable segments, without out-of-memory, with its
 /// modelled driver time at most 1% of the modelled compute time of the steps (measured 0.29% on
 /// `vlm-7b`, 0.96% on `llm-7b-sft`; 2.21% and 4.73% with 2 MiB pages throughout, before

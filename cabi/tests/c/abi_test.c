@@ -275,7 +275,7 @@ static void scenario_bad_config(void) {
     CHECK(p_stepalloc_configure("backend:sim,page_reuse:True") == STEPALLOC_CONFIG, "page_reuse needs expandable segments");
     CHECK(p_stepalloc_configure(NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL");
     CHECK(p_stepalloc_configure("backend:sim,\xff:1") == STEPALLOC_INVALID_ARGUMENT, "not UTF-8");
-    /* With a length, an embedded NUL is refused, not read as the end (issue 12, item 14). */
+    /* With a length, an embedded NUL is refused, not read as the end. */
     static const char with_nul[] = "backend:sim\0garbage";
     CHECK(p_stepalloc_configure_len(with_nul, sizeof with_nul - 1) == STEPALLOC_CONFIG, "NUL inside");
     CHECK(strstr(last_error(), "NUL character") != NULL && strstr(last_error(), "garbage") != NULL, "%s",
@@ -294,7 +294,7 @@ static void scenario_bad_config(void) {
     check_stats(0, 0, 0);
 }
 
-/* memory_snapshot in one pass (issue 12, item 21): the fill that follows a measuring call
+/* memory_snapshot in one pass: the fill that follows a measuring call
  * writes the text measured then, so the snapshot is built once even if the state changed. */
 static void scenario_snapshot_once(void) {
     CHECK(p_stepalloc_configure("backend:sim") == STEPALLOC_OK, "%s", last_error());
