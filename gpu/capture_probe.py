@@ -1,4 +1,4 @@
-"""Settles DESIGN.md's first open question on a real GPU: which driver calls are legal while a
+"""Settles an open question of the design on a real GPU: which driver calls are legal while a
 stream is being captured into a CUDA graph, in each capture mode, on the capturing thread and
 on another thread. For each (mode, call) it begins a capture on a fresh non-blocking stream
 (with a memset node before and after), makes the call, and reports the call's result, whether

@@ -1,4 +1,4 @@
-"""stepalloc under real PyTorch on a real GPU. Settles DESIGN.md's second open question
+"""stepalloc under real PyTorch on a real GPU. Settles an open question of the design
 (whether an exception thrown from the alloc function leaves PyTorch's pluggable allocator
 usable) and checks process-wide mode end to end: hooks, CUDA graphs and their private pools,
 record_stream, memory fraction, MemPool mode, exit with live tensors.
