@@ -144,6 +144,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_configure": ([c_char_p], c_int),
         "stepalloc_step_begin": ([c_char_p], c_int),
         "stepalloc_step_end": ([], c_int),
+        "stepalloc_check_phase": ([c_char_p, c_size_t], c_int),
         "stepalloc_metrics_serve": ([c_char_p], c_int),
         "stepalloc_reset_peak_stats": ([c_int], c_int),
         "stepalloc_reset_accumulated_stats": ([c_int], c_int),
