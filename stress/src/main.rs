@@ -4,8 +4,9 @@
 //! `advise` searches the allocator settings that give a trace the lowest peak (`advise.rs`).
 //! Exit status: 0 on success, 1 when an integrity check failed, 2 on bad input or a failed
 //! write (a full disk). When stdout's reader goes away (`| head -3`), the command stops writing
-//! and exits quietly with the status it had (0, or 1 for a failed integrity check), as
-//! `grep` or `rg` under `set -o pipefail` would want; see `output.rs`.
+//! and exits quietly with the status it had (0, or 1 for a failed integrity check), as ripgrep
+//! does: not 141 (death by SIGPIPE, GNU tools' way), which fails `set -o pipefail` scripts for
+//! a `| head` that got what it asked for; see `output.rs`.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};

@@ -4,9 +4,9 @@
 //! - Every report goes to stdout through `out`, a fallible write: `print!` panics when stdout
 //!   is a closed pipe or a full disk.
 //! - A closed pipe (`| head`: the reader has what it wanted) is `Failure::ClosedPipe`: the command
-//!   stops writing and exits quietly with the status it would have had, as `head`'s writers
-//!   usually do; Rust ignores SIGPIPE, so the write reports `BrokenPipe` rather than killing the
-//!   process with status 141. Any other write error is an `error: …` with a non-zero status.
+//!   stops writing and exits quietly with the status it would have had. Rust ignores SIGPIPE,
+//!   so the write reports `BrokenPipe` instead of the process dying with status 141 (GNU tools'
+//!   way); ripgrep exits quietly too. Any other write error is an `error: …` with status 2.
 //! - Notes on stderr (`note!`: timing, where a file went) ignore write errors: stderr is where
 //!   such an error would be reported.
 
