@@ -393,6 +393,9 @@ impl Config {
 
     /// Applies a configuration string on top of this configuration.
     pub fn apply(&mut self, text: &str) -> Result<()> {
+        // The page size as typed, for the check below: the value kept saturates (PyTorch caps
+        // it), so quoting it would not be what the user wrote.
+        let mut large_page_text = None;
         for entry in split_entries(text) {
             let entry = entry.trim();
             if entry.is_empty() {
@@ -409,6 +412,9 @@ impl Config {
                 ));
             }
             self.set(key.trim(), value.trim())?;
+            if key.trim() == "large_segment_size_mb" {
+                large_page_text = Some(value.trim());
+            }
         }
         let page_ok = self.large_page % LARGE_PAGE_STEP == 0 && self.large_page <= MAX_LARGE_PAGE;
         if self.expandable_segments && !page_ok {
@@ -417,7 +423,7 @@ impl Config {
                 format!(
                     "bad value `{}`: with expandable_segments:True it is the large pool's page size, \
                      a multiple of 2 from 2 to 1024",
-                    self.large_page / MIB
+                    large_page_text.map_or_else(|| (self.large_page / MIB).to_string(), str::to_string)
                 ),
             ));
         }
@@ -920,6 +926,9 @@ mod tests {
             assert!(matches!(e, Error::Config { ref key, .. } if key == "large_segment_size_mb"), "{bad}: {e}");
             assert!(e.to_string().contains("from 2 to 1024"), "{e}");
         }
+        // The refusal quotes what was typed, not the saturated number of MiB it was kept as.
+        let e = Config::parse("expandable_segments:True,large_segment_size_mb:18446744073709551615").unwrap_err();
+        assert!(e.to_string().contains("bad value `18446744073709551615`"), "{e}");
     }
 
     #[test]

@@ -89,6 +89,15 @@ int stepalloc_step_begin(const char *phase);
 // `phase` must be NULL or point to `len` readable bytes.
 int stepalloc_step_begin_len(const char *phase, size_t len);
 
+// Checks a phase name as `stepalloc_step_begin` does (1 to 64 letters, digits, `_`, `-` or
+// `.`; a NUL inside the `len` bytes is refused), without creating the allocator, so that a
+// binding can refuse a bad name at the call even before the first allocation. Returns a
+// status (`STEPALLOC_INVALID_ARGUMENT`, with the reason in the last error).
+//
+// # Safety
+// `phase` must be NULL or point to `len` readable bytes.
+int stepalloc_check_phase(const char *phase, size_t len);
+
 // Ends the current step on every device. Returns a status.
 int stepalloc_step_end(void);
 

@@ -135,6 +135,23 @@ pub unsafe extern "C" fn stepalloc_step_begin_len(phase: *const c_char, len: usi
     })
 }
 
+/// Checks a phase name as `stepalloc_step_begin` does (1 to 64 letters, digits, `_`, `-` or
+/// `.`; a NUL inside the `len` bytes is refused), without creating the allocator, so that a
+/// binding can refuse a bad name at the call even before the first allocation. Returns a
+/// status (`STEPALLOC_INVALID_ARGUMENT`, with the reason in the last error).
+///
+/// # Safety
+/// `phase` must be NULL or point to `len` readable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_check_phase(phase: *const c_char, len: usize) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let phase = unsafe { str_with_len(phase, len, "phase") }?;
+        stepalloc::step::validate_phase(phase)?;
+        Ok(())
+    })
+}
+
 /// Ends the current step on every device. Returns a status.
 #[no_mangle]
 pub extern "C" fn stepalloc_step_end() -> c_int {

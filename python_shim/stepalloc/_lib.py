@@ -144,6 +144,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_configure": ([c_char_p], c_int),
         "stepalloc_step_begin": ([c_char_p], c_int),
         "stepalloc_step_end": ([], c_int),
+        "stepalloc_check_phase": ([c_char_p, c_size_t], c_int),
         "stepalloc_metrics_serve": ([c_char_p], c_int),
         "stepalloc_reset_peak_stats": ([c_int], c_int),
         "stepalloc_reset_accumulated_stats": ([c_int], c_int),
@@ -232,17 +233,35 @@ _oom_class: type | None = None
 
 
 def out_of_memory_error(message: str) -> Exception:
-    """An out-of-memory exception: ``torch.cuda.OutOfMemoryError`` when torch is importable
-    (a subclass that is also a ``MemoryError``), else a plain ``MemoryError``."""
+    """An out-of-memory exception: ``torch.cuda.OutOfMemoryError`` when torch imports (a
+    subclass that is also a ``MemoryError``), else stepalloc's own ``OutOfMemoryError``, a
+    plain ``MemoryError``. The class is chosen once: a torch that failed to import is not
+    imported again (a second attempt fails differently, "torch can only be initialized once")."""
     global _oom_class
     if _oom_class is None:
-        base: tuple[type, ...] = (MemoryError,)
-        if "torch" in sys.modules or _torch_importable():
-            import torch
-
-            base = (torch.cuda.OutOfMemoryError, MemoryError)
+        torch_oom = _torch_out_of_memory_error()
+        base: tuple[type, ...] = (torch_oom, MemoryError) if torch_oom is not None else (MemoryError,)
         _oom_class = type("OutOfMemoryError", base, {"__module__": "stepalloc"})
     return _oom_class(message)
+
+
+def _torch_out_of_memory_error() -> type | None:
+    """``torch.cuda.OutOfMemoryError``, or None when torch is not installed or does not import.
+
+    An installed torch can fail to import in many ways (a CUDA library missing: ``ValueError``
+    or ``OSError``; a half-initialised earlier import: ``ImportError``; a stub without ``cuda``:
+    ``AttributeError``); every one of them means no torch here, never an error in place of the
+    out-of-memory being reported.
+    """
+    try:
+        if "torch" not in sys.modules and not _torch_importable():
+            return None
+        import torch
+
+        cls = torch.cuda.OutOfMemoryError
+    except Exception:  # noqa: BLE001 - any failure to import torch: see above
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, BaseException) else None
 
 
 def _torch_importable() -> bool:

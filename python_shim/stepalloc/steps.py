@@ -18,6 +18,11 @@ Invariants:
   configuration. Such steps are not counted.
 - Phases are a small, bounded label set (they become metric labels): use a few fixed names
   such as ``rollout``, ``train``, ``eval``, never per-step names.
+- A phase is checked at every ``step_begin``, also before the allocator exists: its name by the
+  library's own rule (``stepalloc_check_phase``, which creates nothing), and the number of
+  distinct phases this process used against the library's bound (``MAX_PHASES``), so a name
+  that the library would refuse at the first step after the first allocation is refused at the
+  first step.
 """
 
 from __future__ import annotations
@@ -44,16 +49,44 @@ _inside: contextvars.ContextVar[str | None] = contextvars.ContextVar("stepalloc_
 # Whether the last `step_begin` stopped short of the library (see the invariants).
 _begin_skipped = False
 
+# The library's bound on distinct phases (``MAX_PHASES`` in src/step.rs), and the phases this
+# process has begun steps of (at most that many), guarded by `_phases_lock`.
+MAX_PHASES = 32
+_phases_lock = threading.Lock()
+_phases: set[str] = set()
+
+
+def _admit_phase(phase: str) -> bytes:
+    """Checks ``phase`` as the library does when a step of it begins, without creating the
+    allocator, and counts it among this process's phases; returns its bytes for the C call.
+    Raises ``TypeError`` for a non-string, ``ConfigError`` (a ``ValueError``) for a name outside
+    the library's rule (1 to 64 letters, digits, ``_``, ``-`` or ``.``) or a phase past the
+    ``MAX_PHASES`` distinct ones."""
+    data = _lib.c_string(phase, "step phase")
+    _lib.check(int(_lib.lib().stepalloc_check_phase(data, len(data))))
+    with _phases_lock:
+        if phase not in _phases:
+            if len(_phases) >= MAX_PHASES:
+                raise _lib.ConfigError(
+                    f"too many phases (at most {MAX_PHASES}); {phase!r} is one more: phases are a small fixed "
+                    "set of labels (rollout, train, eval), never per-step names",
+                    _lib.INVALID_ARGUMENT,
+                )
+            _phases.add(phase)
+    return data
+
 
 def step_begin(phase: str = "step") -> None:
     """Marks the start of a step of ``phase`` on every device (process-wide).
 
     A step of another phase than the previous one is a phase switch: with ``phase_trim:True``
     the cache is trimmed to what this phase needed before. Before the allocator exists and
-    before ``install()`` this does nothing (nothing is measured; the configuration stays open).
+    before ``install()`` this only checks the phase (nothing is measured; the configuration
+    stays open). Raises ``ConfigError`` (a ``ValueError``) for a name the library refuses or a
+    phase past ``MAX_PHASES``, before the allocator exists as after.
     """
     global _begin_skipped
-    data = _lib.c_string(phase, "step phase")
+    data = _admit_phase(phase)
     if not _lib.configuration_fixed():
         _begin_skipped = True
         return

@@ -97,6 +97,43 @@ def test_raw_alloc_oom_is_memory_error() -> None:
     assert stepalloc.memory_stats(0)["num_ooms"] == before + 1
 
 
+@pytest.mark.parametrize(
+    "torch_init",
+    [
+        'raise ValueError("libcublasLt.so.12: cannot open shared object file")',
+        'raise OSError("libc10_cuda.so: undefined symbol")',
+        "",  # imports, but has no torch.cuda
+    ],
+)
+def test_oom_with_a_torch_that_does_not_import_is_stepallocs_own(tmp_path: Path, torch_init: str) -> None:
+    # An installed torch that failed to import turned an out-of-memory into that import's
+    # error (ValueError), then into "ImportError: torch can only be initialized once".
+    fake = tmp_path / "torch"
+    fake.mkdir()
+    (fake / "__init__.py").write_text(torch_init + "\n")
+    out = check_child(
+        run_python(
+            f"""
+            import sys
+            sys.path.insert(0, {str(tmp_path)!r})
+            import stepalloc
+
+            stepalloc.configure("backend:sim,sim_capacity_mb:64")
+            for attempt in range(3):
+                try:
+                    stepalloc.raw_alloc(1 << 30)
+                except MemoryError as e:
+                    assert type(e).__name__ == "OutOfMemoryError" and type(e).__module__ == "stepalloc", type(e)
+                    assert "out of memory" in str(e).lower(), e
+                else:
+                    raise AssertionError("1 GiB fit on a 64 MiB device")
+            print("ok")
+            """
+        )
+    )
+    assert out.strip() == "ok"
+
+
 def test_raw_free_of_unknown_pointer_raises() -> None:
     with pytest.raises(ValueError):
         stepalloc.raw_free(0xDEAD0000, 512, device=0)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import errno
+import os
 import pickle
+import stat
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -131,3 +135,81 @@ def test_pytorchs_trace_reads_an_oom_entry(snapshot_file: Path) -> None:
     snap = _load(snapshot_file)
     assert any(e["action"] == "oom" for e in snap["device_traces"][0])
     _memory_viz.trace(snap)
+
+
+def _is_snapshot(data: bytes) -> bool:
+    return set(pickle.loads(data)) >= {"segments", "device_traces"}
+
+
+def test_dump_snapshot_replaces_a_regular_file_whole_keeping_its_mode(tmp_path: Path) -> None:
+    path = tmp_path / "snap.pickle"
+    path.write_bytes(b"old")
+    path.chmod(0o640)
+    assert stepalloc.dump_snapshot(path) == str(path)
+    assert _is_snapshot(path.read_bytes())
+    assert stat.S_IMODE(path.stat().st_mode) == 0o640
+    assert [p.name for p in tmp_path.iterdir()] == ["snap.pickle"], "a temporary file was left"
+
+
+def test_dump_snapshot_writes_through_a_symlink(tmp_path: Path) -> None:
+    # It once replaced the link with a regular file and left its target as it was.
+    real = tmp_path / "real.pickle"
+    real.write_bytes(b"old")
+    link = tmp_path / "link.pickle"
+    link.symlink_to(real)
+    stepalloc.dump_snapshot(link)
+    assert link.is_symlink() and os.readlink(link) == str(real)
+    assert _is_snapshot(real.read_bytes())
+
+
+def test_dump_snapshot_writes_into_a_fifo(tmp_path: Path) -> None:
+    # It once replaced the FIFO with a regular file; its reader got nothing.
+    fifo = tmp_path / "snap.fifo"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+
+    def reader() -> None:
+        with open(fifo, "rb") as f:
+            got.append(f.read())
+
+    t = threading.Thread(target=reader, daemon=True)
+    t.start()
+    stepalloc.dump_snapshot(fifo)
+    t.join(timeout=30)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode), "the FIFO was replaced"
+    assert not t.is_alive() and got and _is_snapshot(got[0])
+
+
+def _full_device(tmp_path: Path) -> Path:
+    """A device node like /dev/full (every write: no space left) that the test may lose."""
+    node = tmp_path / "full"
+    try:
+        os.mknod(node, stat.S_IFCHR | 0o666, os.makedev(1, 7))
+        with open(node, "wb"):
+            return node
+    except OSError:
+        pass
+    if os.access("/dev", os.W_OK) or not os.path.exists("/dev/full"):
+        # Code under test that replaced device nodes would replace the machine's /dev/full.
+        pytest.skip("no device node of the test's own, and /dev/full is not safe to use")
+    return Path("/dev/full")
+
+
+def test_dump_snapshot_to_a_full_device_is_an_error_naming_it(tmp_path: Path) -> None:
+    # Run as root it once replaced /dev/full with a regular file and reported success.
+    full = _full_device(tmp_path)
+    with pytest.raises(OSError) as e:
+        stepalloc.dump_snapshot(full)
+    assert e.value.errno == errno.ENOSPC and str(full) in str(e.value), e.value
+    assert stat.S_ISCHR(os.lstat(full).st_mode), "the device node was replaced"
+
+
+def test_dump_snapshot_errors_name_the_path_given(tmp_path: Path) -> None:
+    missing = tmp_path / "no such dir" / "x.pickle"
+    with pytest.raises(FileNotFoundError) as e:
+        stepalloc.dump_snapshot(missing)
+    assert e.value.filename == str(missing) and ".tmp" not in str(e.value), e.value
+    with pytest.raises(IsADirectoryError) as d:
+        stepalloc.dump_snapshot(tmp_path)
+    assert d.value.filename == str(tmp_path), d.value
+    assert tmp_path.is_dir()

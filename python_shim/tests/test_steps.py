@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import stepalloc
-from conftest import MIB
+from conftest import MIB, check_child, run_python
 
 
 def steps(phase: str | None = None) -> int:
@@ -200,3 +200,67 @@ def test_concurrent_tasks_in_one_phase_share_the_step() -> None:
 
     asyncio.run(main())
     assert steps("train") == trains + 1
+
+
+def test_a_phase_is_checked_at_the_call_before_the_allocator_exists() -> None:
+    # A name the library refuses passed the first step (before the first allocation) and
+    # failed the second; a 10 MB name and a 33rd phase passed too.
+    out = check_child(
+        run_python(
+            """
+            import stepalloc
+            from stepalloc import _lib
+
+            stepalloc.configure("backend:sim")
+
+            def refused(name, match):
+                for begin in (stepalloc.step_begin, lambda n: stepalloc.step(n).__enter__()):
+                    try:
+                        begin(name)
+                    except stepalloc.ConfigError as e:
+                        assert match in str(e) and len(str(e)) < 400, str(e)[:400]
+                    else:
+                        raise AssertionError(f"{name[:20]!r} accepted")
+
+            for name in ["\u0442\u0440\u0435\u043d", "x" * 10_000_000, "", "a b", "a/b"]:
+                refused(name, "phase")
+            for i in range(32):
+                with stepalloc.step(f"p{i}"):
+                    pass
+            refused("p32", "too many phases (at most 32)")
+            with stepalloc.step("p31"):  # a phase already used still begins
+                pass
+            assert not _lib.initialised(), "a check created the allocator"
+
+            # The same rules once the allocator exists.
+            stepalloc.raw_free(stepalloc.raw_alloc(1 << 20))
+            refused("\u0442\u0440\u0435\u043d", "phase")
+            refused("p32", "too many phases")
+            with stepalloc.step("p0"):
+                pass
+            print("ok")
+            """
+        )
+    )
+    assert out.strip() == "ok"
+
+
+def test_the_phase_bound_is_the_librarys() -> None:
+    # steps.MAX_PHASES repeats the library's bound: the library itself takes 32 phases, not 33.
+    out = check_child(
+        run_python(
+            """
+            import stepalloc
+            from stepalloc import _lib, steps
+
+            stepalloc.configure("backend:sim")
+            stepalloc.raw_free(stepalloc.raw_alloc(1 << 20))
+            lib = _lib.lib()
+            for i in range(steps.MAX_PHASES):
+                assert lib.stepalloc_step_begin(f"q{i}".encode()) == _lib.OK, _lib.last_error()
+            assert lib.stepalloc_step_begin(b"one_more") == _lib.INVALID_ARGUMENT
+            print(_lib.last_error())
+            """
+        )
+    )
+    assert "too many phases" in out, out

@@ -86,18 +86,25 @@ pub struct Capacity {
 }
 
 /// `--capacity-gb`, checked: a finite number of GiB in (0, `MAX_CAPACITY_GB`], at least 1 MiB.
-pub fn capacity_from_gb(gb: f64) -> Result<Capacity, String> {
+/// Errors quote the flag as it was typed (cut short), not the number it parsed to: `1e300`
+/// would print 301 digits.
+pub fn capacity_from_gb(text: &str) -> Result<Capacity, String> {
+    let shown = || -> String {
+        let cut: String = text.chars().take(32).flat_map(char::escape_debug).collect();
+        if text.chars().count() > 32 {
+            format!("{cut}...")
+        } else {
+            cut
+        }
+    };
+    let range = format!("expected GiB of device memory in (0, {MAX_CAPACITY_GB}] (the simulated device's limit)");
+    let gb: f64 = text.trim().parse().map_err(|_| format!("--capacity-gb `{}`: not a number; {range}", shown()))?;
     if !(gb.is_finite() && gb > 0.0 && gb <= MAX_CAPACITY_GB) {
-        return Err(format!(
-            "--capacity-gb {gb}: out of range; expected GiB of device memory in (0, {MAX_CAPACITY_GB}] \
-             (the simulated device's limit)"
-        ));
+        return Err(format!("--capacity-gb `{}`: out of range; {range}", shown()));
     }
     let mb = (gb * 1024.0).round() as u64;
     if mb == 0 {
-        return Err(format!(
-            "--capacity-gb {gb}: below 1 MiB; expected GiB of device memory in (0, {MAX_CAPACITY_GB}]"
-        ));
+        return Err(format!("--capacity-gb `{}`: below 1 MiB; {range}", shown()));
     }
     Ok(Capacity { mb, source: "--capacity-gb".into() })
 }

@@ -5,7 +5,8 @@
 //! an event stream (`ops::Program`); `replay::run` plays it against one `stepalloc::Allocator`
 //! per configuration (`compare`); `report` prints, serialises and plots the results; `headroom`
 //! searches the largest workload scale that fits a device, per configuration; `advise` searches
-//! the allocator settings that give a trace the lowest peak on the user's device.
+//! the allocator settings that give a trace the lowest peak on the user's device; `output`
+//! writes what the binary prints, without panicking on a closed pipe or a full disk.
 
 #![deny(unsafe_code)]
 
@@ -14,6 +15,7 @@ pub mod compare;
 pub mod export;
 pub mod headroom;
 pub mod ops;
+pub mod output;
 pub mod replay;
 pub mod report;
 pub mod trace;

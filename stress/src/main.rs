@@ -2,7 +2,11 @@
 //! default, a trace with `replay`), runs it under every compared configuration and prints the
 //! side-by-side report; `random` hammers one allocator from many threads with integrity checks;
 //! `advise` searches the allocator settings that give a trace the lowest peak (`advise.rs`).
-//! Exit status: 0 on success, 1 when an integrity check failed, 2 on bad input.
+//! Exit status: 0 on success, 1 when an integrity check failed, 2 on bad input or a failed
+//! write (a full disk). When stdout's reader goes away (`| head -3`), the command stops writing
+//! and exits quietly with the status it had (0, or 1 for a failed integrity check), as ripgrep
+//! does: not 141 (death by SIGPIPE, GNU tools' way), which fails `set -o pipefail` scripts for
+//! a `| head` that got what it asked for; see `output.rs`.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -13,7 +17,9 @@ use stepalloc_stress::advise::{self, AdviseOptions, Capacity};
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::export::{self, ExportFormat};
 use stepalloc_stress::headroom::{self, HeadroomArgs};
+use stepalloc_stress::note;
 use stepalloc_stress::ops::{Program, SourceNotes};
+use stepalloc_stress::output::{out, out_json, Failure};
 use stepalloc_stress::replay::{self, OpSource, RunConfig};
 use stepalloc_stress::report::{self, Report};
 use stepalloc_stress::trace;
@@ -100,8 +106,8 @@ enum Command {
         file: PathBuf,
         /// Device memory in GiB, (0, 16384] (default: --capacity-mb, or --h200; PyTorch
         /// snapshots do not record the device's size).
-        #[arg(long, allow_hyphen_values = true)]
-        capacity_gb: Option<f64>,
+        #[arg(long, allow_hyphen_values = true, value_name = "GIB")]
+        capacity_gb: Option<String>,
     },
     /// Write the agent workload as a trace file (for replay benchmarks and tests).
     GenTrace {
@@ -118,14 +124,15 @@ fn main() {
     let cli = Cli::parse();
     match run(cli) {
         Ok(code) => std::process::exit(code),
-        Err(e) => {
-            eprintln!("error: {e}");
+        Err(Failure::ClosedPipe) => std::process::exit(0),
+        Err(Failure::Error(e)) => {
+            note!("error: {e}");
             std::process::exit(2);
         }
     }
 }
 
-fn run(cli: Cli) -> Result<i32, String> {
+fn run(cli: Cli) -> Result<i32, Failure> {
     let g = &cli.global;
     let capacity_mb = if g.h200 { 143_771 } else { g.capacity_mb };
     let command = cli.command.unwrap_or_else(|| Command::Agent(AgentArgs::default()));
@@ -147,15 +154,15 @@ fn run(cli: Cli) -> Result<i32, String> {
             (Input::Trace(program), format!("replay {}", file.display()), compare::DEFAULT_OTHER)
         }
         Command::Random(args) => return run_random(g, &args, capacity_mb),
-        Command::Advise { file, capacity_gb } => return run_advise(g, &file, capacity_gb, capacity_mb),
+        Command::Advise { file, capacity_gb } => return run_advise(g, &file, capacity_gb.as_deref(), capacity_mb),
         Command::Headroom { agent, search } => return run_headroom(g, &agent, &search, capacity_mb),
         Command::GenTrace { agent, format, out } => {
             let program = agent::generate(&agent.spec()?)?;
             let file = std::fs::File::create(&out).map_err(|e| format!("{}: {e}", out.display()))?;
             let mut w = std::io::BufWriter::new(file);
             let events = export::export(&program, format, &mut w)?;
-            std::io::Write::flush(&mut w).map_err(|e| e.to_string())?;
-            eprintln!("wrote {events} events to {}", out.display());
+            std::io::Write::flush(&mut w).map_err(|e| format!("{}: {e}", out.display()))?;
+            note!("wrote {events} events to {}", out.display());
             return Ok(0);
         }
     };
@@ -163,7 +170,7 @@ fn run(cli: Cli) -> Result<i32, String> {
     let (devices, notes) = match &input {
         Input::Trace(program) => {
             if g.timing {
-                eprintln!("timing: {} ops built in {:.3} s", program.ops.len(), parse_s);
+                note!("timing: {} ops built in {:.3} s", program.ops.len(), parse_s);
             }
             (program.devices, program.notes.clone())
         }
@@ -231,31 +238,32 @@ fn resolve(g: &Global, defaults: &[&str], base: &Base) -> Result<Vec<RunConfig>,
     compare::resolve(&g.compare, base)
 }
 
-fn run_headroom(g: &Global, agent: &AgentArgs, search: &HeadroomArgs, capacity_mb: u64) -> Result<i32, String> {
+fn run_headroom(g: &Global, agent: &AgentArgs, search: &HeadroomArgs, capacity_mb: u64) -> Result<i32, Failure> {
     let spec = agent.spec()?;
     if spec.devices > 1 {
         return Err(format!(
             "--devices {}: headroom searches one device's scale; run it without --devices (each rank is the \
              same workload with another seed)",
             spec.devices
-        ));
+        )
+        .into());
     }
     let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: 1 };
     let configs = resolve(g, compare::DEFAULT_AGENT, &base)?;
     let started = Instant::now();
     let report = headroom::run(&spec, search, &base, &configs)?;
     if g.timing {
-        eprintln!("timing: headroom search in {:.3} s", started.elapsed().as_secs_f64());
+        note!("timing: headroom search in {:.3} s", started.elapsed().as_secs_f64());
     }
     if g.json {
-        println!("{}", serde_json::to_string_pretty(&report).map_err(|e| e.to_string())?);
+        out_json(&report)?;
     } else {
-        print!("{}", headroom::table(&report));
+        out(&headroom::table(&report))?;
     }
     Ok(0)
 }
 
-fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<f64>, capacity_mb: u64) -> Result<i32, String> {
+fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<&str>, capacity_mb: u64) -> Result<i32, Failure> {
     // The flags first: a bad capacity is refused before a large trace is read.
     if g.backend == BackendArg::Cuda {
         return Err("--backend cuda: advise replays on the simulated device only (sim)".into());
@@ -277,7 +285,7 @@ fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<f64>, capa
     let started = Instant::now();
     let program = trace::load(file).map_err(|e| format!("{}: {e}", file.display()))?;
     if g.timing {
-        eprintln!("timing: {} ops built in {:.3} s", program.ops.len(), started.elapsed().as_secs_f64());
+        note!("timing: {} ops built in {:.3} s", program.ops.len(), started.elapsed().as_secs_f64());
     }
     let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
     let opts = AdviseOptions { trace_name: file.display().to_string(), capacity, threads };
@@ -296,22 +304,19 @@ fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<f64>, capa
     finish(pb);
     let (advice, runs) = result?;
     if g.timing {
-        eprintln!(
+        note!(
             "timing: advise in {:.3} s ({} configurations on {threads} threads)",
             started.elapsed().as_secs_f64(),
             advice.candidates
         );
     }
-    if g.json {
-        println!("{}", serde_json::to_string_pretty(&advice).map_err(|e| e.to_string())?);
-    } else {
-        print!("{}", advise::text(&advice));
-    }
+    // The plot is written even when stdout's reader has gone.
+    let printed = if g.json { out_json(&advice) } else { out(&advise::text(&advice)) };
     if let Some(path) = &g.plot {
         let report = advise::plot_report(&advice, runs);
-        std::fs::write(path, report::svg(&report)).map_err(|e| format!("{}: {e}", path.display()))?;
-        eprintln!("plot written to {}", path.display());
+        write_plot(path, &report)?;
     }
+    printed?;
     Ok(0)
 }
 
@@ -327,26 +332,32 @@ fn progress(ops: u64, rc: &RunConfig) -> Option<ProgressBar> {
     Some(pb)
 }
 
-fn emit(g: &Global, report: &Report) -> Result<(), String> {
-    if g.json {
-        let v = report.to_json(g.per_step, false);
-        println!("{}", serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?);
+/// The report on stdout, and the plot (written even when stdout's reader has gone).
+fn emit(g: &Global, report: &Report) -> Result<(), Failure> {
+    let printed = if g.json {
+        out_json(&report.to_json(g.per_step, false))
     } else {
-        print!("{}", report::table(report));
+        let mut text = report::table(report);
         if g.per_step {
             for run in &report.runs {
-                print!("{}", report::step_table(run));
+                text.push_str(&report::step_table(run));
             }
         }
-    }
+        out(&text)
+    };
     if let Some(path) = &g.plot {
-        std::fs::write(path, report::svg(report)).map_err(|e| format!("{}: {e}", path.display()))?;
-        eprintln!("plot written to {}", path.display());
+        write_plot(path, report)?;
     }
+    printed
+}
+
+fn write_plot(path: &std::path::Path, report: &Report) -> Result<(), Failure> {
+    std::fs::write(path, report::svg(report)).map_err(|e| format!("{}: {e}", path.display()))?;
+    note!("plot written to {}", path.display());
     Ok(())
 }
 
-fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, String> {
+fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, Failure> {
     let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: 1 };
     let configs = resolve(g, compare::DEFAULT_OTHER, &base)?;
     let mut report = Report {
@@ -365,16 +376,17 @@ fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, St
         report.runs.push(run);
         checks.push(integrity);
     }
-    if g.json {
+    let code = if checks.iter().all(|c| c.ok()) { 0 } else { 1 };
+    let printed = if g.json {
         let mut v = report.to_json(false, false);
         v["integrity"] = serde_json::to_value(&checks).map_err(|e| e.to_string())?;
-        println!("{}", serde_json::to_string_pretty(&v).map_err(|e| e.to_string())?);
+        out_json(&v)
     } else {
-        print!("{}", report::table(&report));
+        let mut text = report::table(&report);
         for c in &checks {
-            println!(
+            text.push_str(&format!(
                 "integrity of {}: {} overlapping live blocks, invariants {}, {} bytes leaked, {} refused calls{}, \
-                 {} corrupted tags of {} tagged blocks{}",
+                 {} corrupted tags of {} tagged blocks{}\n",
                 c.config,
                 c.overlaps,
                 match &c.invariants {
@@ -387,13 +399,18 @@ fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, St
                 c.corrupted_tags,
                 c.tagged_blocks,
                 c.first_corruption.as_ref().map_or(String::new(), |f| format!(" (first: {f})"))
-            );
+            ));
         }
+        out(&text)
+    };
+    // A failed integrity check keeps its status when stdout's reader has gone.
+    match printed {
+        Ok(()) | Err(Failure::ClosedPipe) => Ok(code),
+        Err(e) => Err(e),
     }
-    Ok(if checks.iter().all(|c| c.ok()) { 0 } else { 1 })
 }
 
 /// `--timing`: one line per configuration on stderr.
 fn print_timing(name: &str, run: &report::RunReport) {
-    eprintln!("timing: {name}: {} ops in {:.3} s ({:.2} Mops/s)", run.ops, run.wall_s, run.ops_per_s / 1e6);
+    note!("timing: {name}: {} ops in {:.3} s ({:.2} Mops/s)", run.ops, run.wall_s, run.ops_per_s / 1e6);
 }

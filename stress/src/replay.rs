@@ -114,7 +114,7 @@ pub fn run_source(
         Some(addr) => {
             let server = stepalloc::metrics::serve(allocator.clone(), addr)
                 .map_err(|e| format!("--metrics-addr `{addr}` for `{}`: {e}", rc.name))?;
-            eprintln!("serving live metrics of `{}` on http://{}/metrics", rc.name, server.addr);
+            crate::note!("serving live metrics of `{}` on http://{}/metrics", rc.name, server.addr);
             Some(ServerGuard(Some(server)))
         }
         None => None,

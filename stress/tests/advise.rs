@@ -241,7 +241,15 @@ fn bad_input_exits_2_naming_it() {
     }
     let (code, _, stderr) = stress(&["advise", good.to_str().unwrap(), "--capacity-gb", "lots"]);
     assert_eq!(code, 2, "{stderr}");
-    assert!(stderr.contains("--capacity-gb"), "{stderr}");
+    assert!(stderr.contains("--capacity-gb `lots`: not a number"), "{stderr}");
+    // The flag is quoted as typed (it once printed 1e300 as 301 digits), and a long one is cut.
+    let (code, _, stderr) = stress(&["advise", good.to_str().unwrap(), "--capacity-gb", "1e300"]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("--capacity-gb `1e300`: out of range") && stderr.len() < 200, "{stderr}");
+    let long = format!("1{}", "0".repeat(5000));
+    let (code, _, stderr) = stress(&["advise", good.to_str().unwrap(), "--capacity-gb", &long]);
+    assert_eq!(code, 2, "{stderr}");
+    assert!(stderr.contains("...`: out of range") && stderr.len() < 200, "{stderr}");
     for args in [&["--backend", "cuda"][..], &["--compare", "pytorch"][..]] {
         let (code, _, stderr) = stress(&[&["advise", good.to_str().unwrap()], args].concat());
         assert_eq!(code, 2, "{stderr}");

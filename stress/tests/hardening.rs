@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use stepalloc::{Allocator, Config, Stream};
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::ops::{self, Op, ProgramBuilder};
-use stepalloc_stress::replay;
+use stepalloc_stress::replay::{self, OpSource};
 use stepalloc_stress::report::{self, Report};
 use stepalloc_stress::trace::{self, Format};
 use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, AgentStream, Preset};
@@ -245,6 +245,30 @@ fn agent_stream_runs_what_generate_builds_and_beyond() {
     let run = replay::run_source(&mut stream, &rc, None, None).unwrap();
     assert_eq!(run.steps_count, 20);
     assert!(run.ops > 10 * one as u64);
+}
+
+/// The bound on the events held at once is over all devices: each rank held up to the bound
+/// alone, so `--devices 16` with long responses ran out of host memory (SIGABRT) instead of
+/// being refused up front as one oversized device is.
+#[test]
+fn agent_stream_bound_is_shared_by_its_devices() {
+    let sft = AgentSpec { iterations: 1, layers: 2, eval_every: 0, ..AgentSpec::preset(Preset::Llm7bSft) };
+    let one = agent::generate(&sft).unwrap().ops.len();
+    let four = AgentSpec { iterations: 2, devices: 4, ..sft.clone() };
+    // Four ranks' chunks in four times one rank's bound: runs, no chunk over the bound.
+    let mut stream = AgentStream::within(&four, 4 * one).unwrap();
+    let mut chunks = 0;
+    while let Some((chunk, _)) = stream.next_chunk().unwrap() {
+        assert!(chunk.len() <= 4 * one, "{} events in a chunk over the bound of {}", chunk.len(), 4 * one);
+        chunks += 1;
+    }
+    assert_eq!(chunks, 3, "the weights and two iterations");
+    // In twice one rank's bound: refused before anything runs, naming the devices.
+    let err = AgentStream::within(&four, 2 * one).err().expect("four ranks in the room of two");
+    assert!(err.contains("too large") && err.contains("4 devices") && err.contains("--devices"), "{err}");
+    // The whole program says the same.
+    let err = agent::generate_within(&four, 2 * one).unwrap_err();
+    assert!(err.contains("too large") && err.contains("4 devices"), "{err}");
 }
 
 /// Every size-setting dimension at its upper bound at once: no product overflows (the tests

@@ -285,6 +285,13 @@ static void scenario_bad_config(void) {
     static const char good[] = "backend:sim,sim_capacity_mb:1024,trailing bytes not read";
     CHECK(p_stepalloc_configure_len(good, 32) == STEPALLOC_OK, "%s", last_error());
     static const char phase[] = "ab\0cd";
+    /* A phase is checked without creating the allocator. */
+    CHECK(p_stepalloc_check_phase(phase, sizeof phase - 1) == STEPALLOC_INVALID_ARGUMENT, "NUL in a phase");
+    CHECK(p_stepalloc_check_phase("train!", 6) == STEPALLOC_INVALID_ARGUMENT, "'!' in a phase");
+    CHECK(strstr(last_error(), "train!") != NULL, "%s", last_error());
+    CHECK(p_stepalloc_check_phase("train!", 5) == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_check_phase(NULL, 0) == STEPALLOC_INVALID_ARGUMENT, "NULL phase");
+    CHECK(p_stepalloc_is_initialised() == 0, "checking a phase created the allocator");
     CHECK(p_stepalloc_step_begin_len(phase, sizeof phase - 1) == STEPALLOC_INVALID_ARGUMENT, "NUL in a phase");
     CHECK(strstr(last_error(), "ab\\0cd") != NULL, "the whole name, escaped: %s", last_error());
     CHECK(p_stepalloc_step_begin_len("train!", 5) == STEPALLOC_OK, "%s", last_error());

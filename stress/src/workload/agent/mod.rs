@@ -109,8 +109,8 @@ pub fn stream_name(spec: &AgentSpec) -> String {
 }
 
 /// The agent workload generated one iteration at a time, as the runner consumes it: memory is
-/// one iteration's events (the bound of `ops::MAX_OPS` applies per iteration and rank),
-/// whatever `--iterations`. Same spec, same events as `generate`.
+/// one iteration's events (the bound of `ops::MAX_OPS` applies per iteration, over all ranks:
+/// each rank has an equal share), whatever `--iterations`. Same spec, same events as `generate`.
 ///
 /// With `devices` > 1 it runs one rank per device in lockstep, as data-parallel ranks do: rank
 /// `r` is the workload with seed `seed + r` on device `r`; every step's events of every rank
@@ -136,12 +136,13 @@ impl<'a> AgentStream<'a> {
         AgentStream::within(spec, crate::ops::MAX_OPS)
     }
 
-    /// A stream whose chunks (the weights, each iteration) hold at most `max_ops` events per
-    /// rank.
+    /// A stream whose chunks (the weights, each iteration) hold at most `max_ops` events, over
+    /// all ranks: each rank holds at most `max_ops / devices`.
     pub fn within(spec: &'a AgentSpec, max_ops: usize) -> Result<AgentStream<'a>, String> {
         spec.validate()?;
         // Validated: 1..=ops::MAX_DEVICES.
         let devices = u16::try_from(spec.devices).unwrap_or(1);
+        let max_ops = (max_ops / usize::from(devices)).max(1);
         let mut stream = AgentStream {
             ranks: Vec::with_capacity(devices as usize),
             next_iteration: 0,
@@ -157,7 +158,7 @@ impl<'a> AgentStream<'a> {
             g.b = std::mem::take(&mut g.b).with_max_ops(max_ops);
             g.weights();
             if let Some(e) = g.b.limit_error() {
-                return Err(format!("the agent workload's weights are too many: {e}"));
+                return Err(format!("the agent workload's weights are too many: {}", shared(e, devices)));
             }
             weights.push(g.b.take_ops());
             stream.ranks.push(g);
@@ -177,12 +178,14 @@ impl<'a> AgentStream<'a> {
         let i = self.next_iteration;
         self.next_iteration += 1;
         let mut chunks = Vec::with_capacity(self.ranks.len());
+        let devices = self.ranks.len() as u16;
         for g in &mut self.ranks {
             g.iteration(i);
             if let Some(e) = g.b.limit_error() {
                 return Err(format!(
-                    "iteration {} of the agent workload is too large: {e}; lower the workload's dimensions",
-                    i + 1
+                    "iteration {} of the agent workload is too large: {}; lower the workload's dimensions",
+                    i + 1,
+                    shared(e, devices)
                 ));
             }
             chunks.push(g.b.take_ops());
@@ -210,6 +213,15 @@ impl<'a> AgentStream<'a> {
     fn ids(&self) -> u32 {
         let most = self.ranks.iter().map(|g| g.b.ids()).max().unwrap_or(0);
         most.saturating_mul(self.ranks.len() as u32)
+    }
+}
+
+/// A rank's bound error, saying that the bound is shared by the devices.
+fn shared(e: &str, devices: u16) -> String {
+    if devices > 1 {
+        format!("{e} (each of its {devices} devices has 1/{devices} of it: lower --devices)")
+    } else {
+        e.to_string()
     }
 }
 
