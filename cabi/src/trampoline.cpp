@@ -16,8 +16,8 @@
 // - A filter runs under the table's mutex; PyTorch's filters only query the stream's capture
 //   state (or the thread's id) and never call back into the allocator. The newest entry whose
 //   filter claims a stream wins, as in PyTorch.
-// - Reconciliation drops only entries whose first claimed stream was capturing when claimed
-//   (graph captures), never `use_mem_pool`'s, whose stream is not capturing.
+// - Reconciliation drops only the entries of graph captures (see `Claim`), never
+//   `use_mem_pool`'s, whose claimed stream is not capturing.
 // - A failed capture never calls end (PyTorch calls `cudaStreamEndCapture` first and stops when
 //   it fails), so its entry would stay forever and keep the core's out-of-memory path off.
 //   Entries are reconciled at begin and release: a begin of the same pool drops the pool's old
@@ -51,11 +51,12 @@ int stepalloc_internal_pool_captures(int device, unsigned long long id0, unsigne
 
 namespace {
 
-// What the first stream an entry's filter claimed says about the entry. A graph capture's
-// filter claims only its capturing stream; `use_mem_pool`'s (`beginAllocateCurrentThreadToPool`)
-// claims any stream of its thread, usually one that is not capturing. Only entries of the first
-// kind may be dropped by reconciliation (a stream that stopped capturing means a failed capture).
-enum class Claim { None, Checking, Capture, Other };
+// What an entry is, learnt when its filter first claims a stream. A graph capture's filter
+// claims only its capturing stream, never the legacy default stream (NULL), which cannot be
+// captured; `use_mem_pool`'s (`beginAllocateCurrentThreadToPool`) claims every stream of its
+// thread, NULL included. Only captures may be dropped by reconciliation (their stream stopped
+// capturing: the capture failed); a `use_mem_pool` entry lasts until its end.
+enum class Claim { None, Capture, Other };
 
 struct Capture {
     int device;
@@ -64,11 +65,7 @@ struct Capture {
     // The first stream the filter claimed, once it claimed one.
     cudaStream_t stream;
     Claim claim;
-    // Distinguishes entries while the table's mutex is released.
-    unsigned long long serial;
 };
-
-std::atomic<unsigned long long> g_serial{0};
 
 std::atomic<int> g_active{0};
 
@@ -170,7 +167,7 @@ extern "C" void stepalloc_begin_allocate_to_pool(int device, MempoolId mempool_i
         throw std::runtime_error("stepalloc: beginAllocateToPool failed: " + last_error_text());
     }
     std::lock_guard<std::mutex> lock(table_mutex());
-    table().push_back(Capture{device, mempool_id, std::move(filter), nullptr, Claim::None, ++g_serial});
+    table().push_back(Capture{device, mempool_id, std::move(filter), nullptr, Claim::None});
     g_active.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -209,7 +206,6 @@ extern "C" int stepalloc_internal_capture_pool(int device, cudaStream_t stream, 
     if (g_active.load(std::memory_order_relaxed) == 0) {
         return 0;
     }
-    unsigned long long first_claim = 0;
     try {
         std::lock_guard<std::mutex> lock(table_mutex());
         // The newest entry first, as PyTorch: `use_mem_pool` inside a capture allocates to its
@@ -218,34 +214,19 @@ extern "C" int stepalloc_internal_capture_pool(int device, cudaStream_t stream, 
         for (auto it = t.rbegin(); it != t.rend(); ++it) {
             Capture &c = *it;
             if (c.device == device && c.filter && c.filter(stream)) {
+                if (c.claim == Claim::None) {
+                    c.stream = stream;
+                    // Asking a capture's filter about the default stream is what PyTorch does
+                    // for every allocation on it during a capture: a capture-safe query.
+                    c.claim = (stream != nullptr && !c.filter(nullptr)) ? Claim::Capture : Claim::Other;
+                }
                 pool[0] = c.pool.first;
                 pool[1] = c.pool.second;
-                if (c.claim != Claim::None) {
-                    return 1;
-                }
-                c.stream = stream;
-                c.claim = Claim::Checking;
-                first_claim = c.serial;
-                break;
+                return 1;
             }
         }
     } catch (...) {
         // A throwing filter claims nothing; the allocation goes to the general pool.
-        return 0;
     }
-    if (first_claim == 0) {
-        return 0;
-    }
-    // Once per entry, without the table's mutex (the core takes the device lock).
-    int capturing = stepalloc_internal_stream_is_capturing(device, stream);
-    try {
-        std::lock_guard<std::mutex> lock(table_mutex());
-        for (Capture &c : table()) {
-            if (c.serial == first_claim) {
-                c.claim = capturing == 0 ? Claim::Other : Claim::Capture;  // unknown: as before
-            }
-        }
-    } catch (...) {
-    }
-    return 1;
+    return 0;
 }

@@ -88,8 +88,6 @@ ROWS: tuple[Row, ...] = (
     Row("torch.cuda.memory._record_memory_history", DIFFERS,
         "records allocation events without Python stacks (`context`, `stacks` change nothing)"),
     Row("torch.cuda.memory._record_memory_history_legacy", DIFFERS, "as _record_memory_history"),
-    Row("torch.cuda.memory._save_segment_usage", WORKS, "draws stepalloc's snapshot"),
-    Row("torch.cuda.memory._save_memory_usage", WORKS, "draws stepalloc's snapshot"),
     Row("torch.cuda.memory._allocation_traceback", DIFFERS, "returns None: stepalloc records no stacks"),
     Row("torch.cuda.memory._memory_metadata_supported", DIFFERS, "returns False"),
     Row("torch.cuda.memory._set_memory_metadata", DIFFERS, "PyTorch warns; the metadata is not recorded"),

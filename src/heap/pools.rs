@@ -37,7 +37,10 @@ impl Heap {
     /// segments, which must go back to where they came from; the pool must exist.
     pub fn set_pool_segment_source(&mut self, id: PoolId, source: Option<Box<dyn SegmentSource>>) -> Result<()> {
         let Some(pool) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) else {
-            return Err(Error::InvalidArgument(format!("no memory pool ({}, {}) to give a segment allocator", id.0, id.1)));
+            return Err(Error::InvalidArgument(format!(
+                "no memory pool ({}, {}) to give a segment allocator",
+                id.0, id.1
+            )));
         };
         if pool.segments > 0 {
             return Err(Error::InvalidArgument(format!(
