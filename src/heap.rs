@@ -15,7 +15,8 @@
 //!   events, release every unsplit cached segment and retry; then report out of memory.
 //!
 //! Giving memory back (OOM steps, `empty_cache`, limits, GC) and CUDA-graph pools live in
-//! `heap/release.rs`.
+//! `heap/release.rs`; user memory pools on top of those (`torch.cuda.MemPool`: use counts,
+//! another allocator's segments, `use_on_oom`) in `heap/pools.rs`.
 //!
 //! Invariants (checked by `check_invariants` in tests): blocks tile their segments; adjacent
 //! free blocks of compatible streams are merged; the free lists hold exactly the `Free` blocks;

@@ -50,34 +50,71 @@ ROWS: tuple[Row, ...] = (
     # Allocation and caching.
     Row("torch.cuda.caching_allocator_alloc", WORKS, "allocates from stepalloc (raw_alloc)"),
     Row("torch.cuda.caching_allocator_delete", WORKS, "frees to stepalloc"),
-    Row("torch.cuda.caching_allocator_enable", DIFFERS,
+    Row(
+        "torch.cuda.caching_allocator_enable",
+        DIFFERS,
         "`True` changes nothing (stepalloc always caches); `False` raises",
-        "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back"),
-    Row("torch.cuda.caching_allocator_disabled", DIFFERS, "the same as caching_allocator_enable(False): raises",
-        "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back"),
+        "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back",
+    ),
+    Row(
+        "torch.cuda.caching_allocator_disabled",
+        DIFFERS,
+        "the same as caching_allocator_enable(False): raises",
+        "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back",
+    ),
     Row("torch.cuda.empty_cache", WORKS, "returns stepalloc's unused cached segments to the device"),
     Row("torch.cuda.set_per_process_memory_fraction", WORKS, "stepalloc enforces the limit"),
-    Row("torch.cuda.get_per_process_memory_fraction", RAISES, "the pluggable allocator cannot report it",
+    Row(
+        "torch.cuda.get_per_process_memory_fraction",
+        RAISES,
+        "the pluggable allocator cannot report it",
         "keep the value you passed to set_per_process_memory_fraction (stepalloc enforces it), or "
-        "the per_process_memory_fraction key of STEPALLOC_CONF"),
+        "the per_process_memory_fraction key of STEPALLOC_CONF",
+    ),
     Row("torch.cuda.mem_get_info", WORKS, "the driver's free and total bytes"),
     Row("torch.cuda.get_allocator_backend", DIFFERS, "returns 'pluggable'"),
-    Row("torch.cuda.memory._set_allocator_settings", DIFFERS,
+    Row(
+        "torch.cuda.memory._set_allocator_settings",
+        DIFFERS,
         "warns: PyTorch's allocator settings do not reach stepalloc; set them in STEPALLOC_CONF "
-        "(same syntax) or install(conf=...)"),
-    Row("torch.cuda.change_current_allocator", RAISES, "PyTorch swaps its allocator only once, before CUDA is used",
-        "MemPool(allocator=...) with use_mem_pool for another allocator's memory"),
+        "(same syntax) or install(conf=...)",
+    ),
+    Row(
+        "torch.cuda.change_current_allocator",
+        RAISES,
+        "PyTorch swaps its allocator only once, before CUDA is used",
+        "MemPool(allocator=...) with use_mem_pool for another allocator's memory",
+    ),
     Row("torch.cuda.memory._get_current_allocator", WORKS, "stepalloc's CUDAPluggableAllocator"),
     Row("torch.cuda.memory.CUDAPluggableAllocator", WORKS, "another library's allocator, for MemPool(allocator=...)"),
     # Statistics.
-    *(Row(f"torch.cuda.{name}", WORKS, _STATS) for name in (
-        "memory_stats", "memory_stats_as_nested_dict", "memory_allocated", "max_memory_allocated",
-        "memory_reserved", "max_memory_reserved", "memory_cached", "max_memory_cached",
-        "reset_peak_memory_stats", "reset_accumulated_memory_stats", "reset_max_memory_allocated",
-        "reset_max_memory_cached", "memory_summary")),
-    *(Row(f"torch.cuda.{name}", WORKS, _HOST) for name in (
-        "host_memory_stats", "host_memory_stats_as_nested_dict", "reset_accumulated_host_memory_stats",
-        "reset_peak_host_memory_stats")),
+    *(
+        Row(f"torch.cuda.{name}", WORKS, _STATS)
+        for name in (
+            "memory_stats",
+            "memory_stats_as_nested_dict",
+            "memory_allocated",
+            "max_memory_allocated",
+            "memory_reserved",
+            "max_memory_reserved",
+            "memory_cached",
+            "max_memory_cached",
+            "reset_peak_memory_stats",
+            "reset_accumulated_memory_stats",
+            "reset_max_memory_allocated",
+            "reset_max_memory_cached",
+            "memory_summary",
+        )
+    ),
+    *(
+        Row(f"torch.cuda.{name}", WORKS, _HOST)
+        for name in (
+            "host_memory_stats",
+            "host_memory_stats_as_nested_dict",
+            "reset_accumulated_host_memory_stats",
+            "reset_peak_host_memory_stats",
+        )
+    ),
     Row("torch.cuda.list_gpu_processes", WORKS, _NVML),
     Row("torch.cuda.memory_usage", WORKS, _NVML),
     Row("torch.cuda.device_memory_used", WORKS, _NVML),
@@ -85,8 +122,11 @@ ROWS: tuple[Row, ...] = (
     Row("torch.cuda.memory_snapshot", WORKS, "stepalloc's segments; `mempool_id` selects one pool's"),
     Row("torch.cuda.memory._snapshot", WORKS, "stepalloc's snapshot, in PyTorch's layout"),
     Row("torch.cuda.memory._dump_snapshot", WORKS, "a pickle PyTorch's memory viewer opens"),
-    Row("torch.cuda.memory._record_memory_history", DIFFERS,
-        "records allocation events without Python stacks (`context`, `stacks` change nothing)"),
+    Row(
+        "torch.cuda.memory._record_memory_history",
+        DIFFERS,
+        "records allocation events without Python stacks (`context`, `stacks` change nothing)",
+    ),
     Row("torch.cuda.memory._record_memory_history_legacy", DIFFERS, "as _record_memory_history"),
     Row("torch.cuda.memory._allocation_traceback", DIFFERS, "returns None: stepalloc records no stacks"),
     Row("torch.cuda.memory._memory_metadata_supported", DIFFERS, "returns False"),
@@ -94,12 +134,22 @@ ROWS: tuple[Row, ...] = (
     Row("torch.cuda.memory._annotate_tensor", DIFFERS, "PyTorch warns; the annotation is not recorded"),
     # MemPool.
     Row("torch.cuda.MemPool", WORKS, "stepalloc.MemPool: one of stepalloc's private pools (patch_torch)"),
-    Row("torch.cuda.MemPool(allocator=...)", WORKS,
-        "the pool's segments come from that allocator and go back through its free function"),
-    Row("torch.cuda.MemPool(use_on_oom=True)", WORKS,
-        "a general allocation that finds no memory takes a free block of the pool"),
-    Row("torch.cuda.MemPool(no_split=True)", RAISES, "stepalloc splits a pool's segments as any",
-        "leave no_split out, or give the pool an allocator (MemPool(allocator=...)) whose segments you size"),
+    Row(
+        "torch.cuda.MemPool(allocator=...)",
+        WORKS,
+        "the pool's segments come from that allocator and go back through its free function",
+    ),
+    Row(
+        "torch.cuda.MemPool(use_on_oom=True)",
+        WORKS,
+        "a general allocation that finds no memory takes a free block of the pool",
+    ),
+    Row(
+        "torch.cuda.MemPool(no_split=True)",
+        RAISES,
+        "stepalloc splits a pool's segments as any",
+        "leave no_split out, or give the pool an allocator (MemPool(allocator=...)) whose segments you size",
+    ),
     Row("torch.cuda.MemPool.id", WORKS, "(0, n), from PyTorch's own pool counter"),
     Row("torch.cuda.MemPool.use_count", WORKS, "references: the pool, each use_mem_pool, each graph"),
     Row("torch.cuda.MemPool.snapshot", WORKS, "the pool's segments"),
@@ -108,39 +158,76 @@ ROWS: tuple[Row, ...] = (
     Row("torch.cuda.graph_pool_handle", WORKS, "a pool id for graphs to share"),
     Row("torch.cuda.CUDAGraph (capture, replay, reset, pool)", WORKS, _HOOK),
     Row("torch.cuda.graph(pool=MemPool)", WORKS, "captures into the MemPool's private pool"),
-    Row("torch.cuda.CUDAGraph._retain_pool", DIFFERS,
+    Row(
+        "torch.cuda.CUDAGraph._retain_pool",
+        DIFFERS,
         "what use_mem_pool calls during a capture: the graph holds a reference to the pool until it is "
-        "reset or destroyed, as in PyTorch, but graph.pools() does not list it"),
+        "reset or destroyed, as in PyTorch, but graph.pools() does not list it",
+    ),
     Row("torch.cuda.make_graphed_callables", WORKS, "its captures share one of stepalloc's private pools"),
     Row("torch._C._cuda_beginAllocateCurrentThreadToPool", WORKS, _HOOK),
     Row("torch._C._cuda_beginAllocateToPool", WORKS, _HOOK),
     Row("torch._C._cuda_endAllocateToPool", WORKS, _HOOK),
     Row("torch._C._cuda_releasePool", WORKS, _HOOK),
     # torch.compile's CUDA-graph trees (mode="reduce-overhead").
-    Row("torch._C._cuda_getCheckpointState", RAISES, "CUDA-graph trees checkpoint PyTorch's own allocator state",
-        "torch._inductor.config.triton.cudagraph_trees = False (plain CUDA graphs, through stepalloc's pools)"),
-    Row("torch._C._cuda_setCheckpointPoolState", RAISES, "CUDA-graph trees restore PyTorch's own allocator state",
-        "torch._inductor.config.triton.cudagraph_trees = False (plain CUDA graphs, through stepalloc's pools)"),
-    Row("torch._C._cuda_checkPoolLiveAllocations", WORKS, "compares the pool's allocated blocks in stepalloc's snapshot"),
-    Row("torch._C._cuda_attach_out_of_memory_observer", RAISES, "the pluggable allocator has no observers",
-        "catch torch.OutOfMemoryError (its message is stepalloc's report) or read num_ooms in memory_stats()"),
+    Row(
+        "torch._C._cuda_getCheckpointState",
+        RAISES,
+        "CUDA-graph trees checkpoint PyTorch's own allocator state",
+        "torch._inductor.config.triton.cudagraph_trees = False (plain CUDA graphs, through stepalloc's pools)",
+    ),
+    Row(
+        "torch._C._cuda_setCheckpointPoolState",
+        RAISES,
+        "CUDA-graph trees restore PyTorch's own allocator state",
+        "torch._inductor.config.triton.cudagraph_trees = False (plain CUDA graphs, through stepalloc's pools)",
+    ),
+    Row(
+        "torch._C._cuda_checkPoolLiveAllocations", WORKS, "compares the pool's allocated blocks in stepalloc's snapshot"
+    ),
+    Row(
+        "torch._C._cuda_attach_out_of_memory_observer",
+        RAISES,
+        "the pluggable allocator has no observers",
+        "catch torch.OutOfMemoryError (its message is stepalloc's report) or read num_ooms in memory_stats()",
+    ),
     # CUDA IPC.
-    Row("torch.multiprocessing.reductions.reduce_tensor (CUDA)", RAISES, "the pluggable allocator cannot share IPC handles",
-        "send tensor.cpu() (shared memory) or use torch.distributed collectives"),
-    Row("torch.UntypedStorage._share_cuda_", RAISES, "the pluggable allocator cannot share IPC handles",
-        "send tensor.cpu() (shared memory) or use torch.distributed collectives"),
-    Row("torch.UntypedStorage._new_shared_cuda", RAISES, "the pluggable allocator cannot open IPC handles",
-        "receive a CPU tensor (shared memory) or use torch.distributed collectives"),
+    Row(
+        "torch.multiprocessing.reductions.reduce_tensor (CUDA)",
+        RAISES,
+        "the pluggable allocator cannot share IPC handles",
+        "send tensor.cpu() (shared memory) or use torch.distributed collectives",
+    ),
+    Row(
+        "torch.UntypedStorage._share_cuda_",
+        RAISES,
+        "the pluggable allocator cannot share IPC handles",
+        "send tensor.cpu() (shared memory) or use torch.distributed collectives",
+    ),
+    Row(
+        "torch.UntypedStorage._new_shared_cuda",
+        RAISES,
+        "the pluggable allocator cannot open IPC handles",
+        "receive a CPU tensor (shared memory) or use torch.distributed collectives",
+    ),
     Row("torch.cuda.ipc_collect", WORKS, "reaps PyTorch's IPC records (none are made under stepalloc)"),
     # Host allocator.
     Row("torch.Tensor.pin_memory", WORKS, _HOST),
     Row("torch.cuda.memory._host_allocator", WORKS, _HOST),
     Row("torch._C._host_emptyCache", WORKS, _HOST),
     # NCCL.
-    Row("ProcessGroupNCCL.register_mem_pool", RAISES, "NCCL registers a pool through PyTorch's own allocator",
-        "leave buffers unregistered (NCCL works on any device memory), or PyTorch's own allocator"),
-    Row("ProcessGroupNCCL.deregister_mem_pool", RAISES, "NCCL registers a pool through PyTorch's own allocator",
-        "leave buffers unregistered (NCCL works on any device memory), or PyTorch's own allocator"),
+    Row(
+        "ProcessGroupNCCL.register_mem_pool",
+        RAISES,
+        "NCCL registers a pool through PyTorch's own allocator",
+        "leave buffers unregistered (NCCL works on any device memory), or PyTorch's own allocator",
+    ),
+    Row(
+        "ProcessGroupNCCL.deregister_mem_pool",
+        RAISES,
+        "NCCL registers a pool through PyTorch's own allocator",
+        "leave buffers unregistered (NCCL works on any device memory), or PyTorch's own allocator",
+    ),
 )
 
 ROW_BY_NAME: dict[str, Row] = {row.name: row for row in ROWS}

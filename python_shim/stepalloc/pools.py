@@ -26,6 +26,7 @@ from . import _lib
 _SEGMENT_FUNCTIONS: dict[int, tuple[Any, int, int]] = {}
 _registry_lock = threading.Lock()
 
+
 def record_custom_allocator(original: Any) -> Any:
     """A wrapper of ``torch._C._cuda_customAllocator`` that notes the two function addresses of
     every allocator it makes, for ``MemPool(allocator=...)``."""
@@ -138,4 +139,3 @@ class MemPool:
 
     def __repr__(self) -> str:
         return f"stepalloc.MemPool(id={self._id}, device={self._device})"
-

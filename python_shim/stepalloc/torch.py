@@ -306,7 +306,15 @@ _INHERITED = object()  # marks a class attribute patch_torch added over an inher
 
 def _torch_snapshot(device: stats.Device = None, augment_with_fx_traces: bool = False) -> dict[str, Any]:
     """``torch.cuda.memory._snapshot`` answered by stepalloc (all devices; fx traces ignored)."""
-    return snapshot.memory_snapshot()
+    snap = snapshot.memory_snapshot()
+    _pool_ids_as_tuples(snap["segments"])
+    return snap
+
+
+def _pool_ids_as_tuples(segments: list[dict[str, Any]]) -> None:
+    """A segment's pool id as PyTorch gives it, a tuple (JSON has lists)."""
+    for s in segments:
+        s["segment_pool_id"] = tuple(s.get("segment_pool_id", (0, 0)))
 
 
 def _torch_record_memory_history(
@@ -340,8 +348,7 @@ def _torch_memory_snapshot(mempool_id: Any = None, include_traces: bool = True) 
     if mempool_id is not None:
         wanted = list(mempool_id)
         segments = [s for s in segments if list(s.get("segment_pool_id", [])) == wanted]
-    for s in segments:  # a tuple, as PyTorch's
-        s["segment_pool_id"] = tuple(s.get("segment_pool_id", (0, 0)))
+    _pool_ids_as_tuples(segments)
     return segments
 
 
@@ -396,7 +403,7 @@ def patch_torch() -> list[str]:
             for owner, name, fn in parity.patches(torch):
                 # A class's own attribute is restored; an inherited one is deleted again.
                 inherited = isinstance(owner, type) and name not in owner.__dict__
-                original = _INHERITED if inherited else (owner.__dict__ if isinstance(owner, type) else vars(owner))[name]
+                original = _INHERITED if inherited else vars(owner)[name]
                 _patched.setdefault((owner, name), original)
                 setattr(owner, name, fn)
             _process_wide_patched = True

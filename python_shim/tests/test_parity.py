@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import json
 import subprocess
-import textwrap
 from pathlib import Path
 
 import pytest
+from test_real_torch import STUB_RUNTIME, run_torch, values
 
 from conftest import SHIM, torch_available
 from stepalloc import parity
-from test_real_torch import RUNTIME, STUB_RUNTIME, run_torch, values
 
 pytestmark = pytest.mark.skipif(
     not STUB_RUNTIME.exists() or not torch_available(),
@@ -191,7 +190,9 @@ assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
 h = torch.ones(MIB, dtype=torch.uint8).pin_memory()
 assert torch.cuda.host_memory_stats()["allocated_bytes.current"] >= MIB
 """,
-    "torch.cuda.host_memory_stats_as_nested_dict": "assert isinstance(torch.cuda.host_memory_stats_as_nested_dict(), dict)",
+    "torch.cuda.host_memory_stats_as_nested_dict": """
+assert isinstance(torch.cuda.host_memory_stats_as_nested_dict(), dict)
+""",
     "torch.cuda.reset_accumulated_host_memory_stats": "torch.cuda.reset_accumulated_host_memory_stats()",
     "torch.cuda.reset_peak_host_memory_stats": "torch.cuda.reset_peak_host_memory_stats()",
     "torch.cuda.list_gpu_processes": "assert isinstance(torch.cuda.list_gpu_processes(), str)",
@@ -225,7 +226,9 @@ assert len(torch.cuda.memory._snapshot()["device_traces"][0]) >= 2
 torch.cuda.memory._record_memory_history_legacy(False)
 assert len(torch.cuda.memory._snapshot()["device_traces"][0]) == 0
 """,
-    "torch.cuda.memory._allocation_traceback": "assert torch.cuda.memory._allocation_traceback(u8(MIB).data_ptr()) is None",
+    "torch.cuda.memory._allocation_traceback": """
+assert torch.cuda.memory._allocation_traceback(u8(MIB).data_ptr()) is None
+""",
     "torch.cuda.memory._memory_metadata_supported": "assert torch.cuda.memory._memory_metadata_supported() is False",
     "torch.cuda.memory._set_memory_metadata": "torch.cuda.memory._set_memory_metadata('phase=eval')",
     "torch.cuda.memory._annotate_tensor": "torch.cuda.memory._annotate_tensor(u8(MIB), 'weights')",
@@ -477,7 +480,8 @@ with torch.cuda.use_mem_pool(pool):
     a = u8(3 * MIB)
 b = u8(3 * MIB)
 print("use_mem_pool=", inside, pool.use_count(), pool_of(a.data_ptr()) == pool.id, pool_of(b.data_ptr()))
-print("snapshot=", [(tuple(s["segment_pool_id"]), s["total_size"], [x["state"] for x in s["blocks"]]) for s in pool.snapshot()])
+print("snapshot=", [(tuple(s["segment_pool_id"]), s["total_size"], [x["state"] for x in s["blocks"]])
+                   for s in pool.snapshot()])
 g = torch.cuda.CUDAGraph()
 with torch.cuda.graph(g, pool=pool):
     d = u8(5 * MIB)
@@ -495,7 +499,8 @@ with torch.cuda.use_mem_pool(pool2):
     with torch.cuda.graph(g3):
         i = u8(5 * MIB)
     j = u8(MIB)
-print("capture_in_pool=", pool_of(h.data_ptr()) == pool2.id, pool_of(i.data_ptr()) == g3.pool(), pool_of(j.data_ptr()) == pool2.id)
+print("capture_in_pool=", pool_of(h.data_ptr()) == pool2.id, pool_of(i.data_ptr()) == g3.pool(),
+      pool_of(j.data_ptr()) == pool2.id)
 g2.reset(); g3.reset()
 print("after_reset=", pool2.use_count())
 lib = ctypes.CDLL(EXT)
@@ -552,12 +557,58 @@ print("threads=", sorted(found.items()))
 """
 
 
-def test_mempools_answer_as_under_pytorchs_own_allocator(external_allocator: Path) -> None:
+@pytest.fixture(scope="module")
+def native_mempool_answers(external_allocator: Path) -> str:
+    env = {"EXT_ALLOCATOR": str(external_allocator)}
+    return run_torch("import os\nEXT = os.environ['EXT_ALLOCATOR']\n" + MEMPOOL_SCRIPT, extra_env=env)
+
+
+# Plain segments, and the recommended configuration (expandable segments in the general pool;
+# pools keep plain segments, as PyTorch's graph pools do).
+@pytest.mark.parametrize("conf", ["backend:cuda", "backend:cuda,RECOMMENDED"])
+def test_mempools_answer_as_under_pytorchs_own_allocator(
+    conf: str, external_allocator: Path, native_mempool_answers: str
+) -> None:
     env = {"EXT_ALLOCATOR": str(external_allocator)}
     script = "import os\nEXT = os.environ['EXT_ALLOCATOR']\n" + MEMPOOL_SCRIPT
-    native = run_torch(script, extra_env=env)
-    ours = run_torch('stepalloc.install("backend:cuda", patch_torch=True)\n' + script, extra_env=env)
+    native = native_mempool_answers
+    conf_code = repr(conf).replace("RECOMMENDED'", "' + stepalloc.RECOMMENDED")
+    ours = run_torch(f"stepalloc.install({conf_code}, patch_torch=True)\n" + script, extra_env=env)
     n, o = values(native), values(ours)
     assert n["created"].strip().startswith("(0,") and n["use_on_oom"] != " 0 0"
     assert int(n["use_on_oom"].split()[1]) >= 2, native  # the check means something natively
-    assert n == o, "\n".join(f"{k}: PyTorch {n.get(k)!r}, stepalloc {o.get(k)!r}" for k in sorted(set(n) | set(o)) if n.get(k) != o.get(k))
+    assert n == o, "\n".join(
+        f"{k}: PyTorch {n.get(k)!r}, stepalloc {o.get(k)!r}" for k in sorted(set(n) | set(o)) if n.get(k) != o.get(k)
+    )
+
+
+def test_unpatch_restores_torch_and_mempool_after_install_is_a_private_pool() -> None:
+    out = run_torch(
+        """
+        original_share = torch.UntypedStorage._share_cuda_
+        original_mempool = torch.cuda.MemPool
+        stepalloc.install("backend:cuda", patch_torch=True)
+        from stepalloc.pools import MemPool
+        pool = stepalloc.mempool()
+        print("mempool_type=" + type(pool).__name__, isinstance(pool, MemPool))
+        with torch.cuda.use_mem_pool(pool):
+            t = torch.empty(MIB, dtype=torch.uint8, device="cuda")
+        seg = [s for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] == pool.id]
+        print("in_pool=" + str(any(b["address"] == t.data_ptr() for s in seg for b in s["blocks"])))
+        print("patched=" + str(torch.cuda.MemPool is MemPool and torch.cuda.memory.MemPool is MemPool))
+        stepalloc.unpatch_torch()
+        restored = (
+            torch.cuda.MemPool is original_mempool
+            and torch.cuda.memory.MemPool is original_mempool
+            and "_share_cuda_" not in vars(torch.UntypedStorage)
+            and torch.UntypedStorage._share_cuda_ is original_share
+        )
+        print("restored=" + str(restored))
+        stepalloc.patch_torch()
+        print("repatched=" + str(torch.cuda.MemPool is MemPool))
+        """
+    )
+    v = values(out)
+    assert v["mempool_type"] == "MemPool True", out
+    assert v["in_pool"] == "True" and v["patched"] == "True", out
+    assert v["restored"] == "True" and v["repatched"] == "True", out
