@@ -58,8 +58,8 @@ ROWS: tuple[Row, ...] = (
     ),
     Row(
         "torch.cuda.caching_allocator_disabled",
-        DIFFERS,
-        "the same as caching_allocator_enable(False): raises",
+        RAISES,
+        "stepalloc always caches",
         "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back",
     ),
     Row("torch.cuda.empty_cache", WORKS, "returns stepalloc's unused cached segments to the device"),

@@ -333,8 +333,11 @@ def _torch_record_memory_history(
     ring at start), which ``_snapshot`` / ``_dump_snapshot`` then show as ``device_traces``;
     ``enabled=None`` stops recording and drops the history. stepalloc records no Python
     stacks, so ``context`` and ``stacks`` are accepted and change nothing; the history is
-    always started anew, so ``clear_history`` changes nothing either.
+    always started anew, so ``clear_history`` changes nothing either. ``enabled=True`` /
+    ``False`` (PyTorch's legacy form) mean ``"all"`` / None.
     """
+    if isinstance(enabled, bool):  # the legacy form (``_record_memory_history_legacy``)
+        enabled = "all" if enabled else None
     if enabled not in (None, "state", "all"):
         raise ValueError(f"enabled must be None, 'state' or 'all', not {enabled!r}")
     entries = 0 if enabled is None else max(0, min(int(max_entries), 1 << 26))

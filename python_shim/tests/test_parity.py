@@ -111,10 +111,8 @@ torch.cuda.caching_allocator_enable(True)
 refused(lambda: torch.cuda.caching_allocator_enable(False), "torch.cuda.caching_allocator_enable")
 """,
     "torch.cuda.caching_allocator_disabled": """
-def enter():
-    with torch.cuda.caching_allocator_disabled():
-        pass
-refused(enter, "torch.cuda.caching_allocator_disabled")
+with torch.cuda.caching_allocator_disabled():
+    pass
 """,
     "torch.cuda.empty_cache": """
 t = u8(64 * MIB); del t
@@ -218,6 +216,11 @@ torch.cuda.memory._record_memory_history(max_entries=1000)
 t = u8(MIB); del t
 assert len(torch.cuda.memory._snapshot()["device_traces"][0]) >= 2
 torch.cuda.memory._record_memory_history(enabled=None)
+assert len(torch.cuda.memory._snapshot()["device_traces"][0]) == 0
+torch.cuda.memory._record_memory_history(True)  # the legacy form, as PyTorch accepts it
+t = u8(MIB); del t
+assert len(torch.cuda.memory._snapshot()["device_traces"][0]) >= 2
+torch.cuda.memory._record_memory_history(False)
 """,
     "torch.cuda.memory._record_memory_history_legacy": """
 torch.cuda.memory._record_memory_history_legacy(True, trace_alloc_max_entries=1000)
