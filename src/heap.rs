@@ -15,7 +15,8 @@
 //!   events, release every unsplit cached segment and retry; then report out of memory.
 //!
 //! Giving memory back (OOM steps, `empty_cache`, limits, GC) and CUDA-graph pools live in
-//! `heap/release.rs`.
+//! `heap/release.rs`; user memory pools on top of those (`torch.cuda.MemPool`: use counts,
+//! another allocator's segments, `use_on_oom`) in `heap/pools.rs`.
 //!
 //! Invariants (checked by `check_invariants` in tests): blocks tile their segments; adjacent
 //! free blocks of compatible streams are merged; the free lists hold exactly the `Free` blocks;
@@ -38,7 +39,10 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 mod expandable;
+mod pools;
 mod release;
+
+pub use pools::SegmentSource;
 
 /// Exclusive upper bounds of the free-block size ranges of `Heap::free_block_ranges`:
 /// < 1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, and >= 1 GiB.
@@ -58,6 +62,10 @@ struct PrivatePool {
     segments: u32,
     /// Captures into it begun and neither ended nor abandoned (counted in `captures_underway`).
     capturing: u32,
+    /// Where its segments come from (`heap/pools.rs`); None: the device.
+    source: Option<Box<dyn SegmentSource>>,
+    /// A general allocation that finds no memory may take its free blocks (`MemPool(use_on_oom)`).
+    use_on_oom: bool,
 }
 
 pub struct Heap {
@@ -328,16 +336,19 @@ impl Heap {
         // During a CUDA-graph capture, freeing device memory or waiting on streams would break
         // the capture: only a plain reserve is tried.
         let capturing = self.captures_underway > 0;
-        let mut attempt = self.reserve(seg_size)?;
+        let mut attempt = self.reserve_for(pool, seg_size, stream)?;
         if attempt.is_none() && !capturing && self.release_oversize(seg_size)? {
-            attempt = self.reserve(seg_size)?;
+            attempt = self.reserve_for(pool, seg_size, stream)?;
         }
         if attempt.is_none() && !capturing {
             self.stats.num_alloc_retries += 1;
             self.release_all_cached(ReleaseReason::Oom)?;
-            attempt = self.reserve(seg_size)?;
+            attempt = self.reserve_for(pool, seg_size, stream)?;
         }
         let Some(addr) = attempt else {
+            if let Some(id) = (pool == 0).then(|| self.last_resort_block(small, stream, rounded)).flatten() {
+                return Ok(id);
+            }
             return Err(self.out_of_memory(requested, rounded, seg_size));
         };
         Ok(self.new_segment(addr, seg_size, small, pool, stream))

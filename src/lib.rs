@@ -43,5 +43,5 @@ pub use allocator::{configure_global, global, Allocator};
 pub use backend::{Backend, Stream};
 pub use config::{BackendKind, Config};
 pub use error::{Error, OomReport, Result};
-pub use heap::PoolId;
+pub use heap::{PoolId, SegmentSource};
 pub use stats::{DeviceStats, StepFigures};

@@ -90,7 +90,7 @@ impl Heap {
                     total_size: total,
                     stream: seg.stream.0,
                     segment_type: if seg.small { "small" } else { "large" },
-                    segment_pool_id: (0, u64::from(seg.pool)),
+                    segment_pool_id: self.pool_id_of(seg.pool),
                     allocated_size: figures.0,
                     active_size: figures.1,
                     requested_size: figures.2,

@@ -48,6 +48,12 @@ typedef struct CUstream_st *cudaStream_t;
 // unknown partial effect on statistics; allocations stay valid.
 #define STEPALLOC_PANIC 7
 
+// Another library's segment allocator, PyTorch's pluggable signatures.
+typedef void *(*stepalloc_segment_alloc_fn)(size_t, int, cudaStream_t);
+
+// Its free function, called with the size, device and stream given to its alloc.
+typedef void (*stepalloc_segment_free_fn)(void*, size_t, int, cudaStream_t);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -184,6 +190,30 @@ int stepalloc_last_status(void);
 
 // The library version, e.g. "0.1.0" (a static string; do not free).
 const char *stepalloc_version(void);
+
+// `torch.cuda.MemPool()`: creates pool `(id0, id1)` on `device` with one reference, or takes
+// another reference to it. Returns a status.
+int stepalloc_pool_create(int device, uint64_t id0, uint64_t id1);
+
+// `MemPool.use_count()`: the references to pool `(id0, id1)` on `device` (0: no such pool);
+// -1 on an error (left in the last error).
+int stepalloc_pool_use_count(int device, uint64_t id0, uint64_t id1);
+
+// `MemPool(allocator=...)`: the segments of pool `(id0, id1)` on `device` come from
+// `alloc_fn` and go back through `free_fn` (both NULL: from the device again). The pool must
+// exist and hold no segment yet. Returns a status.
+//
+// The functions have PyTorch's pluggable signatures, must stay loaded while the pool has
+// segments, and must not call into stepalloc (they run under its device lock).
+int stepalloc_pool_set_segment_allocator(int device,
+                                         uint64_t id0,
+                                         uint64_t id1,
+                                         stepalloc_segment_alloc_fn alloc_fn,
+                                         stepalloc_segment_free_fn free_fn);
+
+// `MemPool(use_on_oom=True)`: with `on` non-zero, a general allocation on `device` that finds
+// no memory may take a free block of pool `(id0, id1)`. Returns a status.
+int stepalloc_pool_set_use_on_oom(int device, uint64_t id0, uint64_t id1, int on);
 
 // Allocates `size` bytes on `device` for use on `stream`; returns NULL when it fails (out of
 // memory after the whole out-of-memory path, or a bad argument) and sets the last error.

@@ -5,6 +5,7 @@
 //! - `torch.rs`: the entry points PyTorch calls (malloc, free and hooks), hot path;
 //! - `trampoline.cpp`: the C++ part: `stepalloc_torch_malloc`, which throws a C++ exception on
 //!   out-of-memory, and the CUDA-graph pool hooks, which take C++ types by value;
+//! - `pools.rs`: user memory pools (`torch.cuda.MemPool` under process-wide stepalloc);
 //! - `control.rs`: configuration, steps, statistics, snapshots, traces, metrics, last error;
 //! - `guard.rs`, `last_error.rs`, `status.rs`: the panic guard, the thread-local last error,
 //!   the stable status codes.
@@ -22,10 +23,12 @@
 mod control;
 mod guard;
 mod last_error;
+mod pools;
 mod status;
 mod torch;
 
 pub use control::*;
+pub use pools::*;
 pub use status::*;
 pub use torch::*;
 

@@ -14,7 +14,10 @@
 // - The capture table is created on first use and never destroyed, and `g_active` counts its
 //   entries, read first on every malloc so that no capture costs one atomic load.
 // - A filter runs under the table's mutex; PyTorch's filters only query the stream's capture
-//   state and never call back into the allocator.
+//   state (or the thread's id) and never call back into the allocator. The newest entry whose
+//   filter claims a stream wins, as in PyTorch.
+// - Reconciliation drops only the entries of graph captures (see `Claim`), never
+//   `use_mem_pool`'s, whose claimed stream is not capturing.
 // - A failed capture never calls end (PyTorch calls `cudaStreamEndCapture` first and stops when
 //   it fails), so its entry would stay forever and keep the core's out-of-memory path off.
 //   Entries are reconciled at begin and release: a begin of the same pool drops the pool's old
@@ -48,13 +51,20 @@ int stepalloc_internal_pool_captures(int device, unsigned long long id0, unsigne
 
 namespace {
 
+// What an entry is, learnt when its filter first claims a stream. A graph capture's filter
+// claims only its capturing stream, never the legacy default stream (NULL), which cannot be
+// captured; `use_mem_pool`'s (`beginAllocateCurrentThreadToPool`) claims every stream of its
+// thread, NULL included. Only captures may be dropped by reconciliation (their stream stopped
+// capturing: the capture failed); a `use_mem_pool` entry lasts until its end.
+enum class Claim { None, Capture, Other };
+
 struct Capture {
     int device;
     MempoolId pool;
     StreamFilter filter;
-    // The first stream the filter claimed (the capturing stream), once it claimed one.
+    // The first stream the filter claimed, once it claimed one.
     cudaStream_t stream;
-    bool claimed;
+    Claim claim;
 };
 
 std::atomic<int> g_active{0};
@@ -96,7 +106,7 @@ void reconcile_at_begin(int device, MempoolId pool) {
         std::lock_guard<std::mutex> lock(table_mutex());
         erase_entries(device, [&](const Capture &c) { return c.pool == pool; });
         for (const Capture &c : table()) {
-            if (c.device == device && c.claimed) {
+            if (c.device == device && c.claim == Claim::Capture) {
                 claimed.emplace_back(c.pool, c.stream);
             }
         }
@@ -109,7 +119,7 @@ void reconcile_at_begin(int device, MempoolId pool) {
         {
             std::lock_guard<std::mutex> lock(table_mutex());
             erase_entries(device, [&](const Capture &c) {
-                bool match = !dropped && c.pool == entry.first && c.claimed && c.stream == entry.second;
+                bool match = !dropped && c.pool == entry.first && c.claim == Claim::Capture && c.stream == entry.second;
                 dropped = dropped || match;
                 return match;
             });
@@ -157,7 +167,7 @@ extern "C" void stepalloc_begin_allocate_to_pool(int device, MempoolId mempool_i
         throw std::runtime_error("stepalloc: beginAllocateToPool failed: " + last_error_text());
     }
     std::lock_guard<std::mutex> lock(table_mutex());
-    table().push_back(Capture{device, mempool_id, std::move(filter), nullptr, false});
+    table().push_back(Capture{device, mempool_id, std::move(filter), nullptr, Claim::None});
     g_active.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -198,11 +208,17 @@ extern "C" int stepalloc_internal_capture_pool(int device, cudaStream_t stream, 
     }
     try {
         std::lock_guard<std::mutex> lock(table_mutex());
-        for (Capture &c : table()) {
+        // The newest entry first, as PyTorch: `use_mem_pool` inside a capture allocates to its
+        // pool, a capture inside `use_mem_pool` to the graph's.
+        std::vector<Capture> &t = table();
+        for (auto it = t.rbegin(); it != t.rend(); ++it) {
+            Capture &c = *it;
             if (c.device == device && c.filter && c.filter(stream)) {
-                if (!c.claimed) {
+                if (c.claim == Claim::None) {
                     c.stream = stream;
-                    c.claimed = true;
+                    // Asking a capture's filter about the default stream is what PyTorch does
+                    // for every allocation on it during a capture: a capture-safe query.
+                    c.claim = (stream != nullptr && !c.filter(nullptr)) ? Claim::Capture : Claim::Other;
                 }
                 pool[0] = c.pool.first;
                 pool[1] = c.pool.second;

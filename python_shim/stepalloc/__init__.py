@@ -18,7 +18,9 @@ Typical use::
 Layer map: ``_lib`` (the ctypes handle, errors), ``steps`` (step hooks), ``stats``
 (torch-compatible statistics), ``snapshot`` (memory-viewer snapshots), ``metrics``
 (Prometheus), ``ranks`` (torchrun: the rank's device, Prometheus targets, gathering every
-rank's figures), ``torch`` (install / mempool / patch_torch), ``integrations`` (framework
+rank's figures), ``torch`` (install / mempool / patch_torch), ``pools`` (``MemPool``, which
+``patch_torch`` puts in place of ``torch.cuda.MemPool`` under ``install``), ``parity`` (what
+each torch.cuda memory API does under stepalloc, and the wrappers that say so), ``integrations`` (framework
 callbacks, agent loops). Importing this package loads no library and imports neither torch
 nor any framework: everything happens on first use.
 """
@@ -40,6 +42,7 @@ from ._lib import (
 )
 from .integrations import AgentLoop, PhaseRecord, hf_callback, lightning_callback
 from .metrics import StepallocCollector, metrics_text, register_prometheus, serve_metrics
+from .pools import MemPool
 from .ranks import RankInfo, gather_stats, prometheus_target, rank_device, rank_info, write_prometheus_targets
 from .snapshot import dump_snapshot, dump_trace, memory_snapshot, trace_jsonl
 from .stats import (
@@ -78,6 +81,7 @@ __all__ = [
     "ConfigError",
     "Installation",
     "LibraryNotFoundError",
+    "MemPool",
     "PhaseRecord",
     "RankInfo",
     "StepallocCollector",

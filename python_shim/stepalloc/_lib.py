@@ -165,6 +165,11 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_set_memory_fraction": ([c_double, c_int], None),
         "stepalloc_set_mempool_mode": ([c_int], c_int),
         "stepalloc_record_history": ([ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)], c_int),
+        # User memory pools (pools.py): device, pool id.
+        "stepalloc_pool_create": ([c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
+        "stepalloc_pool_use_count": ([c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
+        "stepalloc_pool_set_segment_allocator": ([c_int, ctypes.c_uint64, ctypes.c_uint64, c_void_p, c_void_p], c_int),
+        "stepalloc_pool_set_use_on_oom": ([c_int, ctypes.c_uint64, ctypes.c_uint64, c_int], c_int),
     }
     for name, (argtypes, restype) in table.items():
         fn = getattr(cdll, name)  # AttributeError names a missing symbol: an outdated library.

@@ -238,7 +238,7 @@ def _update_installation(conf: str | None, metrics_port: int | None, patch: bool
             changes["metrics_address"] = _serve_metrics(metrics_port)
         elif _installation.metrics_address != served_address(metrics_port):
             raise ValueError(f"stepalloc already serves metrics on {_installation.metrics_address}")
-    if patch and _patched is None:
+    if patch and (_patched is None or not _process_wide_patched):
         patch_torch()
     if _installation.torch_patched != (_patched is not None):  # patched now, or unpatched since
         changes["torch_patched"] = _patched is not None
@@ -265,6 +265,7 @@ def mempool(use_on_oom: bool = False) -> Any:
         with torch.cuda.use_mem_pool(pool):
             kv_cache = torch.empty(...)
 
+    After ``install()`` it returns a ``stepalloc.MemPool`` (one of stepalloc's private pools).
     Needs torch >= 2.5. Unlike ``install()`` it can be used after CUDA is initialised, and only
     the code inside ``use_mem_pool`` is affected; but PyTorch's own cache sits in front of
     stepalloc, so step release and stepalloc's statistics see segments, not tensors. Since
@@ -275,6 +276,11 @@ def mempool(use_on_oom: bool = False) -> Any:
     torch = _import_torch()
     if not hasattr(torch.cuda, "MemPool"):
         raise RuntimeError(f"torch {torch.__version__} has no torch.cuda.MemPool (needs torch >= 2.5)")
+    if _installation is not None:
+        # Process-wide already: every tensor is stepalloc's; a pool is one of its private pools.
+        from .pools import MemPool
+
+        return MemPool(use_on_oom=use_on_oom)
     with _lock:
         _lib.adopt_environment()  # a bad STEPALLOC_CONF fails naming the variable
         if _mempool_allocator is None:
@@ -292,11 +298,23 @@ def mempool(use_on_oom: bool = False) -> Any:
 # ----- patch_torch ---------------------------------------------------------------------------
 
 _patched: dict[tuple[Any, str], Any] | None = None
+# Whether the process-wide wrappers (parity.patches: MemPool, the table's raising entry points)
+# are in place; they apply only after install().
+_process_wide_patched = False
+_INHERITED = object()  # marks a class attribute patch_torch added over an inherited one
 
 
 def _torch_snapshot(device: stats.Device = None, augment_with_fx_traces: bool = False) -> dict[str, Any]:
     """``torch.cuda.memory._snapshot`` answered by stepalloc (all devices; fx traces ignored)."""
-    return snapshot.memory_snapshot()
+    snap = snapshot.memory_snapshot()
+    _pool_ids_as_tuples(snap["segments"])
+    return snap
+
+
+def _pool_ids_as_tuples(segments: list[dict[str, Any]]) -> None:
+    """A segment's pool id as PyTorch gives it, a tuple (JSON has lists)."""
+    for s in segments:
+        s["segment_pool_id"] = tuple(s.get("segment_pool_id", (0, 0)))
 
 
 def _torch_record_memory_history(
@@ -315,8 +333,11 @@ def _torch_record_memory_history(
     ring at start), which ``_snapshot`` / ``_dump_snapshot`` then show as ``device_traces``;
     ``enabled=None`` stops recording and drops the history. stepalloc records no Python
     stacks, so ``context`` and ``stacks`` are accepted and change nothing; the history is
-    always started anew, so ``clear_history`` changes nothing either.
+    always started anew, so ``clear_history`` changes nothing either. ``enabled=True`` /
+    ``False`` (PyTorch's legacy form) mean ``"all"`` / None.
     """
+    if isinstance(enabled, bool):  # the legacy form (``_record_memory_history_legacy``)
+        enabled = "all" if enabled else None
     if enabled not in (None, "state", "all"):
         raise ValueError(f"enabled must be None, 'state' or 'all', not {enabled!r}")
     entries = 0 if enabled is None else max(0, min(int(max_entries), 1 << 26))
@@ -330,6 +351,7 @@ def _torch_memory_snapshot(mempool_id: Any = None, include_traces: bool = True) 
     if mempool_id is not None:
         wanted = list(mempool_id)
         segments = [s for s in segments if list(s.get("segment_pool_id", [])) == wanted]
+    _pool_ids_as_tuples(segments)
     return segments
 
 
@@ -362,9 +384,12 @@ def patch_torch() -> list[str]:
     (in ``torch.cuda`` and ``torch.cuda.memory``), so HF Trainer's memory metrics, Lightning's
     ``DeviceStatsMonitor``, ``torch.cuda.memory._record_memory_history`` and
     ``torch.cuda.memory._dump_snapshot`` keep working.
+    After ``install()`` it also puts ``stepalloc.MemPool`` in place of ``torch.cuda.MemPool``
+    and wraps the other entry points of the parity table (``stepalloc.parity``): those stepalloc
+    cannot serve raise ``stepalloc.parity.UnsupportedError`` naming the alternative.
     Idempotent; ``unpatch_torch()`` restores the originals.
     """
-    global _patched
+    global _patched, _process_wide_patched
     torch = _import_torch()
     with _lock:
         if _patched is None:
@@ -375,14 +400,28 @@ def patch_torch() -> list[str]:
                         saved[(module, name)] = getattr(module, name)
                         setattr(module, name, fn)
             _patched = saved
+        if _installation is not None and not _process_wide_patched:
+            from . import parity
+
+            for owner, name, fn in parity.patches(torch):
+                # A class's own attribute is restored; an inherited one is deleted again.
+                inherited = isinstance(owner, type) and name not in owner.__dict__
+                original = _INHERITED if inherited else vars(owner)[name]
+                _patched.setdefault((owner, name), original)
+                setattr(owner, name, fn)
+            _process_wide_patched = True
         return sorted({name for _, name in _patched})
 
 
 def unpatch_torch() -> None:
     """Restores the torch.cuda functions ``patch_torch()`` replaced."""
-    global _patched
+    global _patched, _process_wide_patched
     with _lock:
         if _patched is not None:
-            for (module, name), fn in _patched.items():
-                setattr(module, name, fn)
+            for (owner, name), fn in _patched.items():
+                if fn is _INHERITED:
+                    delattr(owner, name)
+                else:
+                    setattr(owner, name, fn)
             _patched = None
+            _process_wide_patched = False

@@ -145,6 +145,9 @@ impl Heap {
                 return Ok(id);
             }
         }
+        if let Some(id) = self.last_resort_block(small, stream, rounded) {
+            return Ok(id); // a free block of a `use_on_oom` pool (heap/pools.rs)
+        }
         let page = self.page_size(small);
         let mut e = self.out_of_memory(requested, rounded, rounded.div_ceil(page).saturating_mul(page));
         if let crate::Error::OutOfMemory(report) = &mut e {

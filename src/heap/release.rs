@@ -18,7 +18,7 @@ impl Heap {
         let id = seg.first;
         debug_assert!(self.arena.block(id).next == NIL && self.arena.state(id) == BlockState::Free);
         self.wait_for_last_use(id)?;
-        self.backend.release(seg.addr, seg.size)?;
+        self.release_to_source(seg.pool, seg.addr, seg.size, seg.stream)?;
         self.unlist(id);
         self.arena.drop_block(id);
         self.arena.drop_segment(seg_id);
@@ -288,7 +288,7 @@ impl Heap {
             p.use_count += 1;
             return;
         }
-        let pool = PrivatePool { id, use_count: 1, segments: 0, capturing: 0 };
+        let pool = PrivatePool { id, use_count: 1, segments: 0, capturing: 0, source: None, use_on_oom: false };
         match self.private_pools.iter().position(Option::is_none) {
             Some(i) => self.private_pools[i] = Some(pool),
             None => self.private_pools.push(Some(pool)),

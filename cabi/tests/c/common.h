@@ -31,7 +31,9 @@
     X(stepalloc_malloc) X(stepalloc_free) X(stepalloc_init) X(stepalloc_empty_cache)       \
     X(stepalloc_set_memory_fraction) X(stepalloc_base_alloc) X(stepalloc_record_stream)    \
     X(stepalloc_set_mempool_mode) X(stepalloc_configure_len) X(stepalloc_step_begin_len)    \
-    X(stepalloc_check_phase) X(stepalloc_is_initialised)
+    X(stepalloc_check_phase) X(stepalloc_is_initialised)                                   \
+    X(stepalloc_pool_create) X(stepalloc_pool_use_count)                                   \
+    X(stepalloc_pool_set_segment_allocator) X(stepalloc_pool_set_use_on_oom)
 
 #define DECLARE_POINTER(name) static __typeof__(name) *p_##name;
 STEPALLOC_C_FUNCTIONS(DECLARE_POINTER)

@@ -17,6 +17,18 @@ using EndFn = void(int, MempoolId_t);
 
 static constexpr size_t MIB = size_t(1) << 20;
 
+// Another library's segment allocator for a MemPool: addresses from its own range.
+static int g_foreign_allocs, g_foreign_frees;
+static size_t g_foreign_outstanding;
+static void *foreign_alloc(size_t size, int, cudaStream_t) {
+    g_foreign_outstanding += size;
+    return reinterpret_cast<void *>(uintptr_t(0x700000000000) + uintptr_t(g_foreign_allocs++) * (uintptr_t(1) << 30));
+}
+static void foreign_free(void *, size_t size, int, cudaStream_t) {
+    g_foreign_frees++;
+    g_foreign_outstanding -= size;
+}
+
 template <typename F>
 static std::function<F> look_up(void *lib, const char *name) {
     void *sym = dlsym(lib, name);
@@ -143,6 +155,48 @@ int main(int argc, char **argv) {
     big = alloc(50 * MIB, 0, other);
     CHECK(big != nullptr, "the OOM path after releasing a failed capture's pool");
     release(big, 50 * MIB, 0, other);
+    check_stats(0, 0, 0);
+
+    // A MemPool (stepalloc_pool_create) whose segments come from another allocator, entered as
+    // use_mem_pool does (a filter that claims every stream of the thread). A capture begun and
+    // failed meanwhile must not drop it, and the newest entry wins.
+    const MempoolId_t mem{0, 42};
+    CHECK(p_stepalloc_pool_create(0, mem.first, mem.second) == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_pool_use_count(0, mem.first, mem.second) == 1, "use count after create");
+    CHECK(p_stepalloc_pool_set_segment_allocator(0, mem.first, mem.second, foreign_alloc, nullptr) ==
+              STEPALLOC_INVALID_ARGUMENT,
+          "half an allocator must be refused");
+    CHECK(p_stepalloc_pool_set_segment_allocator(0, 9, 9, foreign_alloc, foreign_free) == STEPALLOC_INVALID_ARGUMENT,
+          "an allocator for a missing pool must be refused");
+    CHECK(p_stepalloc_pool_set_segment_allocator(0, mem.first, mem.second, foreign_alloc, foreign_free) ==
+              STEPALLOC_OK,
+          "%s", last_error());
+    CHECK(p_stepalloc_pool_set_use_on_oom(0, mem.first, mem.second, 1) == STEPALLOC_OK, "%s", last_error());
+    begin_pool(0, mem, [](cudaStream_t) { return true; });
+    CHECK(p_stepalloc_pool_use_count(0, mem.first, mem.second) == 2, "use count inside");
+    void *m1 = alloc(4096, 0, other);
+    const MempoolId_t graph{5, 0};
+    begin_pool(0, graph, [capturing](cudaStream_t s) { return s == capturing; });
+    void *g1 = alloc(MIB, 0, capturing);  // the newest entry whose filter claims it: the graph's
+    void *m2 = alloc(4096, 0, other);
+    begin_pool(0, MempoolId_t{6, 0}, [](cudaStream_t) { return false; });  // drops the failed graph
+    void *m3 = alloc(4096, 0, other);
+    CHECK(g_foreign_allocs == 1 && m1 != nullptr && m2 != nullptr && m3 != nullptr, "foreign allocs %d", g_foreign_allocs);
+    p_stepalloc_base_alloc(m1, &seg);
+    CHECK(seg == 2 * MIB && p_stepalloc_base_alloc(m3, &seg) == p_stepalloc_base_alloc(m1, &seg),
+          "use_mem_pool's entry was dropped: %zu", seg);
+    CHECK(p_stepalloc_base_alloc(g1, &seg) != p_stepalloc_base_alloc(m1, &seg), "the capture allocated to the MemPool");
+    end_pool(0, mem);
+    release_pool(0, mem);
+    CHECK(p_stepalloc_pool_use_count(0, mem.first, mem.second) == 1, "use count after");
+    for (void *p : {m1, m2, m3}) release(p, 4096, 0, other);
+    release(g1, MIB, 0, capturing);
+    release_pool(0, graph);
+    release_pool(0, MempoolId_t{6, 0});
+    CHECK(g_foreign_frees == 0, "a referenced pool gave a segment back");
+    release_pool(0, mem);
+    CHECK(g_foreign_frees == 1 && g_foreign_outstanding == 0, "the pool's segment went back: %d", g_foreign_frees);
+    CHECK(p_stepalloc_pool_use_count(0, mem.first, mem.second) == 0, "the pool is gone");
     check_stats(0, 0, 0);
     printf("ok torch\n");
     return 0;

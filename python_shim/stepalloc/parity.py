@@ -1,0 +1,368 @@
+"""Layer: PyTorch glue. What each memory entry point of ``torch.cuda`` / ``torch.cuda.memory``
+(torch 2.15) does under process-wide stepalloc (``install(patch_torch=True)``), as data: one
+``Row`` per entry point, from which ``markdown()`` writes the table in python_shim/README.md
+(a test fails when the two differ) and ``patches()`` makes the wrappers ``patch_torch``
+installs, so that every ``raises`` row raises ``UnsupportedError`` naming the alternative instead
+of PyTorch's "does not yet support" or a silent wrong answer.
+
+Invariants:
+- ``ROWS`` has exactly one row per entry point; a test runs each row's check in real PyTorch.
+- A ``raises`` row has an ``instead`` (the alternative), which its error message ends with.
+- torch is imported inside the functions, never at module import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable
+
+from . import _lib
+
+WORKS, DIFFERS, RAISES = "works", "works differently", "raises"
+
+
+class UnsupportedError(_lib.StepallocError):
+    """A PyTorch memory entry point that stepalloc's process-wide allocator cannot serve; the
+    message says why and what to do instead. Also a ``RuntimeError``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, _lib.INVALID_ARGUMENT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One entry point. ``note``: how it works (or differs, or why it raises); ``instead``: for a
+    ``raises`` row, the alternative its error names."""
+
+    name: str
+    status: str
+    note: str
+    instead: str = ""
+
+
+_STATS = "answered by stepalloc (patch_torch), same keys and meanings as PyTorch's"
+_NVML = "answered by NVML, not by the allocator: as under PyTorch's own allocator"
+_HOST = "PyTorch's pinned-memory (host) allocator, which stepalloc does not replace"
+_HOOK = "PyTorch's pool hooks, served by stepalloc's private pools"
+
+ROWS: tuple[Row, ...] = (
+    # Allocation and caching.
+    Row("torch.cuda.caching_allocator_alloc", WORKS, "allocates from stepalloc (raw_alloc)"),
+    Row("torch.cuda.caching_allocator_delete", WORKS, "frees to stepalloc"),
+    Row(
+        "torch.cuda.caching_allocator_enable",
+        DIFFERS,
+        "`True` changes nothing (stepalloc always caches); `False` raises",
+        "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back",
+    ),
+    Row(
+        "torch.cuda.caching_allocator_disabled",
+        RAISES,
+        "stepalloc always caches",
+        "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back",
+    ),
+    Row("torch.cuda.empty_cache", WORKS, "returns stepalloc's unused cached segments to the device"),
+    Row("torch.cuda.set_per_process_memory_fraction", WORKS, "stepalloc enforces the limit"),
+    Row(
+        "torch.cuda.get_per_process_memory_fraction",
+        RAISES,
+        "the pluggable allocator cannot report it",
+        "keep the value you passed to set_per_process_memory_fraction (stepalloc enforces it), or "
+        "the per_process_memory_fraction key of STEPALLOC_CONF",
+    ),
+    Row("torch.cuda.mem_get_info", WORKS, "the driver's free and total bytes"),
+    Row("torch.cuda.get_allocator_backend", DIFFERS, "returns 'pluggable'"),
+    Row(
+        "torch.cuda.memory._set_allocator_settings",
+        DIFFERS,
+        "warns: PyTorch's allocator settings do not reach stepalloc; set them in STEPALLOC_CONF "
+        "(same syntax) or install(conf=...)",
+    ),
+    Row(
+        "torch.cuda.change_current_allocator",
+        RAISES,
+        "PyTorch swaps its allocator only once, before CUDA is used",
+        "MemPool(allocator=...) with use_mem_pool for another allocator's memory",
+    ),
+    Row("torch.cuda.memory._get_current_allocator", WORKS, "stepalloc's CUDAPluggableAllocator"),
+    Row("torch.cuda.memory.CUDAPluggableAllocator", WORKS, "another library's allocator, for MemPool(allocator=...)"),
+    # Statistics.
+    *(
+        Row(f"torch.cuda.{name}", WORKS, _STATS)
+        for name in (
+            "memory_stats",
+            "memory_stats_as_nested_dict",
+            "memory_allocated",
+            "max_memory_allocated",
+            "memory_reserved",
+            "max_memory_reserved",
+            "memory_cached",
+            "max_memory_cached",
+            "reset_peak_memory_stats",
+            "reset_accumulated_memory_stats",
+            "reset_max_memory_allocated",
+            "reset_max_memory_cached",
+            "memory_summary",
+        )
+    ),
+    *(
+        Row(f"torch.cuda.{name}", WORKS, _HOST)
+        for name in (
+            "host_memory_stats",
+            "host_memory_stats_as_nested_dict",
+            "reset_accumulated_host_memory_stats",
+            "reset_peak_host_memory_stats",
+        )
+    ),
+    Row("torch.cuda.list_gpu_processes", WORKS, _NVML),
+    Row("torch.cuda.memory_usage", WORKS, _NVML),
+    Row("torch.cuda.device_memory_used", WORKS, _NVML),
+    # Snapshots and history.
+    Row("torch.cuda.memory_snapshot", WORKS, "stepalloc's segments; `mempool_id` selects one pool's"),
+    Row("torch.cuda.memory._snapshot", WORKS, "stepalloc's snapshot, in PyTorch's layout"),
+    Row("torch.cuda.memory._dump_snapshot", WORKS, "a pickle PyTorch's memory viewer opens"),
+    Row(
+        "torch.cuda.memory._record_memory_history",
+        DIFFERS,
+        "records allocation events without Python stacks (`context`, `stacks` change nothing)",
+    ),
+    Row("torch.cuda.memory._record_memory_history_legacy", DIFFERS, "as _record_memory_history"),
+    Row("torch.cuda.memory._allocation_traceback", DIFFERS, "returns None: stepalloc records no stacks"),
+    Row("torch.cuda.memory._memory_metadata_supported", DIFFERS, "returns False"),
+    Row("torch.cuda.memory._set_memory_metadata", DIFFERS, "PyTorch warns; the metadata is not recorded"),
+    Row("torch.cuda.memory._annotate_tensor", DIFFERS, "PyTorch warns; the annotation is not recorded"),
+    # MemPool.
+    Row("torch.cuda.MemPool", WORKS, "stepalloc.MemPool: one of stepalloc's private pools (patch_torch)"),
+    Row(
+        "torch.cuda.MemPool(allocator=...)",
+        WORKS,
+        "the pool's segments come from that allocator and go back through its free function",
+    ),
+    Row(
+        "torch.cuda.MemPool(use_on_oom=True)",
+        WORKS,
+        "a general allocation that finds no memory takes a free block of the pool",
+    ),
+    Row(
+        "torch.cuda.MemPool(no_split=True)",
+        RAISES,
+        "stepalloc splits a pool's segments as any",
+        "leave no_split out, or give the pool an allocator (MemPool(allocator=...)) whose segments you size",
+    ),
+    Row("torch.cuda.MemPool.id", WORKS, "(0, n), from PyTorch's own pool counter"),
+    Row("torch.cuda.MemPool.use_count", WORKS, "references: the pool, each use_mem_pool, each graph"),
+    Row("torch.cuda.MemPool.snapshot", WORKS, "the pool's segments"),
+    Row("torch.cuda.use_mem_pool", WORKS, _HOOK),
+    # CUDA graphs.
+    Row("torch.cuda.graph_pool_handle", WORKS, "a pool id for graphs to share"),
+    Row("torch.cuda.CUDAGraph (capture, replay, reset, pool)", WORKS, _HOOK),
+    Row("torch.cuda.graph(pool=MemPool)", WORKS, "captures into the MemPool's private pool"),
+    Row(
+        "torch.cuda.CUDAGraph._retain_pool",
+        DIFFERS,
+        "what use_mem_pool calls during a capture: the graph holds a reference to the pool until it is "
+        "reset or destroyed, as in PyTorch, but graph.pools() does not list it",
+    ),
+    Row("torch.cuda.make_graphed_callables", WORKS, "its captures share one of stepalloc's private pools"),
+    Row("torch._C._cuda_beginAllocateCurrentThreadToPool", WORKS, _HOOK),
+    Row("torch._C._cuda_beginAllocateToPool", WORKS, _HOOK),
+    Row("torch._C._cuda_endAllocateToPool", WORKS, _HOOK),
+    Row("torch._C._cuda_releasePool", WORKS, _HOOK),
+    # torch.compile's CUDA-graph trees (mode="reduce-overhead").
+    Row(
+        "torch._C._cuda_getCheckpointState",
+        RAISES,
+        "CUDA-graph trees checkpoint PyTorch's own allocator state",
+        "torch._inductor.config.triton.cudagraph_trees = False (plain CUDA graphs, through stepalloc's pools)",
+    ),
+    Row(
+        "torch._C._cuda_setCheckpointPoolState",
+        RAISES,
+        "CUDA-graph trees restore PyTorch's own allocator state",
+        "torch._inductor.config.triton.cudagraph_trees = False (plain CUDA graphs, through stepalloc's pools)",
+    ),
+    Row(
+        "torch._C._cuda_checkPoolLiveAllocations", WORKS, "compares the pool's allocated blocks in stepalloc's snapshot"
+    ),
+    Row(
+        "torch._C._cuda_attach_out_of_memory_observer",
+        RAISES,
+        "the pluggable allocator has no observers",
+        "catch torch.OutOfMemoryError (its message is stepalloc's report) or read num_ooms in memory_stats()",
+    ),
+    # CUDA IPC.
+    Row(
+        "torch.multiprocessing.reductions.reduce_tensor (CUDA)",
+        RAISES,
+        "the pluggable allocator cannot share IPC handles",
+        "send tensor.cpu() (shared memory) or use torch.distributed collectives",
+    ),
+    Row(
+        "torch.UntypedStorage._share_cuda_",
+        RAISES,
+        "the pluggable allocator cannot share IPC handles",
+        "send tensor.cpu() (shared memory) or use torch.distributed collectives",
+    ),
+    Row(
+        "torch.UntypedStorage._new_shared_cuda",
+        RAISES,
+        "the pluggable allocator cannot open IPC handles",
+        "receive a CPU tensor (shared memory) or use torch.distributed collectives",
+    ),
+    Row("torch.cuda.ipc_collect", WORKS, "reaps PyTorch's IPC records (none are made under stepalloc)"),
+    # Host allocator.
+    Row("torch.Tensor.pin_memory", WORKS, _HOST),
+    Row("torch.cuda.memory._host_allocator", WORKS, _HOST),
+    Row("torch._C._host_emptyCache", WORKS, _HOST),
+    # NCCL.
+    Row(
+        "ProcessGroupNCCL.register_mem_pool",
+        RAISES,
+        "NCCL registers a pool through PyTorch's own allocator",
+        "leave buffers unregistered (NCCL works on any device memory), or PyTorch's own allocator",
+    ),
+    Row(
+        "ProcessGroupNCCL.deregister_mem_pool",
+        RAISES,
+        "NCCL registers a pool through PyTorch's own allocator",
+        "leave buffers unregistered (NCCL works on any device memory), or PyTorch's own allocator",
+    ),
+)
+
+ROW_BY_NAME: dict[str, Row] = {row.name: row for row in ROWS}
+
+
+def error_message(name: str) -> str:
+    """The message of the ``UnsupportedError`` a ``raises`` row's entry point raises."""
+    row = ROW_BY_NAME[name]
+    return (
+        f"stepalloc: {name} is not available under stepalloc's process-wide allocator "
+        f"({row.note}). Instead: {row.instead}."
+    )
+
+
+def markdown() -> str:
+    """The parity table, as python_shim/README.md shows it."""
+    lines = ["| entry point | under stepalloc | how |", "|---|---|---|"]
+    for row in ROWS:
+        how = row.note + (f"; instead: {row.instead}" if row.instead and row.status != WORKS else "")
+        lines.append(f"| `{row.name}` | {row.status} | {how.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
+
+# ----- the wrappers patch_torch installs under process-wide stepalloc ------------------------
+
+
+def _raiser(name: str) -> Callable[..., Any]:
+    def stepalloc_unsupported(*_args: Any, **_kwargs: Any) -> Any:
+        raise UnsupportedError(error_message(name))
+
+    return stepalloc_unsupported
+
+
+def _caching_allocator_enable(value: bool = True) -> None:
+    if not value:
+        raise UnsupportedError(error_message("torch.cuda.caching_allocator_enable"))
+
+
+class _CachingAllocatorDisabled:
+    def __enter__(self) -> None:
+        raise UnsupportedError(error_message("torch.cuda.caching_allocator_disabled"))
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def _set_allocator_settings(original: Callable[[str], Any]) -> Callable[[str], Any]:
+    def stepalloc_set_allocator_settings(env: str) -> Any:
+        warnings.warn(
+            f"stepalloc: torch.cuda.memory._set_allocator_settings({env!r}) configures PyTorch's own allocator, "
+            "which stepalloc replaces: it does not change stepalloc. Set STEPALLOC_CONF (same syntax) or "
+            "stepalloc.install(conf=...) instead.",
+            stacklevel=2,
+        )
+        return original(env)
+
+    return stepalloc_set_allocator_settings
+
+
+def _check_pool_live_allocations(device: int, pool_id: Any, expected: Any) -> bool:
+    """``torch._C._cuda_checkPoolLiveAllocations``: whether the pool's allocated blocks are exactly
+    the pointers in ``expected``."""
+    from . import snapshot
+
+    wanted = tuple(int(x) for x in pool_id)
+    live = {
+        int(block["address"])
+        for segment in snapshot.memory_snapshot()["segments"]
+        if int(segment["device"]) == int(device) and tuple(segment["segment_pool_id"]) == wanted
+        for block in segment["blocks"]
+        if block["state"] == "active_allocated"
+    }
+    return live == {int(p) for p in expected}
+
+
+def _record_memory_history_legacy(record: Callable[..., None]) -> Callable[..., None]:
+    def stepalloc_record_memory_history_legacy(
+        enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1, *_args: Any, **_kwargs: Any
+    ) -> None:
+        record("all" if enabled else None, max_entries=trace_alloc_max_entries)
+
+    return stepalloc_record_memory_history_legacy
+
+
+def _retain_pool(self: Any, pool: Any) -> None:
+    """``CUDAGraph._retain_pool`` (``use_mem_pool`` during a capture): the graph holds a reference
+    to the pool until it is reset or destroyed. PyTorch's own asks the allocator to
+    ``createOrIncrefPool``, which its pluggable-allocator class refuses."""
+    import torch
+
+    pool_id = torch.cuda.graphs._get_pool_id(pool)
+    if pool_id is None:
+        raise RuntimeError("CUDAGraph._retain_pool expected a memory pool")
+    device = int(torch.cuda.current_device())
+    pool_id = tuple(int(x) for x in pool_id)
+    _lib.check(int(_lib.lib().stepalloc_pool_create(device, *pool_id)))
+
+    def release() -> None:  # must not reference the graph (see register_destroy_callback)
+        torch._C._cuda_releasePool(device, pool_id)
+
+    self.register_destroy_callback(release, synchronize_before_release=True)
+
+
+def patches(torch: Any) -> list[tuple[Any, str, Any]]:
+    """``(owner, attribute, replacement)`` for every wrapper of the table's rows, for the torch
+    given (owners that this build lacks are left out)."""
+    from . import pools
+    from .torch import _torch_record_memory_history
+
+    cuda, memory, c = torch.cuda, torch.cuda.memory, torch._C
+    out: list[tuple[Any, str, Any]] = []
+    for module in (cuda, memory):
+        out += [
+            (module, "MemPool", pools.MemPool),
+            (module, "caching_allocator_enable", _caching_allocator_enable),
+            (module, "caching_allocator_disabled", _CachingAllocatorDisabled),
+            (module, "get_per_process_memory_fraction", _raiser("torch.cuda.get_per_process_memory_fraction")),
+            (module, "change_current_allocator", _raiser("torch.cuda.change_current_allocator")),
+        ]
+    out += [
+        (memory, "_set_allocator_settings", _set_allocator_settings(memory._set_allocator_settings)),
+        (memory, "_record_memory_history_legacy", _record_memory_history_legacy(_torch_record_memory_history)),
+        (torch.cuda.graphs.CUDAGraph, "_retain_pool", _retain_pool),
+        (c, "_cuda_customAllocator", pools.record_custom_allocator(c._cuda_customAllocator)),
+        (c, "_cuda_getCheckpointState", _raiser("torch._C._cuda_getCheckpointState")),
+        (c, "_cuda_setCheckpointPoolState", _raiser("torch._C._cuda_setCheckpointPoolState")),
+        (c, "_cuda_checkPoolLiveAllocations", _check_pool_live_allocations),
+        (c, "_cuda_attach_out_of_memory_observer", _raiser("torch._C._cuda_attach_out_of_memory_observer")),
+        (torch.UntypedStorage, "_share_cuda_", _raiser("torch.UntypedStorage._share_cuda_")),
+        (torch.UntypedStorage, "_new_shared_cuda", staticmethod(_raiser("torch.UntypedStorage._new_shared_cuda"))),
+    ]
+    nccl = getattr(getattr(c, "_distributed_c10d", None), "ProcessGroupNCCL", None)
+    if nccl is not None:
+        out += [
+            (nccl, "register_mem_pool", _raiser("ProcessGroupNCCL.register_mem_pool")),
+            (nccl, "deregister_mem_pool", _raiser("ProcessGroupNCCL.deregister_mem_pool")),
+        ]
+    return [(owner, name, new) for owner, name, new in out if hasattr(owner, name)]

@@ -1,0 +1,617 @@
+"""The parity table (stepalloc/parity.py, python_shim/README.md): every row checked in real
+PyTorch over testdrv's host-memory CUDA (test_real_torch.py has the setup: kernels do not run,
+copies do), under ``stepalloc.install(patch_torch=True)``; and MemPools, ``use_mem_pool`` and
+graph capture into a MemPool give the same answers as under PyTorch's own allocator.
+
+One child process runs every row's check (``CHECKS``) and reports each outcome; a ``raises``
+row must raise ``stepalloc.parity.UnsupportedError`` whose message names the row's alternative,
+any other row must run its check without an error.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+from test_real_torch import STUB_RUNTIME, run_torch, values
+
+from conftest import SHIM, torch_available
+from stepalloc import parity
+
+pytestmark = pytest.mark.skipif(
+    not STUB_RUNTIME.exists() or not torch_available(),
+    reason="needs torch and testdrv's stubs (testdrv/build.sh)",
+)
+
+# Another library's allocator for MemPool(allocator=...): cudaMalloc / cudaFree of the stub
+# runtime, with counters.
+EXTERNAL_ALLOCATOR = r"""
+#include <stddef.h>
+int cudaMalloc(void **p, size_t n);
+int cudaFree(void *p);
+static long g_allocs, g_frees, g_bytes;
+void *ext_alloc(size_t n, int device, void *stream) {
+    void *p = 0;
+    (void)device; (void)stream;
+    if (cudaMalloc(&p, n) != 0) return 0;
+    g_allocs++; g_bytes += (long)n;
+    return p;
+}
+void ext_free(void *p, size_t n, int device, void *stream) {
+    (void)device; (void)stream;
+    if (!p) return;
+    cudaFree(p); g_frees++; g_bytes -= (long)n;
+}
+long ext_allocs(void) { return g_allocs; }
+long ext_frees(void) { return g_frees; }
+long ext_bytes(void) { return g_bytes; }
+"""
+
+
+@pytest.fixture(scope="module")
+def external_allocator(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("extalloc")
+    (d / "extalloc.c").write_text(EXTERNAL_ALLOCATOR)
+    lib = d / "libextalloc.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(lib), str(d / "extalloc.c")], check=True)
+    return lib
+
+
+# Set up in the child before the checks: the external allocator's path in EXT, helpers.
+PRELUDE = """
+import ctypes, json, os, pickle, tempfile, warnings
+from stepalloc.parity import UnsupportedError
+EXT = os.environ["EXT_ALLOCATOR"]
+TMP = tempfile.mkdtemp()
+def u8(n):
+    return torch.empty(n, dtype=torch.uint8, device="cuda")
+def pool_of(ptr):
+    for s in torch.cuda.memory_snapshot():
+        if s["address"] <= ptr < s["address"] + s["total_size"]:
+            return tuple(s["segment_pool_id"])
+def nvml_or(f):
+    try:
+        return f()
+    except ImportError as e:  # the test machine has no NVML bindings; PyTorch says so itself
+        assert "nvml" in str(e).lower() or "nvidia-ml" in str(e).lower(), e
+def refused(f, row):
+    try:
+        f()
+    except UnsupportedError as e:
+        assert "Instead:" in str(e) and row in str(e), e
+    else:
+        raise AssertionError("no error")
+"""
+
+STATS_CHECK = """
+t = u8(3 * MIB)
+stats = torch.cuda.memory_stats()
+assert stats["allocated_bytes.all.current"] >= 3 * MIB, stats
+assert torch.cuda.memory_allocated() >= 3 * MIB and torch.cuda.memory_reserved() >= 3 * MIB
+del t
+"""
+
+CHECKS: dict[str, str] = {
+    "torch.cuda.caching_allocator_alloc": """
+before = torch.cuda.memory_allocated()
+ptr = torch.cuda.caching_allocator_alloc(MIB)
+assert torch.cuda.memory_allocated() == before + MIB
+torch.cuda.caching_allocator_delete(ptr)
+""",
+    "torch.cuda.caching_allocator_delete": """
+ptr = torch.cuda.caching_allocator_alloc(MIB)
+before = torch.cuda.memory_allocated()
+torch.cuda.caching_allocator_delete(ptr)
+assert torch.cuda.memory_allocated() == before - MIB
+""",
+    "torch.cuda.caching_allocator_enable": """
+torch.cuda.caching_allocator_enable(True)
+refused(lambda: torch.cuda.caching_allocator_enable(False), "torch.cuda.caching_allocator_enable")
+""",
+    "torch.cuda.caching_allocator_disabled": """
+with torch.cuda.caching_allocator_disabled():
+    pass
+""",
+    "torch.cuda.empty_cache": """
+t = u8(64 * MIB); del t
+torch.cuda.empty_cache()
+assert torch.cuda.memory_reserved() == torch.cuda.memory_allocated() or torch.cuda.memory_reserved() < 64 * MIB
+""",
+    "torch.cuda.set_per_process_memory_fraction": """
+torch.cuda.set_per_process_memory_fraction(0.1)
+try:
+    u8(200 * MIB)
+    raise AssertionError("the fraction was not enforced")
+except torch.OutOfMemoryError:
+    pass
+finally:
+    torch.cuda.set_per_process_memory_fraction(1.0)
+u8(200 * MIB)
+""",
+    "torch.cuda.get_per_process_memory_fraction": "torch.cuda.get_per_process_memory_fraction()",
+    "torch.cuda.mem_get_info": """
+free, total = torch.cuda.mem_get_info()
+assert total == 1024 * MIB and 0 < free <= total, (free, total)
+""",
+    "torch.cuda.get_allocator_backend": "assert torch.cuda.get_allocator_backend() == 'pluggable'",
+    "torch.cuda.memory._set_allocator_settings": """
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch.cuda.memory._set_allocator_settings("garbage_collection_threshold:0.9")
+assert any("STEPALLOC_CONF" in str(w.message) for w in caught), [str(w.message) for w in caught]
+""",
+    "torch.cuda.change_current_allocator": """
+torch.cuda.change_current_allocator(torch.cuda.memory._get_current_allocator())
+""",
+    "torch.cuda.memory._get_current_allocator": """
+assert torch.cuda.memory._get_current_allocator().allocator() is not None
+""",
+    "torch.cuda.memory.CUDAPluggableAllocator": """
+ext = torch.cuda.memory.CUDAPluggableAllocator(EXT, "ext_alloc", "ext_free")
+assert ext.allocator() is not None
+""",
+    "torch.cuda.memory_stats": STATS_CHECK,
+    "torch.cuda.memory_stats_as_nested_dict": """
+t = u8(MIB)
+assert torch.cuda.memory_stats_as_nested_dict()["allocated_bytes"]["all"]["current"] >= MIB
+""",
+    "torch.cuda.memory_allocated": STATS_CHECK,
+    "torch.cuda.max_memory_allocated": "t = u8(5 * MIB); del t; assert torch.cuda.max_memory_allocated() >= 5 * MIB",
+    "torch.cuda.memory_reserved": STATS_CHECK,
+    "torch.cuda.max_memory_reserved": "t = u8(5 * MIB); del t; assert torch.cuda.max_memory_reserved() >= 5 * MIB",
+    "torch.cuda.memory_cached": "t = u8(MIB); assert torch.cuda.memory_cached() == torch.cuda.memory_reserved() > 0",
+    "torch.cuda.max_memory_cached": "assert torch.cuda.max_memory_cached() == torch.cuda.max_memory_reserved() > 0",
+    "torch.cuda.reset_peak_memory_stats": """
+t = u8(9 * MIB); del t
+torch.cuda.reset_peak_memory_stats()
+assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+""",
+    "torch.cuda.reset_accumulated_memory_stats": """
+u8(MIB)
+torch.cuda.reset_accumulated_memory_stats()
+assert torch.cuda.memory_stats()["allocation.all.allocated"] == 0
+""",
+    "torch.cuda.reset_max_memory_allocated": """
+t = u8(9 * MIB); del t
+torch.cuda.reset_max_memory_allocated()
+assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+""",
+    "torch.cuda.reset_max_memory_cached": """
+t = u8(9 * MIB); del t
+torch.cuda.reset_max_memory_cached()
+assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated()
+""",
+    "torch.cuda.memory_summary": "assert 'stepalloc' in torch.cuda.memory_summary()",
+    "torch.cuda.host_memory_stats": """
+h = torch.ones(MIB, dtype=torch.uint8).pin_memory()
+assert torch.cuda.host_memory_stats()["allocated_bytes.current"] >= MIB
+""",
+    "torch.cuda.host_memory_stats_as_nested_dict": """
+assert isinstance(torch.cuda.host_memory_stats_as_nested_dict(), dict)
+""",
+    "torch.cuda.reset_accumulated_host_memory_stats": "torch.cuda.reset_accumulated_host_memory_stats()",
+    "torch.cuda.reset_peak_host_memory_stats": "torch.cuda.reset_peak_host_memory_stats()",
+    "torch.cuda.list_gpu_processes": "assert isinstance(torch.cuda.list_gpu_processes(), str)",
+    "torch.cuda.memory_usage": "nvml_or(torch.cuda.memory_usage)",
+    "torch.cuda.device_memory_used": "nvml_or(torch.cuda.device_memory_used)",
+    "torch.cuda.memory_snapshot": """
+t = u8(3 * MIB)
+blocks = [b for s in torch.cuda.memory_snapshot() for b in s["blocks"] if b["state"] == "active_allocated"]
+assert any(b["address"] == t.data_ptr() for b in blocks)
+""",
+    "torch.cuda.memory._snapshot": """
+snap = torch.cuda.memory._snapshot()
+assert {"segments", "device_traces"} <= set(snap), sorted(snap)
+""",
+    "torch.cuda.memory._dump_snapshot": """
+path = os.path.join(TMP, "snap.pickle")
+torch.cuda.memory._dump_snapshot(path)
+with open(path, "rb") as f:
+    assert "segments" in pickle.load(f)
+""",
+    "torch.cuda.memory._record_memory_history": """
+torch.cuda.memory._record_memory_history(max_entries=1000)
+t = u8(MIB); del t
+assert len(torch.cuda.memory._snapshot()["device_traces"][0]) >= 2
+torch.cuda.memory._record_memory_history(enabled=None)
+assert len(torch.cuda.memory._snapshot()["device_traces"][0]) == 0
+torch.cuda.memory._record_memory_history(True)  # the legacy form, as PyTorch accepts it
+t = u8(MIB); del t
+assert len(torch.cuda.memory._snapshot()["device_traces"][0]) >= 2
+torch.cuda.memory._record_memory_history(False)
+""",
+    "torch.cuda.memory._record_memory_history_legacy": """
+torch.cuda.memory._record_memory_history_legacy(True, trace_alloc_max_entries=1000)
+t = u8(MIB); del t
+assert len(torch.cuda.memory._snapshot()["device_traces"][0]) >= 2
+torch.cuda.memory._record_memory_history_legacy(False)
+assert len(torch.cuda.memory._snapshot()["device_traces"][0]) == 0
+""",
+    "torch.cuda.memory._allocation_traceback": """
+assert torch.cuda.memory._allocation_traceback(u8(MIB).data_ptr()) is None
+""",
+    "torch.cuda.memory._memory_metadata_supported": "assert torch.cuda.memory._memory_metadata_supported() is False",
+    "torch.cuda.memory._set_memory_metadata": "torch.cuda.memory._set_memory_metadata('phase=eval')",
+    "torch.cuda.memory._annotate_tensor": "torch.cuda.memory._annotate_tensor(u8(MIB), 'weights')",
+    "torch.cuda.MemPool": """
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    t = u8(3 * MIB)
+outside = u8(3 * MIB)
+assert pool_of(t.data_ptr()) == pool.id and pool_of(outside.data_ptr()) == (0, 0)
+t.copy_(torch.full((3 * MIB,), 5, dtype=torch.uint8))
+assert int(t.cpu()[-1]) == 5
+""",
+    "torch.cuda.MemPool(allocator=...)": """
+lib = ctypes.CDLL(EXT)
+lib.ext_bytes.restype = ctypes.c_long
+ext = torch.cuda.memory.CUDAPluggableAllocator(EXT, "ext_alloc", "ext_free")
+pool = torch.cuda.MemPool(ext.allocator())
+with torch.cuda.use_mem_pool(pool):
+    t = u8(3 * MIB)
+assert lib.ext_allocs() == 1 and lib.ext_bytes() >= 3 * MIB and pool_of(t.data_ptr()) == pool.id
+t.copy_(torch.full((3 * MIB,), 9, dtype=torch.uint8)); assert int(t.cpu()[0]) == 9
+del t
+torch.cuda.empty_cache()
+assert lib.ext_bytes() >= 3 * MIB  # the pool is alive: its segments stay
+del pool
+assert lib.ext_bytes() == 0 and lib.ext_frees() == 1
+""",
+    "torch.cuda.MemPool(use_on_oom=True)": """
+pool = torch.cuda.MemPool(use_on_oom=True)
+with torch.cuda.use_mem_pool(pool):
+    big = u8(300 * MIB)
+del big
+keep = []
+try:
+    while True:
+        keep.append(u8(100 * MIB))
+except torch.OutOfMemoryError:
+    pass
+assert sum(pool_of(k.data_ptr()) == pool.id for k in keep) >= 2, [pool_of(k.data_ptr()) for k in keep]
+del keep
+""",
+    "torch.cuda.MemPool(no_split=True)": "torch.cuda.MemPool(no_split=True)",
+    "torch.cuda.MemPool.id": """
+pool, handle = torch.cuda.MemPool(), torch.cuda.graph_pool_handle()
+assert pool.id[0] == 0 and pool.id != tuple(handle) and pool.id != torch.cuda.MemPool().id
+""",
+    "torch.cuda.MemPool.use_count": """
+pool = torch.cuda.MemPool()
+assert pool.use_count() == 1
+with torch.cuda.use_mem_pool(pool):
+    assert pool.use_count() == 2
+assert pool.use_count() == 1
+""",
+    "torch.cuda.MemPool.snapshot": """
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    t = u8(3 * MIB)
+snap = pool.snapshot()
+assert len(snap) == 1 and snap[0]["segment_pool_id"] == pool.id
+assert [b["state"] for b in snap[0]["blocks"]] == ["active_allocated", "inactive"]
+""",
+    "torch.cuda.use_mem_pool": """
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    a = u8(MIB)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        b = u8(MIB)
+assert pool_of(a.data_ptr()) == pool.id and pool_of(b.data_ptr()) == pool.id
+""",
+    "torch.cuda.graph_pool_handle": """
+handle = torch.cuda.graph_pool_handle()
+g1, g2 = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+with torch.cuda.graph(g1, pool=handle):
+    a = u8(MIB)
+with torch.cuda.graph(g2, pool=handle):
+    b = u8(MIB)
+assert g1.pool() == g2.pool() == handle and pool_of(a.data_ptr()) == pool_of(b.data_ptr()) == tuple(handle)
+""",
+    "torch.cuda.CUDAGraph (capture, replay, reset, pool)": """
+torch.cuda.empty_cache()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    static = u8(16 * MIB)
+g.replay()
+assert pool_of(static.data_ptr()) == tuple(g.pool())
+del static
+g.reset()
+torch.cuda.empty_cache()
+assert all(tuple(s["segment_pool_id"]) == (0, 0) for s in torch.cuda.memory_snapshot())
+""",
+    "torch.cuda.graph(pool=MemPool)": """
+pool = torch.cuda.MemPool()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g, pool=pool):
+    d = u8(5 * MIB)
+assert pool_of(d.data_ptr()) == pool.id and g.pool() == pool.id and pool.use_count() == 2
+g.reset()
+assert pool.use_count() == 1
+""",
+    "torch.cuda.CUDAGraph._retain_pool": """
+pool = torch.cuda.MemPool()
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    with torch.cuda.use_mem_pool(pool):
+        e = u8(5 * MIB)
+    f = u8(5 * MIB)
+assert pool_of(e.data_ptr()) == pool.id and pool_of(f.data_ptr()) == tuple(g.pool())
+assert pool.use_count() == 2
+g.reset()
+assert pool.use_count() == 1
+""",
+    "torch.cuda.make_graphed_callables": """
+f = torch.cuda.make_graphed_callables(lambda x: x.clone(), (torch.empty(4, device="cuda"),))
+out = f(torch.empty(4, device="cuda"))
+assert pool_of(out.data_ptr()) not in (None, (0, 0))
+""",
+    "torch._C._cuda_beginAllocateCurrentThreadToPool": """
+pool = torch.cuda.MemPool()
+torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool.id)
+t = u8(MIB)
+torch._C._cuda_endAllocateToPool(0, pool.id)
+torch._C._cuda_releasePool(0, pool.id)
+assert pool_of(t.data_ptr()) == pool.id and pool.use_count() == 1
+""",
+    "torch._C._cuda_beginAllocateToPool": """
+pool = torch.cuda.MemPool()
+torch._C._cuda_beginAllocateToPool(0, pool.id)
+t = u8(MIB)
+torch._C._cuda_endAllocateToPool(0, pool.id)
+torch._C._cuda_releasePool(0, pool.id)
+assert pool_of(t.data_ptr()) == pool.id and pool.use_count() == 1
+""",
+    "torch._C._cuda_endAllocateToPool": """
+pool = torch.cuda.MemPool()
+torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool.id)
+torch._C._cuda_endAllocateToPool(0, pool.id)
+t = u8(MIB)
+torch._C._cuda_releasePool(0, pool.id)
+assert pool_of(t.data_ptr()) == (0, 0)
+""",
+    "torch._C._cuda_releasePool": """
+pool = torch.cuda.MemPool()
+torch._C._cuda_beginAllocateCurrentThreadToPool(0, pool.id)
+torch._C._cuda_endAllocateToPool(0, pool.id)
+assert pool.use_count() == 2
+torch._C._cuda_releasePool(0, pool.id)
+assert pool.use_count() == 1
+""",
+    "torch._C._cuda_getCheckpointState": "torch._C._cuda_getCheckpointState(0, (1, 0))",
+    "torch._C._cuda_setCheckpointPoolState": "torch._C._cuda_setCheckpointPoolState(0, None, [], [])",
+    "torch._C._cuda_checkPoolLiveAllocations": """
+pool = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    t = u8(MIB)
+assert torch._C._cuda_checkPoolLiveAllocations(0, pool.id, {t.data_ptr()})
+assert not torch._C._cuda_checkPoolLiveAllocations(0, pool.id, set())
+""",
+    "torch._C._cuda_attach_out_of_memory_observer": "torch._C._cuda_attach_out_of_memory_observer(lambda *a: None)",
+    "torch.multiprocessing.reductions.reduce_tensor (CUDA)": """
+import torch.multiprocessing.reductions as r
+r.reduce_tensor(u8(MIB))
+""",
+    "torch.UntypedStorage._share_cuda_": "u8(MIB).untyped_storage()._share_cuda_()",
+    "torch.UntypedStorage._new_shared_cuda": "torch.UntypedStorage._new_shared_cuda(0, b'', 0, 0, 0, b'', 0, False)",
+    "torch.cuda.ipc_collect": "torch.cuda.ipc_collect()",
+    "torch.Tensor.pin_memory": "assert torch.ones(MIB, dtype=torch.uint8).pin_memory().is_pinned()",
+    "torch.cuda.memory._host_allocator": "assert torch.cuda.memory._host_allocator() is not None",
+    "torch._C._host_emptyCache": "torch._C._host_emptyCache()",
+    "ProcessGroupNCCL.register_mem_pool": """
+from torch._C._distributed_c10d import ProcessGroupNCCL
+ProcessGroupNCCL.register_mem_pool(None, torch.cuda.MemPool())
+""",
+    "ProcessGroupNCCL.deregister_mem_pool": """
+from torch._C._distributed_c10d import ProcessGroupNCCL
+ProcessGroupNCCL.deregister_mem_pool(None, torch.cuda.MemPool())
+""",
+}
+
+HARNESS = """
+results = {}
+for name, code in json.loads(CHECKS_JSON).items():
+    try:
+        exec(code, dict(globals()))
+        results[name] = {"outcome": "ok"}
+    except BaseException as e:
+        results[name] = {"outcome": "raised", "type": type(e).__name__,
+                         "unsupported": isinstance(e, UnsupportedError), "message": str(e)[:2000]}
+print("RESULTS=" + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def outcomes(external_allocator: Path) -> dict[str, dict]:
+    code = (
+        'stepalloc.install("backend:cuda", patch_torch=True)\n'
+        + PRELUDE
+        + f"CHECKS_JSON = {json.dumps(CHECKS)!r}\n"
+        + HARNESS
+    )
+    out = run_torch(code, extra_env={"EXT_ALLOCATOR": str(external_allocator)})
+    return json.loads(values(out)["RESULTS"])
+
+
+def test_every_row_has_a_check_and_every_check_a_row() -> None:
+    assert set(CHECKS) == set(parity.ROW_BY_NAME)
+    assert len(parity.ROW_BY_NAME) == len(parity.ROWS), "one row per entry point"
+    for row in parity.ROWS:
+        assert row.status in (parity.WORKS, parity.DIFFERS, parity.RAISES), row
+        assert (row.status == parity.RAISES) <= bool(row.instead), row
+
+
+@pytest.mark.parametrize("name", [row.name for row in parity.ROWS])
+def test_row(name: str, outcomes: dict[str, dict]) -> None:
+    row = parity.ROW_BY_NAME[name]
+    got = outcomes[name]
+    if row.status == parity.RAISES:
+        assert got["outcome"] == "raised" and got["unsupported"], got
+        assert got["message"] == parity.error_message(name) or (
+            got["message"].endswith(f"Instead: {row.instead}.") and "stepalloc:" in got["message"]
+        ), got
+    else:
+        assert got["outcome"] == "ok", got
+
+
+def test_readme_table_is_the_generated_one() -> None:
+    readme = (SHIM / "README.md").read_text()
+    begin, end = "<!-- parity table: generated by stepalloc.parity.markdown() -->\n", "<!-- end of parity table -->"
+    assert begin in readme and end in readme, "python_shim/README.md lacks the parity table's markers"
+    table = readme.split(begin, 1)[1].split(end, 1)[0]
+    assert table == parity.markdown(), "regenerate with: python3 -c 'import stepalloc.parity as p; print(p.markdown())'"
+
+
+# MemPools, use_mem_pool, graph capture into a MemPool, another allocator's segments and
+# use_on_oom: one script, whose printed answers must be the same under PyTorch's own allocator
+# and under process-wide stepalloc.
+MEMPOOL_SCRIPT = """
+import ctypes, gc
+def u8(n):
+    return torch.empty(n, dtype=torch.uint8, device="cuda")
+def pool_of(ptr):
+    for s in torch.cuda.memory_snapshot():
+        if s["address"] <= ptr < s["address"] + s["total_size"]:
+            return tuple(s["segment_pool_id"])
+pool = torch.cuda.MemPool()
+print("created=", pool.id, pool.use_count())
+with torch.cuda.use_mem_pool(pool):
+    inside = pool.use_count()
+    a = u8(3 * MIB)
+b = u8(3 * MIB)
+print("use_mem_pool=", inside, pool.use_count(), pool_of(a.data_ptr()) == pool.id, pool_of(b.data_ptr()))
+print("snapshot=", [(tuple(s["segment_pool_id"]), s["total_size"], [x["state"] for x in s["blocks"]])
+                   for s in pool.snapshot()])
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g, pool=pool):
+    d = u8(5 * MIB)
+print("graph_into_pool=", pool_of(d.data_ptr()) == pool.id, pool.use_count(), g.pool() == pool.id)
+pool2 = torch.cuda.MemPool()
+g2 = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g2):
+    with torch.cuda.use_mem_pool(pool2):
+        e = u8(5 * MIB)
+    f = u8(5 * MIB)
+print("pool_in_capture=", pool_of(e.data_ptr()) == pool2.id, pool_of(f.data_ptr()) == g2.pool(), pool2.use_count())
+g3 = torch.cuda.CUDAGraph()
+with torch.cuda.use_mem_pool(pool2):
+    h = u8(MIB)
+    with torch.cuda.graph(g3):
+        i = u8(5 * MIB)
+    j = u8(MIB)
+print("capture_in_pool=", pool_of(h.data_ptr()) == pool2.id, pool_of(i.data_ptr()) == g3.pool(),
+      pool_of(j.data_ptr()) == pool2.id)
+g2.reset(); g3.reset()
+print("after_reset=", pool2.use_count())
+lib = ctypes.CDLL(EXT)
+lib.ext_bytes.restype = ctypes.c_long
+ext = torch.cuda.memory.CUDAPluggableAllocator(EXT, "ext_alloc", "ext_free")
+epool = torch.cuda.MemPool(ext.allocator())
+with torch.cuda.use_mem_pool(epool):
+    k = u8(3 * MIB)
+    k2 = u8(100)
+print("external=", lib.ext_allocs(), lib.ext_bytes(), pool_of(k.data_ptr()) == epool.id)
+k.copy_(torch.full((3 * MIB,), 7, dtype=torch.uint8))
+print("external_bytes_ok=", int(k.cpu()[-1]))
+del k, k2
+torch.cuda.empty_cache()
+print("external_after_empty_cache=", lib.ext_bytes(), lib.ext_frees())
+del epool; gc.collect()
+print("external_after_del=", lib.ext_bytes(), lib.ext_frees())
+p3 = torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(p3):
+    live = u8(2 * MIB)
+pid = p3.id
+del p3; gc.collect()
+print("outlives_pool=", pool_of(live.data_ptr()) == pid)
+del live; torch.cuda.empty_cache()
+print("dead_pool_segments=", [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pid])
+oom = torch.cuda.MemPool(use_on_oom=True)
+with torch.cuda.use_mem_pool(oom):
+    big = u8(300 * MIB)
+del big
+keep = []
+try:
+    while True:
+        keep.append(u8(100 * MIB))
+except torch.OutOfMemoryError:
+    pass
+print("use_on_oom=", len(keep), sum(pool_of(k.data_ptr()) == oom.id for k in keep))
+del keep
+torch.cuda.empty_cache()  # a use_mem_pool underway turns the out-of-memory path off, as in PyTorch
+import threading
+barrier, found, held = threading.Barrier(2, timeout=30), {}, []
+def work(key):
+    pool = torch.cuda.MemPool()
+    with torch.cuda.use_mem_pool(pool):
+        first = u8(MIB)
+        barrier.wait()  # both threads inside use_mem_pool
+        second = u8(MIB)
+        barrier.wait()
+    held.extend([first, second])
+    found[key] = (pool_of(first.data_ptr()) == pool.id, pool_of(second.data_ptr()) == pool.id)
+threads = [threading.Thread(target=work, args=(k,)) for k in "ab"]
+for t in threads: t.start()
+for t in threads: t.join()
+print("threads=", sorted(found.items()))
+"""
+
+
+@pytest.fixture(scope="module")
+def native_mempool_answers(external_allocator: Path) -> str:
+    env = {"EXT_ALLOCATOR": str(external_allocator)}
+    return run_torch("import os\nEXT = os.environ['EXT_ALLOCATOR']\n" + MEMPOOL_SCRIPT, extra_env=env)
+
+
+# Plain segments, and the recommended configuration (expandable segments in the general pool;
+# pools keep plain segments, as PyTorch's graph pools do).
+@pytest.mark.parametrize("conf", ["backend:cuda", "backend:cuda,RECOMMENDED"])
+def test_mempools_answer_as_under_pytorchs_own_allocator(
+    conf: str, external_allocator: Path, native_mempool_answers: str
+) -> None:
+    env = {"EXT_ALLOCATOR": str(external_allocator)}
+    script = "import os\nEXT = os.environ['EXT_ALLOCATOR']\n" + MEMPOOL_SCRIPT
+    native = native_mempool_answers
+    conf_code = repr(conf).replace("RECOMMENDED'", "' + stepalloc.RECOMMENDED")
+    ours = run_torch(f"stepalloc.install({conf_code}, patch_torch=True)\n" + script, extra_env=env)
+    n, o = values(native), values(ours)
+    assert n["created"].strip().startswith("(0,") and n["use_on_oom"] != " 0 0"
+    assert int(n["use_on_oom"].split()[1]) >= 2, native  # the check means something natively
+    assert n == o, "\n".join(
+        f"{k}: PyTorch {n.get(k)!r}, stepalloc {o.get(k)!r}" for k in sorted(set(n) | set(o)) if n.get(k) != o.get(k)
+    )
+
+
+def test_unpatch_restores_torch_and_mempool_after_install_is_a_private_pool() -> None:
+    out = run_torch(
+        """
+        original_share = torch.UntypedStorage._share_cuda_
+        original_mempool = torch.cuda.MemPool
+        stepalloc.install("backend:cuda", patch_torch=True)
+        from stepalloc.pools import MemPool
+        pool = stepalloc.mempool()
+        print("mempool_type=" + type(pool).__name__, isinstance(pool, MemPool))
+        with torch.cuda.use_mem_pool(pool):
+            t = torch.empty(MIB, dtype=torch.uint8, device="cuda")
+        seg = [s for s in torch.cuda.memory_snapshot() if s["segment_pool_id"] == pool.id]
+        print("in_pool=" + str(any(b["address"] == t.data_ptr() for s in seg for b in s["blocks"])))
+        print("patched=" + str(torch.cuda.MemPool is MemPool and torch.cuda.memory.MemPool is MemPool))
+        stepalloc.unpatch_torch()
+        restored = (
+            torch.cuda.MemPool is original_mempool
+            and torch.cuda.memory.MemPool is original_mempool
+            and "_share_cuda_" not in vars(torch.UntypedStorage)
+            and torch.UntypedStorage._share_cuda_ is original_share
+        )
+        print("restored=" + str(restored))
+        stepalloc.patch_torch()
+        print("repatched=" + str(torch.cuda.MemPool is MemPool))
+        """
+    )
+    v = values(out)
+    assert v["mempool_type"] == "MemPool True", out
+    assert v["in_pool"] == "True" and v["patched"] == "True", out
+    assert v["restored"] == "True" and v["repatched"] == "True", out

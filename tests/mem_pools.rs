@@ -1,0 +1,187 @@
+//! User memory pools (`torch.cuda.MemPool` under process-wide stepalloc, `heap/pools.rs`) on the
+//! simulated device: use counts as PyTorch keeps them, a pool's segments from another
+//! allocator (and back to it, with the size and stream it was asked for), `use_on_oom`, and
+//! snapshots naming a segment's pool by its id.
+
+use parking_lot::Mutex;
+use std::sync::Arc;
+use stepalloc::units::MIB;
+use stepalloc::{Allocator, Config, SegmentSource, Stream};
+
+const S0: Stream = Stream(0);
+const S1: Stream = Stream(0x1111);
+const POOL: (u64, u64) = (0, 7);
+
+fn sim(conf: &str) -> Allocator {
+    Allocator::new(Config::parse(&format!("backend:sim,{conf}")).expect("valid config")).expect("sim backend")
+}
+
+fn create(a: &Allocator, id: (u64, u64)) {
+    a.with_heap(0, |h| h.create_pool(id)).unwrap();
+}
+
+fn use_count(a: &Allocator, id: (u64, u64)) -> u32 {
+    a.with_heap(0, |h| h.pool_use_count(id)).unwrap()
+}
+
+/// Another library's allocator: addresses from its own range (the heap keeps no metadata in
+/// device memory), every call recorded, `room` bytes in all.
+#[derive(Default)]
+struct Calls {
+    allocs: Vec<(usize, u64, Stream)>,
+    frees: Vec<(usize, u64, u64, Stream)>,
+    outstanding: u64,
+}
+
+struct Foreign {
+    calls: Arc<Mutex<Calls>>,
+    next: u64,
+    room: u64,
+}
+
+impl SegmentSource for Foreign {
+    fn alloc(&mut self, device: usize, bytes: u64, stream: Stream) -> Option<u64> {
+        let mut c = self.calls.lock();
+        c.allocs.push((device, bytes, stream));
+        if c.outstanding + bytes > self.room {
+            return None;
+        }
+        c.outstanding += bytes;
+        let addr = self.next;
+        self.next += bytes.next_multiple_of(1 << 30);
+        Some(addr)
+    }
+
+    fn free(&mut self, device: usize, addr: u64, bytes: u64, stream: Stream) {
+        let mut c = self.calls.lock();
+        c.outstanding -= bytes;
+        c.frees.push((device, addr, bytes, stream));
+    }
+}
+
+fn foreign(a: &Allocator, id: (u64, u64), room: u64) -> Arc<Mutex<Calls>> {
+    let calls = Arc::new(Mutex::new(Calls::default()));
+    let source = Foreign { calls: calls.clone(), next: 0x7000_0000_0000, room };
+    a.with_heap(0, |h| h.set_pool_segment_source(id, Some(Box::new(source)))).unwrap().unwrap();
+    calls
+}
+
+#[test]
+fn use_counts_follow_pytorchs_create_begin_end_release() {
+    let a = sim("");
+    assert_eq!(use_count(&a, POOL), 0);
+    create(&a, POOL); // MemPool()
+    assert_eq!(use_count(&a, POOL), 1);
+    a.begin_allocate_to_pool(0, POOL).unwrap(); // use_mem_pool enters
+    assert_eq!(use_count(&a, POOL), 2);
+    let p = a.malloc_in_pool(0, 3 * MIB, S0, Some(POOL)).unwrap();
+    a.end_allocate_to_pool(0, POOL).unwrap();
+    a.release_pool(0, POOL).unwrap(); // use_mem_pool leaves
+    assert_eq!(use_count(&a, POOL), 1);
+    a.free(0, p, 3 * MIB).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.stats(0).unwrap().heap.reserved_bytes.all.current, 20 * MIB, "a referenced pool keeps its segment");
+    a.release_pool(0, POOL).unwrap(); // the MemPool goes
+    assert_eq!(use_count(&a, POOL), 0);
+    assert_eq!(a.stats(0).unwrap().heap.reserved_bytes.all.current, 0);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_pools_segments_come_from_its_source_and_go_back_to_it() {
+    let a = sim("");
+    create(&a, POOL);
+    let calls = foreign(&a, POOL, u64::MAX);
+    let general = a.malloc(0, 3 * MIB, S0).unwrap();
+    let small = a.malloc_in_pool(0, 1000, S1, Some(POOL)).unwrap();
+    let large = a.malloc_in_pool(0, 3 * MIB, S1, Some(POOL)).unwrap();
+    assert!(small >= 0x7000_0000_0000 && large >= 0x7000_0000_0000, "{small:#x} {large:#x}");
+    assert!(general < 0x7000_0000_0000);
+    assert_eq!(calls.lock().allocs, vec![(0, 2 * MIB, S1), (0, 20 * MIB, S1)]);
+    // Cached by stepalloc: a second block of the pool needs no new segment.
+    let again = a.malloc_in_pool(0, MIB, S1, Some(POOL)).unwrap();
+    assert_eq!(calls.lock().allocs.len(), 2);
+    for (ptr, size) in [(small, 1000), (large, 3 * MIB), (again, MIB)] {
+        a.free(0, ptr, size).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert!(calls.lock().frees.is_empty(), "the pool is referenced: its segments stay");
+    a.release_pool(0, POOL).unwrap();
+    let frees = calls.lock().frees.clone();
+    assert_eq!(frees.len(), 2);
+    for (device, _, bytes, stream) in &frees {
+        assert_eq!((*device, *stream), (0, S1));
+        assert!(*bytes == 2 * MIB || *bytes == 20 * MIB);
+    }
+    assert_eq!(calls.lock().outstanding, 0);
+    a.free(0, general, 3 * MIB).unwrap();
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_source_out_of_memory_is_an_out_of_memory_error_and_loses_nothing() {
+    let a = sim("");
+    create(&a, POOL);
+    let calls = foreign(&a, POOL, 20 * MIB);
+    let first = a.malloc_in_pool(0, 15 * MIB, S0, Some(POOL)).unwrap();
+    let err = a.malloc_in_pool(0, 15 * MIB, S0, Some(POOL)).unwrap_err();
+    assert!(err.is_out_of_memory(), "{err}");
+    assert_eq!(calls.lock().outstanding, 16 * MIB, "one 16 MiB segment (15 MiB rounded to 2 MiB)");
+    a.free(0, first, 15 * MIB).unwrap();
+    let second = a.malloc_in_pool(0, 15 * MIB, S0, Some(POOL)).unwrap();
+    assert_eq!(second, first);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_source_is_refused_for_a_missing_pool_or_one_that_holds_segments() {
+    let a = sim("");
+    let err = a.with_heap(0, |h| h.set_pool_segment_source(POOL, None)).unwrap().unwrap_err();
+    assert!(err.to_string().contains("no memory pool (0, 7)"), "{err}");
+    create(&a, POOL);
+    let p = a.malloc_in_pool(0, MIB, S0, Some(POOL)).unwrap();
+    let err = a.with_heap(0, |h| h.set_pool_segment_source(POOL, None)).unwrap().unwrap_err();
+    assert!(err.to_string().contains("already holds segments"), "{err}");
+    a.free(0, p, MIB).unwrap();
+}
+
+#[test]
+fn use_on_oom_lends_a_free_block_of_the_pool_to_a_general_allocation() {
+    for on in [false, true] {
+        let a = sim("sim_capacity_mb:128");
+        create(&a, POOL);
+        a.with_heap(0, |h| h.set_pool_use_on_oom(POOL, on)).unwrap().unwrap();
+        let block = a.malloc_in_pool(0, 60 * MIB, S0, Some(POOL)).unwrap();
+        a.free(0, block, 60 * MIB).unwrap();
+        let fill = a.malloc(0, 60 * MIB, S0).unwrap();
+        let result = a.malloc(0, 50 * MIB, S0);
+        if on {
+            assert_eq!(result.unwrap(), block, "served from the pool's free block");
+            assert_eq!(a.stats(0).unwrap().heap.num_ooms, 0);
+        } else {
+            assert!(result.unwrap_err().is_out_of_memory());
+        }
+        a.free(0, fill, 60 * MIB).unwrap();
+        a.check_invariants().unwrap();
+    }
+}
+
+#[test]
+fn snapshots_name_a_segments_pool_by_its_id() {
+    let a = sim("");
+    create(&a, POOL);
+    let p = a.malloc_in_pool(0, MIB, S0, Some(POOL)).unwrap();
+    let q = a.malloc(0, MIB, S0).unwrap();
+    let segments = a.snapshot()["segments"].as_array().unwrap().clone();
+    let pool_of = |ptr: u64| {
+        segments
+            .iter()
+            .find(|s| {
+                let base = s["address"].as_u64().unwrap();
+                base <= ptr && ptr < base + s["total_size"].as_u64().unwrap()
+            })
+            .map(|s| (s["segment_pool_id"][0].as_u64().unwrap(), s["segment_pool_id"][1].as_u64().unwrap()))
+    };
+    assert_eq!(pool_of(p), Some(POOL));
+    assert_eq!(pool_of(q), Some((0, 0)));
+}
