@@ -5,6 +5,8 @@
 //! PyTorch's own keys keep their meaning; stepalloc's keys are documented in [`KEYS`], which
 //! is the single list of accepted keys, their defaults and their one-line docs.
 
+pub mod addr;
+
 use crate::error::{Error, Result};
 use crate::units::MIB;
 
@@ -564,7 +566,7 @@ impl Config {
             "metrics_addr" => {
                 // Resolved now, as it will be at first use, so that a bad host or port is an
                 // error of the configuration rather than a message at the first allocation.
-                crate::metrics::parse_addr(value, crate::metrics::torchrun_local_rank())
+                addr::parse_addr(value, addr::torchrun_local_rank())
                     .map_err(|why| Error::config(key, format!("bad value `{value}`: {why}; expected {form}")))?;
                 self.metrics_addr = Some(value.to_string());
             }

@@ -39,6 +39,7 @@ use std::time::Instant;
 
 mod expandable;
 mod release;
+mod steps;
 
 /// Exclusive upper bounds of the free-block size ranges of `Heap::free_block_ranges`:
 /// < 1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, and >= 1 GiB.
