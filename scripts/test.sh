@@ -8,6 +8,8 @@ cd "$(dirname "$0")/.."
 
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
+# No two modules use each other (src/, stress/src/, python_shim/stepalloc/), read from the code.
+python3 scripts/import_cycles.py
 # The C ABI and Python tests load the release library.
 cargo build --release -p stepalloc-cabi
 cargo test --workspace

@@ -41,6 +41,7 @@ use std::time::Instant;
 mod expandable;
 mod pools;
 mod release;
+mod steps;
 
 pub use pools::SegmentSource;
 

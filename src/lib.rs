@@ -13,10 +13,14 @@
 //! - **step / phase**: a step of the user's loop and its label (`rollout`, `train`); release
 //!   policies run at step boundaries.
 //!
-//! Layers, top to bottom: `allocator` (the lock, the process-wide instance) → `heap` (policy)
-//! → `freelist` + `bitmap` + `sizeclass` (O(1) lookup) and `segment` (metadata; with `live`,
-//! which finds allocated blocks by address) → `backend` (`cuda`, `sim`).
-//! Beside them: `config`, `stats`, `step`, `trace`, `snapshot`, `metrics`.
+//! Layers, top to bottom: `process` (the process-wide instance; starts its metrics endpoint)
+//! → `metrics` → `allocator` (the lock) → `snapshot` → `heap` (policy; its step-boundary
+//! policies in `heap/steps.rs`) → `freelist` + `bitmap` + `sizeclass` (O(1) lookup), `segment`
+//! (metadata; its `live` index finds allocated blocks by address), `step` (step bookkeeping as
+//! plain data), `stats`, `trace` → `backend` (`cuda`, `sim`) → `config` (with `config::addr`,
+//! the metrics address), `error`, `units`. A module uses only modules below it (and its
+//! parent's items); `scripts/import_cycles.py` checks that no modules use each other, directly
+//! or around a circle.
 
 #![deny(clippy::unwrap_used)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]
@@ -29,8 +33,8 @@ pub mod config;
 pub mod error;
 pub mod freelist;
 pub mod heap;
-mod live;
 pub mod metrics;
+pub mod process;
 pub mod segment;
 pub mod sizeclass;
 pub mod snapshot;
@@ -39,9 +43,10 @@ pub mod step;
 pub mod trace;
 pub mod units;
 
-pub use allocator::{configure_global, global, Allocator};
+pub use allocator::Allocator;
 pub use backend::{Backend, Stream};
 pub use config::{BackendKind, Config};
 pub use error::{Error, OomReport, Result};
 pub use heap::{PoolId, SegmentSource};
+pub use process::{configure_global, global};
 pub use stats::{DeviceStats, StepFigures};

@@ -13,12 +13,14 @@
 //!
 //! Only whole free segments are released; live blocks and blocks waiting on events are never
 //! touched.
+//!
+//! This module is the step bookkeeping as plain data (`StepState`: the current step and phase,
+//! each phase's recorded peaks, the step's own peaks) and the phase-label rule; it knows nothing
+//! of the heap. The heap holds a `StepState` and runs the policies above at the boundaries
+//! (`heap/steps.rs`), asking it what to release towards.
 
 use crate::error::{Error, Result};
-use crate::heap::Heap;
-use crate::segment::SegmentId;
-use crate::stats::{ReleaseReason, StepFigures};
-use crate::trace::TraceAction;
+use crate::stats::StepFigures;
 use std::collections::BTreeMap;
 
 /// Phases are a small, bounded label set (they become metric labels).
@@ -76,6 +78,60 @@ impl StepState {
         self.phases.get(index as usize).map_or("", |p| p.name.as_str())
     }
 
+    /// Enters phase `name` for the step about to begin: its index (recorded on first use) and
+    /// whether it differs from the phase of the previous step.
+    pub fn enter_phase(&mut self, name: &str) -> Result<(usize, bool)> {
+        let index = self.phase_index(name)?;
+        let switching = self.phase.is_some_and(|p| p != index);
+        self.phase = Some(index);
+        Ok((index, switching))
+    }
+
+    /// Opens a step with the heap's figures at its start (after any phase trim).
+    pub fn begin(&mut self, allocated: u64, reserved: u64, device_mallocs: u64) {
+        self.step += 1;
+        self.in_step = true;
+        self.peak_allocated = allocated;
+        self.peak_reserved = reserved;
+        self.device_mallocs_at_begin = device_mallocs;
+        self.reserved_at_begin = reserved;
+    }
+
+    /// Closes the step in progress and adds its peaks to its phase's record. Returns the phase's
+    /// index and name and the step's peak allocated and reserved bytes.
+    pub fn end(&mut self) -> (usize, String, u64, u64) {
+        let index = self.phase.unwrap_or(0);
+        let (peak_allocated, peak_reserved) = (self.peak_allocated, self.peak_reserved);
+        let record = &mut self.phases[index];
+        record.steps += 1;
+        record.peak_allocated = record.peak_allocated.max(peak_allocated);
+        record.peak_reserved = record.peak_reserved.max(peak_reserved);
+        let phase = record.name.clone();
+        self.in_step = false;
+        (index, phase, peak_allocated, peak_reserved)
+    }
+
+    /// Device mallocs when the current (or last) step began.
+    pub fn device_mallocs_at_begin(&self) -> u64 {
+        self.device_mallocs_at_begin
+    }
+
+    /// Reserved bytes when the current (or last) step began (after any phase trim).
+    pub fn reserved_at_begin(&self) -> u64 {
+        self.reserved_at_begin
+    }
+
+    /// What a trim for phase `index` brings the reserved bytes down to: the phase's recorded
+    /// peak of allocated bytes plus `margin` (a fraction of it); `None` while nothing is known
+    /// of the phase (none of its steps has ended).
+    pub fn trim_target(&self, index: usize, margin: f64) -> Option<u64> {
+        let record = &self.phases[index];
+        if record.steps == 0 {
+            return None;
+        }
+        Some((record.peak_allocated as f64 * (1.0 + margin)) as u64)
+    }
+
     fn phase_index(&mut self, name: &str) -> Result<usize> {
         if let Some(i) = self.phases.iter().position(|p| p.name == name) {
             return Ok(i);
@@ -104,117 +160,5 @@ pub fn validate_phase(name: &str) -> Result<()> {
         Err(Error::InvalidArgument(format!(
             "phase `{shown}`: use 1 to {MAX_PHASE_NAME} letters, digits, '_', '-' or '.'"
         )))
-    }
-}
-
-impl Heap {
-    /// Begins a step of `phase`. A step still open is ended first.
-    pub fn step_begin(&mut self, phase: &str) -> Result<()> {
-        validate_phase(phase)?;
-        if self.step.in_step {
-            self.step_end()?;
-        }
-        let index = self.step.phase_index(phase)?;
-        let switching = self.step.phase.is_some_and(|p| p != index);
-        self.step.phase = Some(index);
-        if switching && self.config.phase_trim {
-            self.trim_for_phase(index)?;
-        }
-        self.note_param_sizes();
-        let reserved = self.stats.reserved_bytes.current();
-        // A tick of its own, so that "freed before this step" is `freed_at < step_clock`.
-        self.alloc_clock += 1;
-        self.step_clock = self.alloc_clock;
-        let s = &mut self.step;
-        s.step += 1;
-        s.in_step = true;
-        s.peak_allocated = self.stats.allocated_bytes.current();
-        s.peak_reserved = reserved;
-        s.device_mallocs_at_begin = self.stats.num_device_alloc;
-        s.reserved_at_begin = reserved;
-        self.trace.record(TraceAction::StepBegin, 0, 0, 0, 0, index as u32);
-        Ok(())
-    }
-
-    /// Ends the current step, runs the step-end policies and returns the step's figures.
-    pub fn step_end(&mut self) -> Result<StepFigures> {
-        if !self.step.in_step {
-            return Err(Error::InvalidArgument("step_end without a step in progress".into()));
-        }
-        let index = self.step.phase.unwrap_or(0);
-        let (peak_allocated, peak_reserved) = (self.step.peak_allocated, self.step.peak_reserved);
-        let record = &mut self.step.phases[index];
-        record.steps += 1;
-        record.peak_allocated = record.peak_allocated.max(peak_allocated);
-        record.peak_reserved = record.peak_reserved.max(peak_reserved);
-        let phase = record.name.clone();
-        self.step.in_step = false;
-        if self.config.release_idle_steps > 0 {
-            let now = self.step.step;
-            let idle = self.config.release_idle_steps;
-            let order: Vec<SegmentId> = self
-                .releasable_segments()
-                .into_iter()
-                .filter(|&s| now.saturating_sub(self.arena.segment_use(s).last_used_step) >= idle)
-                .collect();
-            self.release_in_order(order, ReleaseReason::Step, |_| false)?;
-        }
-        if self.config.page_release {
-            self.release_idle_pages_at_step_end()?;
-        }
-        self.enforce_cache_limit()?;
-        let figures = StepFigures {
-            steps: self.step.step,
-            phase,
-            peak_allocated,
-            peak_reserved,
-            device_mallocs: self.stats.num_device_alloc - self.step.device_mallocs_at_begin,
-            reserved_at_end: self.stats.reserved_bytes.current(),
-            fragmentation: if peak_reserved == 0 { 0.0 } else { 1.0 - peak_allocated as f64 / peak_reserved as f64 },
-        };
-        self.step.last = figures.clone();
-        self.trace.record(TraceAction::StepEnd, 0, 0, 0, 0, index as u32);
-        Ok(figures)
-    }
-
-    /// Reserved bytes when the current step began (after any phase trim).
-    pub fn reserved_at_step_begin(&self) -> u64 {
-        self.step.reserved_at_begin
-    }
-
-    /// Releases free segments, least recently used first, until the cache is under its limit.
-    pub(crate) fn enforce_cache_limit(&mut self) -> Result<u64> {
-        let limit = self.cache_limit();
-        if limit == 0 || self.cached_free() <= limit {
-            return Ok(0);
-        }
-        let mut order = self.releasable_segments();
-        order.sort_by_key(|&s| self.arena.segment_use(s).last_used_step);
-        let mut released = self.release_in_order(order, ReleaseReason::Limit, |h| h.cached_free() <= limit)?;
-        if self.config.page_release {
-            released += self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
-        }
-        Ok(released)
-    }
-
-    /// Trims the cache to what phase `index` is predicted to need: its recorded peak of
-    /// allocated bytes plus the margin. Segments the phase never allocated from go first.
-    fn trim_for_phase(&mut self, index: usize) -> Result<u64> {
-        let record = &self.step.phases[index];
-        if record.steps == 0 {
-            return Ok(0); // nothing known about this phase yet
-        }
-        let target = (record.peak_allocated as f64 * (1.0 + self.config.phase_trim_margin)) as u64;
-        if self.stats.reserved_bytes.current() <= target {
-            return Ok(0);
-        }
-        let bit = 1u64 << (index % 64);
-        let mut order = self.releasable_segments();
-        // Not used by the next phase first, then least recently used.
-        order.sort_by_key(|&s| {
-            let usage = self.arena.segment_use(s);
-            (usage.phase_mask & bit != 0, usage.last_used_step)
-        });
-        self.release_in_order(order, ReleaseReason::PhaseSwitch, |h| h.stats.reserved_bytes.current() <= target)
     }
 }

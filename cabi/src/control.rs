@@ -212,7 +212,7 @@ pub extern "C" fn stepalloc_device_count() -> c_int {
 /// callers can answer "nothing allocated yet" without fixing the configuration.
 #[no_mangle]
 pub extern "C" fn stepalloc_is_initialised() -> c_int {
-    catch_unwind(|| c_int::from(stepalloc::allocator::global_if_initialised().is_some())).unwrap_or(0)
+    catch_unwind(|| c_int::from(stepalloc::process::global_if_initialised().is_some())).unwrap_or(0)
 }
 
 /// The number of devices an allocator created from `conf` (configuration string syntax) would
@@ -248,7 +248,7 @@ pub unsafe extern "C" fn stepalloc_config_device_count(conf: *const c_char) -> c
 pub unsafe extern "C" fn stepalloc_stats_json(device: c_int, buf: *mut c_char, cap: usize) -> usize {
     guard(|| {
         let device = device_index(device)?;
-        let text = match stepalloc::allocator::global_if_initialised() {
+        let text = match stepalloc::process::global_if_initialised() {
             Some(allocator) => allocator.stats_json(device)?,
             None => Allocator::empty_stats_json(device),
         };
@@ -275,7 +275,7 @@ thread_local! {
 #[no_mangle]
 pub unsafe extern "C" fn stepalloc_snapshot_json(buf: *mut c_char, cap: usize) -> usize {
     guard(|| {
-        let render = || match stepalloc::allocator::global_if_initialised() {
+        let render = || match stepalloc::process::global_if_initialised() {
             Some(allocator) => allocator.snapshot_json(),
             None => Allocator::empty_snapshot().to_string(),
         };
@@ -298,7 +298,7 @@ pub unsafe extern "C" fn stepalloc_snapshot_json(buf: *mut c_char, cap: usize) -
 #[no_mangle]
 pub unsafe extern "C" fn stepalloc_trace_jsonl(buf: *mut c_char, cap: usize) -> usize {
     guard(|| {
-        let text = stepalloc::allocator::global_if_initialised().map(|a| a.trace_jsonl()).unwrap_or_default();
+        let text = stepalloc::process::global_if_initialised().map(|a| a.trace_jsonl()).unwrap_or_default();
         // Safety: forwarded caller contract.
         Ok(unsafe { write_text(&text, buf, cap) })
     })
@@ -311,7 +311,7 @@ pub unsafe extern "C" fn stepalloc_trace_jsonl(buf: *mut c_char, cap: usize) -> 
 #[no_mangle]
 pub unsafe extern "C" fn stepalloc_metrics_text(buf: *mut c_char, cap: usize) -> usize {
     guard(|| {
-        let text = stepalloc::allocator::global_if_initialised().map(|a| metrics::render(a)).unwrap_or_default();
+        let text = stepalloc::process::global_if_initialised().map(|a| metrics::render(a)).unwrap_or_default();
         // Safety: forwarded caller contract.
         Ok(unsafe { write_text(&text, buf, cap) })
     })

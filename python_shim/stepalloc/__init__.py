@@ -43,9 +43,10 @@ from ._lib import (
 from .integrations import AgentLoop, PhaseRecord, hf_callback, lightning_callback
 from .metrics import StepallocCollector, metrics_text, register_prometheus, serve_metrics
 from .pools import MemPool
-from .ranks import RankInfo, gather_stats, prometheus_target, rank_device, rank_info, write_prometheus_targets
+from .ranks import RankInfo, prometheus_target, rank_device, rank_info, write_prometheus_targets
 from .snapshot import dump_snapshot, dump_trace, memory_snapshot, trace_jsonl
 from .stats import (
+    gather_stats,
     max_memory_allocated,
     max_memory_reserved,
     memory_allocated,

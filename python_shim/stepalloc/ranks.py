@@ -1,5 +1,5 @@
-"""Layer: ranks under torchrun. Which rank this process is, which device it uses, the
-Prometheus target it offers, and every rank's figures gathered to one rank.
+"""Layer: ranks under torchrun. Which rank this process is, which device it uses and the
+Prometheus target it offers (every rank's figures gathered to one rank: ``stats.gather_stats``).
 
 stepalloc is per process; the distributed machinery is PyTorch's (torchrun, ``torch.distributed``)
 and the fleet view is Prometheus's. This module only reads torchrun's environment and uses a
@@ -13,7 +13,6 @@ Invariants:
 - The rank's device is ``LOCAL_RANK`` when the process sees more devices than that (every GPU of
   the node visible), device 0 when it sees exactly one (one GPU per process, e.g.
   ``CUDA_VISIBLE_DEVICES`` set per rank, or the simulated device); anything else is an error.
-- torch is imported only by ``gather_stats``, and only when the program already imported it.
 - A target file is written whole under a temporary name and renamed, so Prometheus (which
   watches the directory) never reads half a file.
 """
@@ -25,7 +24,6 @@ import ipaddress
 import json
 import os
 import socket
-import sys
 from typing import Any
 
 from . import _lib
@@ -170,55 +168,3 @@ def write_prometheus_targets(
         f.write("\n")
     os.replace(tmp, path)
     return path
-
-
-# ----- every rank's figures on one rank ---------------------------------------------------------
-
-
-def _process_group_ready() -> Any:
-    """``torch.distributed`` when the program made a process group, else None. torch is not
-    imported here: a program that never imported it has no process group."""
-    torch = sys.modules.get("torch")
-    if torch is None:
-        return None
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    return dist
-
-
-def gather_stats(device: Any = None, dst: int = 0, group: Any = None) -> list[dict[str, Any]] | None:
-    """Every rank's ``stepalloc_stats()`` (and peaks) on rank ``dst``, through ``torch.distributed``.
-
-    Each rank contributes ``{"rank", "local_rank", "node", "device", "peak_reserved_bytes",
-    "peak_allocated_bytes", "stats"}`` (``stats``: its ``stepalloc_stats(device)``; ``device``:
-    the rank's device when None). On ``dst`` the result is the list of every rank's entry, in
-    rank order; other ranks get None. Every rank of ``group`` must call it (a collective).
-    Without a process group the result is this process's entry alone, in a list.
-    """
-    from .stats import device_index, memory_stats, stepalloc_stats
-
-    info = rank_info()
-    index = rank_device() if device is None else device_index(device)
-    peaks = memory_stats(index)
-    own = {
-        "rank": info.rank,
-        "local_rank": info.local_rank,
-        "node": info.node,
-        "device": index,
-        "peak_reserved_bytes": int(peaks.get("reserved_bytes.all.peak", 0)),
-        "peak_allocated_bytes": int(peaks.get("allocated_bytes.all.peak", 0)),
-        "stats": stepalloc_stats(index),
-    }
-    dist = _process_group_ready()
-    if dist is None:
-        return [own]
-    # `dst` is a global rank, as in torch.distributed.gather_object; the list has one entry per
-    # rank of `group`.
-    size = dist.get_world_size(group)
-    world = dist.get_world_size()
-    if not isinstance(dst, int) or isinstance(dst, bool) or not 0 <= dst < world:
-        raise ValueError(f"gather_stats: dst={dst!r} is not a rank of the job: accepted 0..{world - 1}")
-    gathered: list[Any] | None = [None] * size if dist.get_rank() == dst else None
-    dist.gather_object(own, gathered, dst=dst, group=group)
-    return gathered

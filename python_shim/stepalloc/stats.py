@@ -10,6 +10,8 @@ Invariants:
   of a C ``int`` before it reaches ctypes.
 - Nothing here creates the allocator (which would fix its configuration): before it exists the
   statistics are zero and the resets have nothing to do.
+- ``gather_stats`` gathers every rank's figures to one rank through ``torch.distributed``;
+  torch is imported only there, and only when the program already imported it.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import textwrap
 from typing import Any, Union
 
 from . import _lib
+from .ranks import rank_device, rank_info
 
 Device = Union[int, str, Any, None]
 
@@ -43,8 +46,6 @@ def _device_number(device: Device) -> int:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             return int(torch.cuda.current_device())
-        from .ranks import rank_device
-
         return rank_device()
     if isinstance(device, bool):
         raise TypeError("device must be an int, a str, a torch.device or None")
@@ -167,8 +168,6 @@ def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
     (current / peak / total allocated / total freed, split by pool), followed by stepalloc's
     fragmentation and step figures. ``abbreviated`` leaves out the per-pool rows. Under torchrun
     the title names the rank (``rank 3 (local rank 1, node 1), device ID 1``)."""
-    from .ranks import rank_info
-
     index = device_index(device)
     who = rank_info().describe()
     stats = memory_stats(index, include_stepalloc=True)
@@ -231,3 +230,53 @@ def memory_summary(device: Device = None, abbreviated: bool = False) -> str:
             out.append(f"| {piece:<{width - 1}}|")
     out.append(line)
     return "\n".join(out) + "\n"
+
+
+# ----- every rank's figures on one rank ---------------------------------------------------------
+
+
+def _process_group_ready() -> Any:
+    """``torch.distributed`` when the program made a process group, else None. torch is not
+    imported here: a program that never imported it has no process group."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist
+
+
+def gather_stats(device: Any = None, dst: int = 0, group: Any = None) -> list[dict[str, Any]] | None:
+    """Every rank's ``stepalloc_stats()`` (and peaks) on rank ``dst``, through ``torch.distributed``.
+
+    Each rank contributes ``{"rank", "local_rank", "node", "device", "peak_reserved_bytes",
+    "peak_allocated_bytes", "stats"}`` (``stats``: its ``stepalloc_stats(device)``; ``device``:
+    the rank's device when None). On ``dst`` the result is the list of every rank's entry, in
+    rank order; other ranks get None. Every rank of ``group`` must call it (a collective).
+    Without a process group the result is this process's entry alone, in a list.
+    """
+    info = rank_info()
+    index = rank_device() if device is None else device_index(device)
+    peaks = memory_stats(index)
+    own = {
+        "rank": info.rank,
+        "local_rank": info.local_rank,
+        "node": info.node,
+        "device": index,
+        "peak_reserved_bytes": int(peaks.get("reserved_bytes.all.peak", 0)),
+        "peak_allocated_bytes": int(peaks.get("allocated_bytes.all.peak", 0)),
+        "stats": stepalloc_stats(index),
+    }
+    dist = _process_group_ready()
+    if dist is None:
+        return [own]
+    # `dst` is a global rank, as in torch.distributed.gather_object; the list has one entry per
+    # rank of `group`.
+    size = dist.get_world_size(group)
+    world = dist.get_world_size()
+    if not isinstance(dst, int) or isinstance(dst, bool) or not 0 <= dst < world:
+        raise ValueError(f"gather_stats: dst={dst!r} is not a rank of the job: accepted 0..{world - 1}")
+    gathered: list[Any] | None = [None] * size if dist.get_rank() == dst else None
+    dist.gather_object(own, gathered, dst=dst, group=group)
+    return gathered

@@ -226,7 +226,7 @@ fn replayable(recorded: &str) -> Result<String, String> {
 
 /// Device calls a run made: device mallocs and frees (maps and unmaps with expandable segments).
 fn device_calls(r: &RunReport) -> u64 {
-    r.device_mallocs.saturating_add(r.device_frees)
+    r.worst.device_mallocs.saturating_add(r.worst.device_frees)
 }
 
 fn fits(r: &RunReport) -> bool {
@@ -236,7 +236,7 @@ fn fits(r: &RunReport) -> bool {
 /// The lowest peak reserved that fits, ties broken by fewer device calls; when none fits, the
 /// fewest out-of-memory events, then the lowest peak.
 fn best(runs: &[(usize, &RunReport)]) -> Option<usize> {
-    runs.iter().min_by_key(|(_, r)| (!fits(r), r.ooms, r.peak_reserved, device_calls(r))).map(|&(i, _)| i)
+    runs.iter().min_by_key(|(_, r)| (!fits(r), r.ooms, r.worst.peak_reserved, device_calls(r))).map(|&(i, _)| i)
 }
 
 /// Replays every configuration on `threads` threads (results in the order given).
@@ -381,16 +381,16 @@ pub fn advise(
             family: c.family,
             setting: c.setting.clone(),
             env: format!("{}={}", c.family.variable(), c.setting),
-            peak_reserved: r.peak_reserved,
-            headroom_bytes: if fits(r) { capacity_bytes.saturating_sub(r.peak_reserved) } else { 0 },
+            peak_reserved: r.worst.peak_reserved,
+            headroom_bytes: if fits(r) { capacity_bytes.saturating_sub(r.worst.peak_reserved) } else { 0 },
             fits: fits(r),
             device_calls: device_calls(r),
-            device_mallocs: r.device_mallocs,
-            device_frees: r.device_frees,
-            driver_unmaps: r.driver_unmaps,
+            device_mallocs: r.worst.device_mallocs,
+            device_frees: r.worst.device_frees,
+            driver_unmaps: r.worst.driver_unmaps,
             ooms: r.ooms,
-            peak_allocated: r.peak_allocated,
-            floor: r.floor,
+            peak_allocated: r.worst.peak_allocated,
+            floor: r.worst.floor,
             reserved_at_step_end_mean: r.reserved_at_step_end_mean,
             peak,
             attribution,
@@ -416,7 +416,7 @@ pub fn advise(
         .map(|(c, r)| Summary {
             family: c.family,
             setting: c.setting.clone(),
-            peak_reserved: r.peak_reserved,
+            peak_reserved: r.worst.peak_reserved,
             device_calls: device_calls(r),
             ooms: r.ooms,
         })
@@ -650,10 +650,10 @@ pub fn text(a: &Advice) -> String {
                     out,
                     "  {label}: device {}{worst}: peak reserved {} GiB for {} GiB requested ({:.3}x), {} device calls, {} OOMs",
                     d.device,
-                    gib(d.peak_reserved),
-                    gib(d.floor),
-                    d.reserved_over_floor,
-                    d.device_mallocs.saturating_add(d.device_frees),
+                    gib(d.figures.peak_reserved),
+                    gib(d.figures.floor),
+                    d.figures.reserved_over_floor,
+                    d.figures.device_mallocs.saturating_add(d.figures.device_frees),
                     d.ooms
                 );
             }

@@ -150,7 +150,10 @@ fn probe(spec: &AgentSpec, args: &HeadroomArgs, rc: &RunConfig, scale: f64) -> R
         agent::generate(&scaled(spec, scale, args.dimension)).map_err(|e| format!("at scale {scale}: {e}"))?;
     let rc = RunConfig { stop_at_first_oom: true, explain: false, ..rc.clone() };
     let run = replay::run(&program, &rc, None, None)?;
-    Ok((Probe { scale, fits: run.ooms == 0, peak_reserved: run.peak_reserved, floor: run.floor }, run.errors))
+    Ok((
+        Probe { scale, fits: run.ooms == 0, peak_reserved: run.worst.peak_reserved, floor: run.worst.floor },
+        run.errors,
+    ))
 }
 
 fn search(spec: &AgentSpec, args: &HeadroomArgs, rc: &RunConfig) -> Result<HeadroomRow, String> {

@@ -10,7 +10,7 @@
 //! current values at one moment; each step's figures are its worst device's (`StepReport::device`).
 
 use crate::ops::{Op, Program};
-use crate::report::{worst_device, DeviceReport, PeakExplanation, RunReport, Sample, StepReport};
+use crate::report::{worst_device, DeviceFigures, DeviceReport, PeakExplanation, RunReport, Sample, StepReport};
 use indicatif::ProgressBar;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -478,56 +478,41 @@ impl<'a> Runner<'a> {
 
     /// One device's figures from its statistics and the runner's own counts.
     fn device_report(&self, d: usize) -> DeviceReport {
-        let mut r =
-            DeviceReport { device: d, floor: self.device_floor[d], ooms: self.device_ooms[d], ..Default::default() };
+        let mut f = DeviceFigures { floor: self.device_floor[d], ..Default::default() };
+        let mut alloc_retries = 0;
         if let Ok(s) = self.allocator.stats(d) {
             let h = &s.heap;
-            r.peak_allocated = h.allocated_bytes.all.peak;
-            r.peak_reserved = h.reserved_bytes.all.peak;
-            r.stats_peak_requested = h.requested_bytes.all.peak;
-            r.device_mallocs = h.num_device_alloc;
-            r.device_frees = h.num_device_free;
-            r.device_malloc_time_s = s.driver_time.reserve_ns as f64 * 1e-9;
-            r.device_free_time_s = s.driver_time.release_ns as f64 * 1e-9;
-            r.alloc_retries = h.num_alloc_retries;
-            r.final_reserved = h.reserved_bytes.all.current;
+            f.peak_allocated = h.allocated_bytes.all.peak;
+            f.peak_reserved = h.reserved_bytes.all.peak;
+            f.stats_peak_requested = h.requested_bytes.all.peak;
+            f.device_mallocs = h.num_device_alloc;
+            f.device_frees = h.num_device_free;
+            f.device_malloc_time_s = s.driver_time.reserve_ns as f64 * 1e-9;
+            f.device_free_time_s = s.driver_time.release_ns as f64 * 1e-9;
+            alloc_retries = h.num_alloc_retries;
+            f.final_reserved = h.reserved_bytes.all.current;
             let map = s.to_map();
-            r.driver_maps = stat_u64(&map, NUM_MAP_KEYS);
-            r.driver_unmaps = stat_u64(&map, NUM_UNMAP_KEYS);
-            r.driver_creates = stat_u64(&map, NUM_CREATE_KEYS);
-            r.moved_bytes = stat_u64(&map, MOVED_BYTES_KEYS);
-            r.driver_time_s = driver_seconds(&map);
+            f.driver_maps = stat_u64(&map, NUM_MAP_KEYS);
+            f.driver_unmaps = stat_u64(&map, NUM_UNMAP_KEYS);
+            f.driver_creates = stat_u64(&map, NUM_CREATE_KEYS);
+            f.moved_bytes = stat_u64(&map, MOVED_BYTES_KEYS);
+            f.driver_time_s = driver_seconds(&map);
         }
-        r.reserved_over_floor = ratio(r.peak_reserved, r.floor);
-        r.allocated_over_floor = ratio(r.peak_allocated, r.floor);
-        r
+        f.reserved_over_floor = ratio(f.peak_reserved, f.floor);
+        f.allocated_over_floor = ratio(f.peak_allocated, f.floor);
+        DeviceReport { device: d, figures: f, alloc_retries, ooms: self.device_ooms[d] }
     }
 
     fn finish(self, rc: &RunConfig, ops: u64, wall: f64) -> RunReport {
         let devices: Vec<DeviceReport> = (0..self.used).map(|d| self.device_report(d)).collect();
-        let worst = worst_device(devices.iter().map(|d| (d.device, d.peak_reserved, d.floor)))
+        let worst = worst_device(devices.iter().map(|d| (d.device, d.figures.peak_reserved, d.figures.floor)))
             .and_then(|w| devices.get(w))
             .cloned()
             .unwrap_or_default();
         let mut r = RunReport {
             name: rc.name.clone(),
             conf: rc.conf.clone(),
-            floor: worst.floor,
-            stats_peak_requested: worst.stats_peak_requested,
-            peak_allocated: worst.peak_allocated,
-            peak_reserved: worst.peak_reserved,
-            reserved_over_floor: worst.reserved_over_floor,
-            allocated_over_floor: worst.allocated_over_floor,
-            final_reserved: worst.final_reserved,
-            device_mallocs: worst.device_mallocs,
-            device_frees: worst.device_frees,
-            device_malloc_time_s: worst.device_malloc_time_s,
-            device_free_time_s: worst.device_free_time_s,
-            driver_maps: worst.driver_maps,
-            driver_unmaps: worst.driver_unmaps,
-            driver_creates: worst.driver_creates,
-            moved_bytes: worst.moved_bytes,
-            driver_time_s: worst.driver_time_s,
+            worst: worst.figures,
             alloc_retries: devices.iter().map(|d| d.alloc_retries).sum(),
             worst_device: worst.device,
             ..Default::default()
@@ -539,7 +524,7 @@ impl<'a> Runner<'a> {
         r.errors = self.errors;
         r.first_error = self.first_error;
         r.steps_count = self.steps.len() as u64;
-        r.driver_time_per_step_s = r.driver_time_s / r.steps_count.max(1) as f64;
+        r.driver_time_per_step_s = r.worst.driver_time_s / r.steps_count.max(1) as f64;
         r.reserved_at_step_begin_mean = mean(self.steps.iter().map(|s| s.reserved_at_begin as f64));
         r.reserved_at_step_end_mean = mean(self.steps.iter().map(|s| s.reserved_at_end as f64));
         r.step_fragmentation_mean = mean(self.steps.iter().map(|s| s.fragmentation));

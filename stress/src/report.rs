@@ -53,15 +53,10 @@ pub struct RunReport {
     pub name: String,
     pub conf: String,
     pub ops: u64,
-    /// Peak live requested bytes (the physical floor), counted by the runner.
-    pub floor: u64,
-    /// The allocator's own peak of requested bytes (equals `floor` on one device).
-    pub stats_peak_requested: u64,
-    pub peak_allocated: u64,
-    pub peak_reserved: u64,
-    pub reserved_over_floor: f64,
-    pub allocated_over_floor: f64,
-    pub final_reserved: u64,
+    /// The worst device's memory and driver figures (`worst_device`; the only device of a
+    /// one-device run), under the same keys as a `DeviceReport`'s.
+    #[serde(flatten)]
+    pub worst: DeviceFigures,
     pub steps_count: u64,
     pub reserved_at_step_begin_mean: f64,
     pub reserved_at_step_end_mean: f64,
@@ -71,21 +66,7 @@ pub struct RunReport {
     pub internal_fragmentation_mean: f64,
     /// Mean over steps of 1 - peak allocated / peak reserved.
     pub step_fragmentation_mean: f64,
-    pub device_mallocs: u64,
-    pub device_frees: u64,
-    /// Modelled (sim cost model) or measured time in device malloc / free.
-    pub device_malloc_time_s: f64,
-    pub device_free_time_s: f64,
-    /// Driver virtual-memory calls (map / unmap / physical create), where the statistics have
-    /// them (`None`: this build of the core does not count them).
-    pub driver_maps: Option<u64>,
-    pub driver_unmaps: Option<u64>,
-    pub driver_creates: Option<u64>,
-    /// Bytes of physical pages moved (remapped) instead of created, where counted.
-    pub moved_bytes: Option<u64>,
-    /// Modelled (sim cost model) or measured time in every timed driver call, and per step
-    /// (the whole run when it has no steps).
-    pub driver_time_s: f64,
+    /// `worst.driver_time_s` per step (the whole run when it has no steps).
     pub driver_time_per_step_s: f64,
     /// Modelled GPU compute time of the steps run, summed (generated workloads only).
     pub modelled_step_time_s: Option<f64>,
@@ -113,10 +94,8 @@ pub struct RunReport {
     /// With `--explain`: what held the reserved bytes at (within 1% of) their peak.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_explanation: Option<PeakExplanation>,
-    /// Each device the run used, in device order. On several devices the figures above that
-    /// describe one device's memory and driver work (floor, peaks, their ratios, final
-    /// reserved, device and driver calls and their times) are the worst device's, not sums:
-    /// a sum of per-device peaks is the peak of nothing. Counts of the run as a whole (ops,
+    /// Each device the run used, in device order. On several devices `worst` is the worst
+    /// device's figures, not sums: a sum of per-device peaks is the peak of nothing. Counts of the run as a whole (ops,
     /// OOMs, alloc retries, skipped frees, errors, steps) and the means over steps and samples
     /// cover every device.
     pub devices: Vec<DeviceReport>,
@@ -136,9 +115,23 @@ pub fn worst_device(devices: impl IntoIterator<Item = (usize, u64, u64)>) -> Opt
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 pub struct DeviceReport {
     pub device: usize,
-    /// Peak live requested bytes on this device, counted by the runner.
+    #[serde(flatten)]
+    pub figures: DeviceFigures,
+    pub alloc_retries: u64,
+    /// Allocations on this device that ran out of memory.
+    pub ooms: u64,
+}
+
+/// What one device's memory and driver work came to: its peaks, their ratios to its floor,
+/// and its device and driver calls with their times. A `DeviceReport` holds its device's; a
+/// `RunReport` its worst device's (the counts of a run as a whole, OOMs and retries, are the
+/// run's own).
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct DeviceFigures {
+    /// Peak live requested bytes (the physical floor), counted by the runner.
     pub floor: u64,
-    /// The allocator's own peak of requested bytes on this device.
+    /// The allocator's own peak of requested bytes (equals `floor` when the runner and the
+    /// allocator see the same device).
     pub stats_peak_requested: u64,
     pub peak_allocated: u64,
     pub peak_reserved: u64,
@@ -147,16 +140,18 @@ pub struct DeviceReport {
     pub final_reserved: u64,
     pub device_mallocs: u64,
     pub device_frees: u64,
+    /// Modelled (sim cost model) or measured time in device malloc / free.
     pub device_malloc_time_s: f64,
     pub device_free_time_s: f64,
+    /// Driver virtual-memory calls (map / unmap / physical create), where the statistics have
+    /// them (`None`: this build of the core does not count them).
     pub driver_maps: Option<u64>,
     pub driver_unmaps: Option<u64>,
     pub driver_creates: Option<u64>,
+    /// Bytes of physical pages moved (remapped) instead of created, where counted.
     pub moved_bytes: Option<u64>,
+    /// Modelled (sim cost model) or measured time in every timed driver call.
     pub driver_time_s: f64,
-    pub alloc_retries: u64,
-    /// Allocations on this device that ran out of memory.
-    pub ooms: u64,
 }
 
 /// Where the reserved bytes sat at the peak: live blocks, free space inside segments that hold
@@ -190,7 +185,7 @@ impl RunReport {
         }
         let total: f64 = per_step.iter().take(self.steps.len()).sum();
         self.modelled_step_time_s = Some(total);
-        self.driver_share_of_step = (total > 0.0).then(|| self.driver_time_s / total);
+        self.driver_share_of_step = (total > 0.0).then(|| self.worst.driver_time_s / total);
     }
 }
 
@@ -323,23 +318,23 @@ pub fn table(report: &Report) -> String {
     t.set_header(header);
     type Row = (&'static str, fn(&RunReport) -> String);
     let rows: &[Row] = &[
-        ("peak requested (floor), GiB", |r| gib(r.floor)),
-        ("peak allocated, GiB", |r| gib(r.peak_allocated)),
-        ("peak reserved, GiB", |r| gib(r.peak_reserved)),
-        ("reserved / floor", |r| format!("{:.3}x", r.reserved_over_floor)),
+        ("peak requested (floor), GiB", |r| gib(r.worst.floor)),
+        ("peak allocated, GiB", |r| gib(r.worst.peak_allocated)),
+        ("peak reserved, GiB", |r| gib(r.worst.peak_reserved)),
+        ("reserved / floor", |r| format!("{:.3}x", r.worst.reserved_over_floor)),
         ("reserved at step begin (mean), GiB", |r| gib(r.reserved_at_step_begin_mean as u64)),
         ("reserved at step end (mean), GiB", |r| gib(r.reserved_at_step_end_mean as u64)),
         ("external fragmentation (step ends)", |r| pct(r.external_fragmentation_mean)),
         ("internal fragmentation", |r| pct(r.internal_fragmentation_mean)),
         ("step fragmentation", |r| pct(r.step_fragmentation_mean)),
-        ("device mallocs / frees", |r| format!("{} / {}", r.device_mallocs, r.device_frees)),
+        ("device mallocs / frees", |r| format!("{} / {}", r.worst.device_mallocs, r.worst.device_frees)),
         ("device malloc / free time, ms", |r| {
-            format!("{:.1} / {:.1}", r.device_malloc_time_s * 1e3, r.device_free_time_s * 1e3)
+            format!("{:.1} / {:.1}", r.worst.device_malloc_time_s * 1e3, r.worst.device_free_time_s * 1e3)
         }),
         ("driver maps / unmaps / creates", |r| {
-            format!("{} / {} / {}", opt(r.driver_maps), opt(r.driver_unmaps), opt(r.driver_creates))
+            format!("{} / {} / {}", opt(r.worst.driver_maps), opt(r.worst.driver_unmaps), opt(r.worst.driver_creates))
         }),
-        ("moved bytes, GiB", |r| r.moved_bytes.map_or("-".into(), gib)),
+        ("moved bytes, GiB", |r| r.worst.moved_bytes.map_or("-".into(), gib)),
         ("driver time per step, ms", |r| format!("{:.2}", r.driver_time_per_step_s * 1e3)),
         ("driver % of step (modelled compute)", |r| {
             r.driver_share_of_step.map_or("-".into(), |x| format!("{:.2}%", x * 100.0))
@@ -432,13 +427,18 @@ pub fn device_table(run: &RunReport) -> String {
         let device = if d.device == run.worst_device { format!("{} (worst)", d.device) } else { d.device.to_string() };
         t.add_row(vec![
             device,
-            gib(d.floor),
-            gib(d.peak_allocated),
-            gib(d.peak_reserved),
-            format!("{:.3}x", d.reserved_over_floor),
-            format!("{} / {}", d.device_mallocs, d.device_frees),
-            format!("{}/{}/{}", opt(d.driver_maps), opt(d.driver_unmaps), opt(d.driver_creates)),
-            format!("{:.2}", d.driver_time_s / run.steps_count.max(1) as f64 * 1e3),
+            gib(d.figures.floor),
+            gib(d.figures.peak_allocated),
+            gib(d.figures.peak_reserved),
+            format!("{:.3}x", d.figures.reserved_over_floor),
+            format!("{} / {}", d.figures.device_mallocs, d.figures.device_frees),
+            format!(
+                "{}/{}/{}",
+                opt(d.figures.driver_maps),
+                opt(d.figures.driver_unmaps),
+                opt(d.figures.driver_creates)
+            ),
+            format!("{:.2}", d.figures.driver_time_s / run.steps_count.max(1) as f64 * 1e3),
             d.ooms.to_string(),
         ]);
     }
@@ -521,8 +521,8 @@ pub fn svg(report: &Report) -> String {
             r#"<text x="{LEFT}" y="{:.1}" font-weight="bold">{} — peak reserved {} GiB, {:.3}x floor</text>"#,
             y0 - 6.0,
             xml_escape(&run.name),
-            gib(run.peak_reserved),
-            run.reserved_over_floor
+            gib(run.worst.peak_reserved),
+            run.worst.reserved_over_floor
         );
         let _ = writeln!(
             out,

@@ -347,7 +347,7 @@ fn time_jumps_to_the_end_of_u64_replay() {
     assert_eq!(total, ops::MAX_TIME_NS, "the jumps are cut at the program's time bound");
     let run = replay::run(&program, &pytorch(), None, None).unwrap();
     assert_eq!(run.errors, 0);
-    assert_eq!(run.floor, 2000);
+    assert_eq!(run.worst.floor, 2000);
 }
 
 #[test]

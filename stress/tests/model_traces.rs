@@ -59,22 +59,22 @@ fn model_traces_replay_under_pytorchs_rules_above_their_floor() {
         let run = replay_under(&p, "pytorch");
         println!(
             "{name}: floor {} MiB, pytorch peak reserved {} MiB ({:.3}x), {} device mallocs",
-            run.floor >> 20,
-            run.peak_reserved >> 20,
-            run.reserved_over_floor,
-            run.device_mallocs
+            run.worst.floor >> 20,
+            run.worst.peak_reserved >> 20,
+            run.worst.reserved_over_floor,
+            run.worst.device_mallocs
         );
         assert_eq!((run.ooms, run.errors, run.skipped_frees), (0, 0, 0), "{name}");
-        assert!(run.floor > 100 << 20, "{name}: floor {}", run.floor);
-        assert_eq!(run.stats_peak_requested, run.floor, "{name}");
-        assert!(run.peak_allocated >= run.floor, "{name}");
+        assert!(run.worst.floor > 100 << 20, "{name}: floor {}", run.worst.floor);
+        assert_eq!(run.worst.stats_peak_requested, run.worst.floor, "{name}");
+        assert!(run.worst.peak_allocated >= run.worst.floor, "{name}");
         // Variable shapes fragment PyTorch's cache: strictly above the floor, but bounded.
         assert!(
-            run.reserved_over_floor > 1.05 && run.reserved_over_floor < 2.5,
+            run.worst.reserved_over_floor > 1.05 && run.worst.reserved_over_floor < 2.5,
             "{name}: {:.3}x",
-            run.reserved_over_floor
+            run.worst.reserved_over_floor
         );
-        assert_eq!(run.final_reserved, run.peak_reserved, "{name}: PyTorch's rules never give memory back");
+        assert_eq!(run.worst.final_reserved, run.worst.peak_reserved, "{name}: PyTorch's rules never give memory back");
         assert_eq!(run.steps_count as usize, p.ops.iter().filter(|op| matches!(op, Op::StepEnd)).count());
     }
 }
@@ -90,26 +90,26 @@ fn stepalloc_beats_expandable_segments_on_model_traces() {
         let stepalloc = replay_under(&p, "stepalloc");
         println!(
             "{name}: floor {} MiB; peak reserved: pytorch {:.3}x, expandable {:.3}x, stepalloc {:.3}x",
-            pytorch.floor >> 20,
-            pytorch.reserved_over_floor,
-            expandable.reserved_over_floor,
-            stepalloc.reserved_over_floor
+            pytorch.worst.floor >> 20,
+            pytorch.worst.reserved_over_floor,
+            expandable.worst.reserved_over_floor,
+            stepalloc.worst.reserved_over_floor
         );
         for run in [&expandable, &stepalloc] {
             assert_eq!((run.ooms, run.errors), (0, 0), "{name} {}", run.name);
-            assert_eq!(run.floor, pytorch.floor, "{name} {}", run.name);
+            assert_eq!(run.worst.floor, pytorch.worst.floor, "{name} {}", run.name);
         }
         // Issue 9's target; measured 1.0074x / 1.0040x / 1.0051x (README).
         assert!(
-            stepalloc.peak_reserved as f64 <= 1.01 * stepalloc.floor as f64,
+            stepalloc.worst.peak_reserved as f64 <= 1.01 * stepalloc.worst.floor as f64,
             "{name}: stepalloc {:.4}x the floor",
-            stepalloc.reserved_over_floor
+            stepalloc.worst.reserved_over_floor
         );
         assert!(
-            stepalloc.peak_reserved < expandable.peak_reserved,
+            stepalloc.worst.peak_reserved < expandable.worst.peak_reserved,
             "{name}: stepalloc {} >= expandable {}",
-            stepalloc.peak_reserved,
-            expandable.peak_reserved
+            stepalloc.worst.peak_reserved,
+            expandable.worst.peak_reserved
         );
     }
 }
@@ -121,8 +121,8 @@ fn expandable_segments_stay_close_to_the_floor_on_model_traces() {
         let p = load(name);
         let pytorch = replay_under(&p, "pytorch");
         let expandable = replay_under(&p, "pytorch_expandable");
-        assert!(expandable.peak_reserved < pytorch.peak_reserved, "{name}");
-        assert!(expandable.reserved_over_floor < 1.20, "{name}: {:.3}x", expandable.reserved_over_floor);
+        assert!(expandable.worst.peak_reserved < pytorch.worst.peak_reserved, "{name}");
+        assert!(expandable.worst.reserved_over_floor < 1.20, "{name}: {:.3}x", expandable.worst.reserved_over_floor);
     }
 }
 
@@ -163,7 +163,7 @@ fn recorder_script_writes_replayable_traces() {
         assert!(p.count_allocs() > 100, "{workload}");
         let run = replay_under(&p, "pytorch");
         assert_eq!((run.ooms, run.errors), (0, 0), "{workload}");
-        assert!(run.floor > 0 && run.peak_reserved >= run.floor, "{workload}");
+        assert!(run.worst.floor > 0 && run.worst.peak_reserved >= run.worst.floor, "{workload}");
         assert_eq!(run.steps_count, 2, "{workload}: one step of each phase");
         // Everything the models allocated was freed when the loop returned.
         assert_eq!(run.timeline.last().unwrap().requested, 0, "{workload}");

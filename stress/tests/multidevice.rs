@@ -79,16 +79,21 @@ fn assert_headline_is(run: &RunReport, worst: usize) {
     let d = &run.devices[worst];
     assert_eq!(run.worst_device, worst, "{}", run.name);
     assert_eq!(
-        (run.floor, run.stats_peak_requested, run.peak_allocated, run.peak_reserved),
-        (d.floor, d.stats_peak_requested, d.peak_allocated, d.peak_reserved),
+        (run.worst.floor, run.worst.stats_peak_requested, run.worst.peak_allocated, run.worst.peak_reserved),
+        (d.figures.floor, d.figures.stats_peak_requested, d.figures.peak_allocated, d.figures.peak_reserved),
         "{}",
         run.name
     );
-    assert_eq!((run.device_mallocs, run.device_frees), (d.device_mallocs, d.device_frees), "{}", run.name);
-    assert_eq!(run.reserved_over_floor, d.reserved_over_floor, "{}", run.name);
     assert_eq!(
-        (run.driver_maps, run.driver_unmaps, run.driver_creates),
-        (d.driver_maps, d.driver_unmaps, d.driver_creates),
+        (run.worst.device_mallocs, run.worst.device_frees),
+        (d.figures.device_mallocs, d.figures.device_frees),
+        "{}",
+        run.name
+    );
+    assert_eq!(run.worst.reserved_over_floor, d.figures.reserved_over_floor, "{}", run.name);
+    assert_eq!(
+        (run.worst.driver_maps, run.worst.driver_unmaps, run.worst.driver_creates),
+        (d.figures.driver_maps, d.figures.driver_unmaps, d.figures.driver_creates),
         "{}",
         run.name
     );
@@ -113,8 +118,8 @@ fn two_device_snapshot_replays_each_device_as_alone() {
         })
         .collect();
     for (big, small) in &alone {
-        assert!(big.peak_reserved > small.peak_reserved, "{}: the test needs a worse device", big.name);
-        assert!(small.device_mallocs > 0 && small.floor > 0);
+        assert!(big.worst.peak_reserved > small.worst.peak_reserved, "{}: the test needs a worse device", big.name);
+        assert!(small.worst.device_mallocs > 0 && small.worst.floor > 0);
         assert_eq!((big.ooms, big.errors, small.ooms, small.errors), (0, 0, 0, 0));
     }
     for (order, worst) in [([&big, &small], 0usize), ([&small, &big], 1)] {
@@ -129,12 +134,12 @@ fn two_device_snapshot_replays_each_device_as_alone() {
             // equals the trace replayed alone.
             assert_eq!(as_device_0(big_run), big_alone.devices[0], "{}: the worse device", rc.name);
             assert_eq!(as_device_0(small_run), small_alone.devices[0], "{}: the other device", rc.name);
-            assert_eq!(big_run.floor, big_alone.floor);
-            assert_eq!(big_run.peak_reserved, big_alone.peak_reserved);
-            assert_eq!(small_run.device_mallocs, small_alone.device_mallocs);
+            assert_eq!(big_run.figures.floor, big_alone.worst.floor);
+            assert_eq!(big_run.figures.peak_reserved, big_alone.worst.peak_reserved);
+            assert_eq!(small_run.figures.device_mallocs, small_alone.worst.device_mallocs);
             assert_headline_is(&run, worst);
             // Not the sum of the two peaks (what the runner used to report).
-            assert!(run.peak_reserved < big_alone.peak_reserved + small_alone.peak_reserved);
+            assert!(run.worst.peak_reserved < big_alone.worst.peak_reserved + small_alone.worst.peak_reserved);
         }
         // The peak's attribution counts the peak device's live allocations only, as alone.
         {
@@ -241,7 +246,7 @@ fn agent_ranks_replay_as_alone() {
             let alone = run_agent(&small_agent(5 + rank, 1), &rc_one);
             assert_eq!(as_device_0(&run.devices[rank as usize]), alone.devices[0], "{}: rank {rank}", rc.name);
             assert_eq!(run.steps_count, alone.steps_count, "the ranks share their steps");
-            worst = worst.max((alone.peak_reserved, 1 - rank as usize));
+            worst = worst.max((alone.worst.peak_reserved, 1 - rank as usize));
             alone_steps.push(alone.steps);
         }
         assert_headline_is(&run, 1 - worst.1);

@@ -38,11 +38,11 @@ fn every_format_gives_the_hand_computed_totals() {
         assert_eq!(program.count_allocs(), 4, "{name}");
         assert_eq!(program.notes.unknown_frees, 1, "{name}: the free of X is skipped and counted");
         let run = replay::run(&program, &configs[0], None, None).unwrap();
-        assert_eq!(run.floor, 9 * MIB, "{name}: floor is B + C");
-        assert_eq!(run.stats_peak_requested, 9 * MIB, "{name}");
-        assert_eq!(run.peak_allocated, 9 * MIB, "{name}: B + C, both multiples of 512");
-        assert_eq!(run.peak_reserved, 22 * MIB, "{name}: one 20 MiB large and one 2 MiB small segment");
-        assert_eq!((run.device_mallocs, run.ooms, run.errors), (2, 0, 0), "{name}");
+        assert_eq!(run.worst.floor, 9 * MIB, "{name}: floor is B + C");
+        assert_eq!(run.worst.stats_peak_requested, 9 * MIB, "{name}");
+        assert_eq!(run.worst.peak_allocated, 9 * MIB, "{name}: B + C, both multiples of 512");
+        assert_eq!(run.worst.peak_reserved, 22 * MIB, "{name}: one 20 MiB large and one 2 MiB small segment");
+        assert_eq!((run.worst.device_mallocs, run.ooms, run.errors), (2, 0, 0), "{name}");
     }
 }
 
@@ -199,7 +199,7 @@ print("OK")
     assert!(native.current_reserved.unwrap_or(0) > 0);
     let configs = compare::resolve(&["pytorch".into()], &base()).unwrap();
     let run = replay::run(&program, &configs[0], None, None).unwrap();
-    assert!(run.floor >= 20000 * 1024 * 4, "the 80 MB tensor was live");
+    assert!(run.worst.floor >= 20000 * 1024 * 4, "the 80 MB tensor was live");
 }
 
 /// stepalloc's own recordings: `Allocator::trace_jsonl` and `Allocator::snapshot` (PyTorch's
@@ -233,17 +233,17 @@ fn stepalloc_recordings_replay_to_the_recorded_run() {
     let program = trace::parse(jsonl.as_bytes()).unwrap();
     assert_eq!(program.phases, vec!["rollout".to_string(), "train".to_string()]);
     let run = replay::run(&program, &configs[0], None, None).unwrap();
-    assert_eq!(run.floor, stats.heap.requested_bytes.all.peak);
-    assert_eq!(run.peak_allocated, stats.heap.allocated_bytes.all.peak);
-    assert_eq!(run.peak_reserved, stats.heap.reserved_bytes.all.peak);
+    assert_eq!(run.worst.floor, stats.heap.requested_bytes.all.peak);
+    assert_eq!(run.worst.peak_allocated, stats.heap.allocated_bytes.all.peak);
+    assert_eq!(run.worst.peak_reserved, stats.heap.reserved_bytes.all.peak);
     assert_eq!(run.steps_count, 2);
 
     let snapshot = serde_json::to_vec(&a.snapshot()).unwrap();
     assert_eq!(trace::detect(&snapshot).unwrap(), Format::TorchJson);
     let program = trace::parse(&snapshot).unwrap();
     let run = replay::run(&program, &configs[0], None, None).unwrap();
-    assert_eq!(run.floor, stats.heap.requested_bytes.all.peak);
-    assert_eq!(run.peak_reserved, stats.heap.reserved_bytes.all.peak);
+    assert_eq!(run.worst.floor, stats.heap.requested_bytes.all.peak);
+    assert_eq!(run.worst.peak_reserved, stats.heap.reserved_bytes.all.peak);
     let native = program.notes.native.expect("the snapshot has segments and segment events");
     assert_eq!(native.current_reserved, Some(stats.heap.reserved_bytes.all.current));
     assert_eq!(native.peak_reserved, Some(stats.heap.reserved_bytes.all.peak));

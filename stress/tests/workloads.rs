@@ -77,7 +77,7 @@ fn agent_workload_follows_its_dimensions() {
     let r = run_all(&p, &["pytorch", "split128", "stepalloc"], 81920);
     assert!(r.runs.len() >= 2);
     for run in &r.runs {
-        assert_eq!(run.floor, r.runs[0].floor, "{}: the floor does not depend on the allocator", run.name);
+        assert_eq!(run.worst.floor, r.runs[0].worst.floor, "{}: the floor does not depend on the allocator", run.name);
     }
     assert!(r.runs.iter().all(|run| run.ooms == 0 && run.errors == 0));
     let persistent = r.runs[0].timeline.last().unwrap().requested;
@@ -112,7 +112,7 @@ fn out_of_memory_is_counted_and_the_run_goes_on() {
     assert!(run.ooms > 0, "30 GiB is too small for this workload");
     assert_eq!(run.errors, 0, "frees of failed allocations are skipped, not refused");
     assert!(run.skipped_frees > 0);
-    assert!(run.peak_reserved <= 30 * GIB);
+    assert!(run.worst.peak_reserved <= 30 * GIB);
     assert_eq!(run.steps_count, 4);
 }
 
@@ -122,10 +122,10 @@ fn empty_cache_every_step_leaves_only_live_memory_at_step_ends() {
     let r = run_all(&p, &["pytorch", "empty_cache_every_step"], 81920);
     let (native, emptied) = (&r.runs[0], &r.runs[1]);
     assert!(emptied.reserved_at_step_end_mean < native.reserved_at_step_end_mean);
-    assert!(emptied.device_frees > native.device_frees);
+    assert!(emptied.worst.device_frees > native.worst.device_frees);
     for s in &emptied.steps {
         // Only live blocks' segments remain: weights and optimizer state, well under the floor.
-        assert!(s.reserved_at_end < emptied.floor, "step {}: {}", s.step, s.reserved_at_end);
+        assert!(s.reserved_at_end < emptied.worst.floor, "step {}: {}", s.step, s.reserved_at_end);
     }
 }
 
@@ -140,9 +140,9 @@ fn exported_traces_replay_to_the_same_figures() {
         assert_eq!(parsed.count_allocs(), p.count_allocs(), "{format:?}");
         assert_eq!(parsed.notes.unknown_frees, 0);
         let replayed = run_all(&parsed, &["pytorch"], 81920).runs.remove(0);
-        assert_eq!(replayed.floor, original.floor, "{format:?}");
-        assert_eq!(replayed.peak_allocated, original.peak_allocated, "{format:?}");
-        assert_eq!(replayed.peak_reserved, original.peak_reserved, "{format:?}");
+        assert_eq!(replayed.worst.floor, original.worst.floor, "{format:?}");
+        assert_eq!(replayed.worst.peak_allocated, original.worst.peak_allocated, "{format:?}");
+        assert_eq!(replayed.worst.peak_reserved, original.worst.peak_reserved, "{format:?}");
     }
 }
 
@@ -166,7 +166,7 @@ fn random_workload_keeps_blocks_apart() {
         assert!(integrity.ok(), "{integrity:?}");
         assert_eq!((integrity.tagged_blocks, integrity.corrupted_tags), (0, 0), "no tags on the simulated device");
         assert_eq!(run.ops, 12000);
-        assert!(run.floor > 0 && run.peak_reserved >= run.floor);
+        assert!(run.worst.floor > 0 && run.worst.peak_reserved >= run.worst.floor);
     }
 }
 
@@ -185,7 +185,7 @@ fn peak_explanation_accounts_for_every_reserved_byte() {
     let run = replay::run(&p, &configs[0], None, None).unwrap();
     let e = run.peak_explanation.expect("--explain describes the peak");
     assert_eq!(e.allocated + e.free_in_used_segments + e.whole_free_bytes, e.reserved);
-    assert!(e.reserved * 100 >= run.peak_reserved * 99, "within 1% of the peak");
+    assert!(e.reserved * 100 >= run.worst.peak_reserved * 99, "within 1% of the peak");
     assert!(e.whole_free_bytes > 0);
 }
 
@@ -275,17 +275,22 @@ fn driver_time_per_step_is_the_runs_time_over_its_steps() {
     let p = agent::generate(&small_vlm(6)).unwrap();
     let r = run_all(&p, &["pytorch", "empty_cache_every_step"], 81920);
     for run in &r.runs {
-        assert!(run.driver_time_s > 0.0, "{}: the cost model charges device mallocs", run.name);
-        assert!(run.driver_time_s >= run.device_malloc_time_s + run.device_free_time_s - 1e-12);
-        let per_step = run.driver_time_s / run.steps_count as f64;
+        assert!(run.worst.driver_time_s > 0.0, "{}: the cost model charges device mallocs", run.name);
+        assert!(run.worst.driver_time_s >= run.worst.device_malloc_time_s + run.worst.device_free_time_s - 1e-12);
+        let per_step = run.worst.driver_time_s / run.steps_count as f64;
         assert!((run.driver_time_per_step_s - per_step).abs() < 1e-12, "{}", run.name);
     }
-    assert!(r.runs[1].driver_time_s > r.runs[0].driver_time_s, "empty_cache makes the driver work");
+    assert!(r.runs[1].worst.driver_time_s > r.runs[0].worst.driver_time_s, "empty_cache makes the driver work");
     for run in &r.runs {
         // The steps' driver time adds up to the run's, less what came before the first step
         // (the weights' segments).
         let steps: f64 = run.steps.iter().map(|s| s.driver_time_s).sum();
-        assert!(steps > 0.0 && steps <= run.driver_time_s + 1e-12, "{}: {steps} vs {}", run.name, run.driver_time_s);
+        assert!(
+            steps > 0.0 && steps <= run.worst.driver_time_s + 1e-12,
+            "{}: {steps} vs {}",
+            run.name,
+            run.worst.driver_time_s
+        );
     }
     assert!(report::step_table(&r.runs[1]).contains("driver ms"));
     let json = r.to_json(false, false);
@@ -313,12 +318,16 @@ fn stepalloc_beats_expandable_segments_on_agent_presets() {
         for run in &runs {
             assert_eq!((run.ooms, run.errors), (0, 0), "{preset:?} {}", run.name);
         }
-        assert!(stepalloc.reserved_over_floor <= 1.03, "{preset:?}: stepalloc {:.4}x", stepalloc.reserved_over_floor);
         assert!(
-            stepalloc.peak_reserved < expandable.peak_reserved,
+            stepalloc.worst.reserved_over_floor <= 1.03,
+            "{preset:?}: stepalloc {:.4}x",
+            stepalloc.worst.reserved_over_floor
+        );
+        assert!(
+            stepalloc.worst.peak_reserved < expandable.worst.peak_reserved,
             "{preset:?}: stepalloc {} >= expandable {}",
-            stepalloc.peak_reserved,
-            expandable.peak_reserved
+            stepalloc.worst.peak_reserved,
+            expandable.worst.peak_reserved
         );
         let share = |r: &report::RunReport| r.driver_share_of_step.unwrap();
         println!(
@@ -344,7 +353,7 @@ fn agent_steps_carry_their_modelled_compute_time() {
         assert!(per_step.iter().all(|&t| (0.5..100.0).contains(&t)), "{}: {per_step:?}", run.name);
         let total: f64 = per_step.iter().sum();
         assert_eq!(run.modelled_step_time_s, Some(total), "{}", run.name);
-        assert_eq!(run.driver_share_of_step, Some(run.driver_time_s / total), "{}", run.name);
+        assert_eq!(run.driver_share_of_step, Some(run.worst.driver_time_s / total), "{}", run.name);
     }
     assert_eq!(runs[0].modelled_step_time_s, runs[1].modelled_step_time_s, "compute does not depend on the allocator");
     let r = Report { workload: "test".into(), source: Default::default(), parse_s: 0.0, runs };

@@ -18,7 +18,7 @@
 //! malloc order, so of two overlapping blocks the first one's check fails at its free.
 
 use crate::replay::RunConfig;
-use crate::report::RunReport;
+use crate::report::{DeviceFigures, RunReport};
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
 use serde::Serialize;
@@ -483,17 +483,20 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
         name: rc.name.clone(),
         conf: rc.conf.clone(),
         ops,
-        floor,
-        stats_peak_requested: h.requested_bytes.all.peak,
-        peak_allocated: h.allocated_bytes.all.peak,
-        peak_reserved: h.reserved_bytes.all.peak,
-        reserved_over_floor: crate::replay::ratio(h.reserved_bytes.all.peak, floor),
-        allocated_over_floor: crate::replay::ratio(h.allocated_bytes.all.peak, floor),
-        final_reserved: h.reserved_bytes.all.current,
-        device_mallocs: h.num_device_alloc,
-        device_frees: h.num_device_free,
-        device_malloc_time_s: stats.driver_time.reserve_ns as f64 * 1e-9,
-        device_free_time_s: stats.driver_time.release_ns as f64 * 1e-9,
+        worst: DeviceFigures {
+            floor,
+            stats_peak_requested: h.requested_bytes.all.peak,
+            peak_allocated: h.allocated_bytes.all.peak,
+            peak_reserved: h.reserved_bytes.all.peak,
+            reserved_over_floor: crate::replay::ratio(h.reserved_bytes.all.peak, floor),
+            allocated_over_floor: crate::replay::ratio(h.allocated_bytes.all.peak, floor),
+            final_reserved: h.reserved_bytes.all.current,
+            device_mallocs: h.num_device_alloc,
+            device_frees: h.num_device_free,
+            device_malloc_time_s: stats.driver_time.reserve_ns as f64 * 1e-9,
+            device_free_time_s: stats.driver_time.release_ns as f64 * 1e-9,
+            ..Default::default()
+        },
         alloc_retries: h.num_alloc_retries,
         ooms: shared.ooms.load(Ordering::Relaxed),
         errors: shared.refused.load(Ordering::Relaxed),

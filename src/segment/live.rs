@@ -4,7 +4,7 @@
 //! and it shrinks when the heap does, so a heap that once held many displaced blocks does not
 //! keep a large, cache-missing table.
 
-use crate::segment::{Block, BlockId};
+use super::{Block, BlockId};
 use hashbrown::HashTable;
 use std::hash::BuildHasher;
 

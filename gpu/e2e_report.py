@@ -1,0 +1,145 @@
+"""The end-to-end comparison's findings (e2e_compare.py): the targets met or missed, and the
+text report of every configuration side by side with the replay of the native snapshot."""
+
+from __future__ import annotations
+
+from e2e_common import GIB, MIB
+from e2e_model import SIZES
+
+def gib(v) -> str:
+    """Bytes in GiB, or in MiB below 0.1 GiB (the dry run's tiny model)."""
+    if v is None:
+        return "-"
+    return f"{v / GIB:.2f} GiB" if v >= GIB // 10 else f"{v / MIB:.2f} MiB"
+
+
+def fmt(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
+
+
+def evaluate(res: dict) -> list[dict]:
+    """The issue's targets on the end-to-end loop: met, missed or not measurable."""
+    n, x, s = res.get("native", {}), res.get("native_expandable", {}), res.get("stepalloc", {})
+
+    def target(name, ok, detail):
+        return {"target": name, "status": "n/a" if ok is None else ("MET" if ok else "MISSED"), "detail": detail}
+
+    def both(*vals):
+        return all(v is not None for v in vals)
+
+    pr, px, ps = n.get("peak_reserved"), x.get("peak_reserved"), s.get("peak_reserved")
+    tn, ts = n.get("median_step_s"), s.get("median_step_s")
+    hn, hx, hs = (r.get("headroom", {}).get("largest_batch") for r in (n, x, s))
+    return [
+        target(
+            "peak reserved >= 15% below native",
+            ps <= 0.85 * pr if both(pr, ps) else None,
+            f"stepalloc {gib(ps)} vs native {gib(pr)}",
+        ),
+        target(
+            "peak reserved not above native expandable",
+            ps <= px if both(px, ps) else None,
+            f"stepalloc {gib(ps)} vs expandable {gib(px)}",
+        ),
+        target(
+            "median step time within 2% of native",
+            ts <= 1.02 * tn if both(tn, ts) else None,
+            f"stepalloc {fmt(ts, '.3f')} s vs native {fmt(tn, '.3f')} s",
+        ),
+        target(
+            "headroom above both native configurations",
+            hs > max(hn, hx) if both(hn, hx, hs) else None,
+            f"largest batch: stepalloc {hs}, native {hn}, expandable {hx}",
+        ),
+    ]
+
+
+def text_report(doc: dict) -> str:
+    res, lines = doc["configs"], []
+    names = [c for c in doc["order"] if c != "native_record"]
+    first = next((r for r in res.values() if "params" in r), {})
+    lines.append(f"stepalloc end-to-end comparison, {doc['date']}, device: {doc['device_name']}")
+    lines.append(
+        f"model: LLaVA-style (CLIP vision tower + Llama), {first.get('params', 0) / 1e9:.3g} B params, bf16, "
+        f"random weights; size '{doc['size']}'; torch {first.get('torch', '?')}, transformers "
+        f"{first.get('transformers', '?')}"
+    )
+    lines.append("")
+    rows = [
+        ("peak reserved", lambda r: gib(r.get("peak_reserved"))),
+        ("peak allocated", lambda r: gib(r.get("peak_allocated"))),
+        ("reserved / allocated", lambda r: fmt(r.get("reserved_over_allocated"), ".3f")),
+        ("driver peak used", lambda r: gib(r.get("peak_device_used"))),
+        ("median step, s", lambda r: fmt(r.get("median_step_s"), ".3f")),
+        (
+            "step vs native",
+            lambda r: fmt(ratio(r.get("median_step_s"), res.get("native", {}).get("median_step_s")), ".3f"),
+        ),
+        ("device mallocs / steady step", lambda r: fmt(r.get("device_allocs_per_step"), ".1f")),
+        ("maps + creates / steady step", lambda r: fmt(add(r.get("maps_per_step"), r.get("creates_per_step")), ".1f")),
+        ("headroom: largest batch", lambda r: headroom_text(r)),
+    ]
+    width = max(len(r[0]) for r in rows) + 2
+    col = 20
+    lines.append(" " * width + "".join(n.rjust(col) for n in names))
+    for label, f in rows:
+        cells = []
+        for n in names:
+            r = res.get(n, {})
+            cells.append(("FAILED" if "failed" in r else f(r)).rjust(col))
+        lines.append(label.ljust(width) + "".join(cells))
+    cap = next((r["headroom"]["cap_bytes"] for r in res.values() if "headroom" in r), None)
+    if cap:
+        lines.append(
+            f"(headroom: base batch {SIZES[doc['size']].batch}, the largest iteration, under a cap of "
+            f"{gib(cap)} = native peak x {doc['headroom_factor']})"
+        )
+    lines.append("")
+    lines.append("replay of the native run's snapshot (stepalloc-stress) beside the measured peaks:")
+    rp = doc.get("replay", {})
+    if "runs" in rp:
+        src = (rp.get("source") or {}).get("native") or {}
+        pairs = [
+            ("native (pytorch)", "pytorch", res.get("native_record", {}), src.get("peak_reserved")),
+            ("stepalloc", "stepalloc", res.get("stepalloc", {}), None),
+        ]
+        lines.append(f"{'':22}{'measured':>14}{'predicted':>15}{'predicted/measured':>20}")
+        for label, key, measured, _ in pairs:
+            m, p = measured.get("peak_reserved"), rp["runs"].get(key, {}).get("peak_reserved")
+            lines.append(f"{label:22}{gib(m):>14}{gib(p):>15}{fmt(ratio(p, m), '.3f'):>20}")
+        lines.append(
+            f"{'floor (peak live)':22}{gib(res.get('native_record', {}).get('peak_allocated')):>14}"
+            f"{gib(rp['runs'].get('pytorch', {}).get('floor')):>15}"
+        )
+        if src.get("peak_reserved") is not None:
+            lines.append(
+                f"(the snapshot's own segment events give native a peak reserved of {gib(src['peak_reserved'])})"
+            )
+    else:
+        lines.append(f"  replay: {rp.get('skipped') or rp.get('failed')}")
+    lines.append("")
+    lines.append("targets (issue 11):")
+    for t in doc["targets"]:
+        lines.append(f"  {t['status']:7} {t['target']}: {t['detail']}")
+    for n in doc["order"]:
+        for note in res.get(n, {}).get("notes", []):
+            lines.append(f"  note ({n}): {note}")
+        for key in ("failed", "error"):
+            if key in res.get(n, {}):
+                lines.append(f"  {key.upper()} ({n}): {res[n][key]}")
+    return "\n".join(lines) + "\n"
+
+
+def ratio(a, b):
+    return None if a is None or not b else a / b
+
+
+def add(a, b):
+    return None if a is None and b is None else (a or 0) + (b or 0)
+
+
+def headroom_text(r: dict) -> str:
+    h = r.get("headroom")
+    if not h:
+        return "-"
+    return f"{h['largest_batch']} ({h['scale']:.2f}x){'' if h['exact'] else '+'}"

@@ -1,0 +1,175 @@
+//! The records of segments and blocks: ids, a block's state and class (what it inherits from
+//! its segment, packed in one word), the 64-byte block record, the segment record and what every
+//! allocation from a segment updates. Plain data with small accessors; the arena (`segment`)
+//! stores them and keeps their invariants.
+
+use crate::backend::Stream;
+
+pub type BlockId = u32;
+pub type SegmentId = u32;
+pub const NIL: u32 = u32::MAX;
+
+/// Marks a free block that any stream may reuse: all its events completed.
+pub const ANY_STREAM: Stream = Stream(u64::MAX);
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub enum BlockState {
+    /// Handed out to the caller.
+    Allocated = 0,
+    /// Freed by the caller, but other streams' work may still use it: waits for events.
+    Pending,
+    /// In a free list.
+    Free,
+    /// Virtual addresses of an expandable segment with no memory mapped behind them.
+    Unmapped,
+    /// The slot is unused.
+    Vacant,
+}
+
+/// What a block inherits from its segment and the free path needs: the pool, the size class,
+/// whether the segment is expandable and its lane (`param_lane`), packed in one word
+/// (`pool << 3 | lane << 2 | expandable << 1 | small`), so that `free` never loads the segment
+/// record.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct BlockClass(pub(super) u32);
+
+impl BlockClass {
+    /// Pool numbers are indices into the heap's private pools plus one; 2^29 of them would take
+    /// far more memory than any process has.
+    pub const MAX_POOL: u32 = u32::MAX >> 3;
+    const LANE: u32 = 1 << 2;
+    const EXPANDABLE: u32 = 1 << 1;
+
+    pub fn new(pool: u32, small: bool, expandable: bool) -> BlockClass {
+        debug_assert!(pool <= Self::MAX_POOL);
+        BlockClass((pool.min(Self::MAX_POOL) << 3) | (u32::from(expandable) << 1) | u32::from(small))
+    }
+
+    /// The class of a block in the parameter lane (`param_lane`) when `lane`.
+    pub fn in_lane(self, lane: bool) -> BlockClass {
+        BlockClass(if lane { self.0 | Self::LANE } else { self.0 & !Self::LANE })
+    }
+
+    /// The class with the expandable bit clear.
+    #[inline]
+    pub fn not_expandable(self) -> BlockClass {
+        BlockClass(self.0 & !Self::EXPANDABLE)
+    }
+
+    pub fn of(segment: &Segment) -> BlockClass {
+        BlockClass::new(segment.pool, segment.small, segment.expandable()).in_lane(segment.lane)
+    }
+
+    pub fn pool(self) -> u32 {
+        self.0 >> 3
+    }
+
+    /// Whether the block is in the parameter lane's segments (`param_lane`).
+    pub fn lane(self) -> bool {
+        self.0 & Self::LANE != 0
+    }
+
+    pub fn small(self) -> bool {
+        self.0 & 1 != 0
+    }
+
+    pub fn expandable(self) -> bool {
+        self.0 & Self::EXPANDABLE != 0
+    }
+}
+
+/// A block record: what `malloc`, `free` and the merge of neighbours read, in one 64-byte cache
+/// line. Its state is in the arena's dense state array (so a merge tests neighbours without
+/// loading their records); the rare fields (extra streams, pending events) are in side tables.
+#[derive(Clone, Debug)]
+#[repr(C, align(64))]
+pub struct Block {
+    pub addr: u64,
+    pub size: u64,
+    /// Bytes the caller asked for (0 while free).
+    pub requested: u64,
+    /// The stream the block was allocated on; for a free block, the stream that may reuse it
+    /// (`ANY_STREAM` once nothing can be in flight). A free block sits in the list of
+    /// (its pool, its size class, this stream).
+    pub stream: Stream,
+    /// The allocation counter when the block was last freed (garbage-collection age).
+    pub freed_at: u64,
+    pub segment: SegmentId,
+    pub prev: BlockId,
+    pub next: BlockId,
+    /// Links in the free list's bin (valid while `Free` and not oversize).
+    pub link_prev: BlockId,
+    pub link_next: BlockId,
+    pub class: BlockClass,
+}
+
+const _: () = assert!(std::mem::size_of::<Block>() == 64);
+
+impl Block {
+    /// A block not linked to neighbours or a list, with nothing requested.
+    pub fn unlinked(
+        addr: u64,
+        size: u64,
+        segment: SegmentId,
+        class: BlockClass,
+        stream: Stream,
+        freed_at: u64,
+    ) -> Block {
+        Block {
+            addr,
+            size,
+            requested: 0,
+            stream,
+            freed_at,
+            segment,
+            prev: NIL,
+            next: NIL,
+            link_prev: NIL,
+            link_next: NIL,
+            class,
+        }
+    }
+
+    pub fn is_split(&self) -> bool {
+        self.prev != NIL || self.next != NIL
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct Segment {
+    pub addr: u64,
+    pub size: u64,
+    pub small: bool,
+    /// Index of the private (CUDA-graph) pool, 0 for the general pool.
+    pub pool: u32,
+    /// Stream of the allocation that created the segment.
+    pub stream: Stream,
+    pub first: BlockId,
+    /// The reserve was at or above `max_split_size`.
+    pub oversize: bool,
+    pub live: bool,
+    /// Page size of an expandable segment (`size` is then its virtual range); 0 for a plain one.
+    pub page: u64,
+    /// Bytes mapped (the whole size for a plain segment).
+    pub mapped: u64,
+    /// An expandable segment of the parameter lane (`param_lane`): its free blocks serve only
+    /// requests of the lane, and the lane's requests only its free blocks.
+    pub lane: bool,
+}
+
+impl Segment {
+    pub fn expandable(&self) -> bool {
+        self.page != 0
+    }
+}
+
+/// What every allocation from a segment updates, kept densely beside the segment records (which
+/// `malloc` and `free` then do not load).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct SegmentUse {
+    /// Step number of the last allocation from this segment.
+    pub last_used_step: u64,
+    /// Bit per phase (phase index mod 64) that allocated from this segment.
+    pub phase_mask: u64,
+}
