@@ -63,6 +63,20 @@ class ConfigError(StepallocError, ValueError):
     """A configuration string or an argument was rejected (also a ``ValueError``)."""
 
 
+class UnsupportedError(StepallocError):
+    """A PyTorch memory entry point that stepalloc's process-wide allocator cannot serve; the
+    message says why and what to do instead (``stepalloc.parity`` lists them). Also a
+    ``RuntimeError``."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, INVALID_ARGUMENT)
+
+
+def unsupported_message(name: str, note: str, instead: str) -> str:
+    """The text of the ``UnsupportedError`` that entry point ``name`` raises."""
+    return f"stepalloc: {name} is not available under stepalloc's process-wide allocator ({note}). Instead: {instead}."
+
+
 class LibraryNotFoundError(ImportError):
     """``libstepalloc.so`` could not be found or loaded."""
 

@@ -17,17 +17,12 @@ import dataclasses
 import warnings
 from typing import Any, Callable
 
-from . import _lib
+from . import _lib, pools
 
 WORKS, DIFFERS, RAISES = "works", "works differently", "raises"
 
 
-class UnsupportedError(_lib.StepallocError):
-    """A PyTorch memory entry point that stepalloc's process-wide allocator cannot serve; the
-    message says why and what to do instead. Also a ``RuntimeError``."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, _lib.INVALID_ARGUMENT)
+UnsupportedError = _lib.UnsupportedError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,8 +142,8 @@ ROWS: tuple[Row, ...] = (
     Row(
         "torch.cuda.MemPool(no_split=True)",
         RAISES,
-        "stepalloc splits a pool's segments as any",
-        "leave no_split out, or give the pool an allocator (MemPool(allocator=...)) whose segments you size",
+        pools.NO_SPLIT_NOTE,
+        pools.NO_SPLIT_INSTEAD,
     ),
     Row("torch.cuda.MemPool.id", WORKS, "(0, n), from PyTorch's own pool counter"),
     Row("torch.cuda.MemPool.use_count", WORKS, "references: the pool, each use_mem_pool, each graph"),
@@ -236,10 +231,7 @@ ROW_BY_NAME: dict[str, Row] = {row.name: row for row in ROWS}
 def error_message(name: str) -> str:
     """The message of the ``UnsupportedError`` a ``raises`` row's entry point raises."""
     row = ROW_BY_NAME[name]
-    return (
-        f"stepalloc: {name} is not available under stepalloc's process-wide allocator "
-        f"({row.note}). Instead: {row.instead}."
-    )
+    return _lib.unsupported_message(name, row.note, row.instead)
 
 
 def markdown() -> str:
@@ -331,11 +323,10 @@ def _retain_pool(self: Any, pool: Any) -> None:
     self.register_destroy_callback(release, synchronize_before_release=True)
 
 
-def patches(torch: Any) -> list[tuple[Any, str, Any]]:
+def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, str, Any]]:
     """``(owner, attribute, replacement)`` for every wrapper of the table's rows, for the torch
-    given (owners that this build lacks are left out)."""
-    from . import pools
-    from .torch import _torch_record_memory_history
+    given (owners that this build lacks are left out). ``record_history``: stepalloc's
+    ``_record_memory_history`` (``stepalloc.torch`` owns it and calls this module)."""
 
     cuda, memory, c = torch.cuda, torch.cuda.memory, torch._C
     out: list[tuple[Any, str, Any]] = []
@@ -349,7 +340,7 @@ def patches(torch: Any) -> list[tuple[Any, str, Any]]:
         ]
     out += [
         (memory, "_set_allocator_settings", _set_allocator_settings(memory._set_allocator_settings)),
-        (memory, "_record_memory_history_legacy", _record_memory_history_legacy(_torch_record_memory_history)),
+        (memory, "_record_memory_history_legacy", _record_memory_history_legacy(record_history)),
         (torch.cuda.graphs.CUDAGraph, "_retain_pool", _retain_pool),
         (c, "_cuda_customAllocator", pools.record_custom_allocator(c._cuda_customAllocator)),
         (c, "_cuda_getCheckpointState", _raiser("torch._C._cuda_getCheckpointState")),

@@ -60,6 +60,11 @@ def _segment_functions(allocator: Any) -> tuple[int, int] | None:
     return None if alloc_fn in own else (alloc_fn, free_fn)
 
 
+# The parity table's row for ``MemPool(no_split=True)`` (stepalloc.parity) and the error it raises.
+NO_SPLIT_NOTE = "stepalloc splits a pool's segments as any"
+NO_SPLIT_INSTEAD = "leave no_split out, or give the pool an allocator (MemPool(allocator=...)) whose segments you size"
+
+
 class MemPool:
     """``torch.cuda.MemPool`` under process-wide stepalloc, with PyTorch's arguments and methods.
 
@@ -78,9 +83,9 @@ class MemPool:
 
         self._released = True  # nothing to release until the pool exists
         if no_split:
-            from .parity import UnsupportedError, error_message
-
-            raise UnsupportedError(error_message("torch.cuda.MemPool(no_split=True)"))
+            raise _lib.UnsupportedError(
+                _lib.unsupported_message("torch.cuda.MemPool(no_split=True)", NO_SPLIT_NOTE, NO_SPLIT_INSTEAD)
+            )
         functions = None if allocator is None else _segment_functions(allocator)
         self._device = int(torch.cuda.current_device())
         self._id = tuple(int(x) for x in torch._C._graph_pool_handle())

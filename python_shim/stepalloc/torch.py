@@ -403,7 +403,7 @@ def patch_torch() -> list[str]:
         if _installation is not None and not _process_wide_patched:
             from . import parity
 
-            for owner, name, fn in parity.patches(torch):
+            for owner, name, fn in parity.patches(torch, _torch_record_memory_history):
                 # A class's own attribute is restored; an inherited one is deleted again.
                 inherited = isinstance(owner, type) and name not in owner.__dict__
                 original = _INHERITED if inherited else vars(owner)[name]
