@@ -27,6 +27,10 @@ pub const MAX_TRACE_ENTRIES: usize = 1 << 26;
 #[rustfmt::skip]
 pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True,close_holes:True,param_lane:True";
 
+/// The simulated device's largest memory and address space per device, in MiB (16 TiB, its
+/// address window).
+const MAX_SIM_MB: u64 = 1 << 24;
+
 /// Pages of expandable segments: multiples of the 2 MiB granularity, at most 1 GiB.
 const LARGE_PAGE_STEP: u64 = 2 * MIB;
 const MAX_LARGE_PAGE: u64 = 1024 * MIB;
@@ -242,8 +246,14 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         name: "sim_capacity_mb",
         default: "81920",
-        form: "integer MiB 1..16777216 (16 TiB, the simulated address window)",
+        form: "integer MiB 2..16777216 (2 MiB, the smallest segment and page, to 16 TiB, the simulated address window)",
         doc: "simulated device: memory per device",
+    },
+    KeyDoc {
+        name: "sim_address_space_mb",
+        default: "16777216",
+        form: "integer MiB 2..16777216 (16 TiB)",
+        doc: "simulated device: virtual address space per device (a small one runs out first)",
     },
     KeyDoc {
         name: "sim_event_delay_us",
@@ -320,6 +330,8 @@ pub struct Config {
 pub struct SimConfig {
     pub devices: usize,
     pub capacity: u64,
+    /// Bytes of virtual address space per device (reservations and ranges).
+    pub address_space: u64,
     pub event_delay_ns: u64,
     pub fail_nth: u64,
     pub fail_prob: f64,
@@ -333,6 +345,7 @@ impl Default for SimConfig {
         SimConfig {
             devices: 1,
             capacity: 81920 * MIB,
+            address_space: MAX_SIM_MB * MIB,
             event_delay_ns: 0,
             fail_nth: 0,
             fail_prob: 0.0,
@@ -426,6 +439,19 @@ impl Config {
             return Err(Error::config(
                 "big_page_mb",
                 format!("bad value `{}`: expected 0, or a multiple of 2 from 2 to 1024", self.big_page / MIB),
+            ));
+        }
+        // A simulated device (known now, unlike a GPU) smaller than the large pool's page
+        // could map no large request: every one would fail with the memory free.
+        if self.backend == BackendKind::Sim && self.expandable_segments && self.large_page > self.sim.capacity {
+            return Err(Error::config(
+                "large_segment_size_mb",
+                format!(
+                    "a page of {} MiB does not fit in the simulated device's {} MiB (sim_capacity_mb): \
+                     every large request would fail with the memory free; use a page of at most the device's memory",
+                    self.large_page / MIB,
+                    self.sim.capacity / MIB
+                ),
             ));
         }
         for (key, on) in [
@@ -577,11 +603,19 @@ impl Config {
             }
             "sim_capacity_mb" => {
                 let mb = parse_u64(value).ok_or_else(bad)?;
-                // The simulated address space per device is 2^44 bytes (16 TiB).
-                if mb == 0 || mb > (1 << 24) {
+                // At least the smallest segment and page (2 MiB): a smaller device could serve
+                // nothing. At most the simulated address space per device, 2^44 bytes (16 TiB).
+                if !(2..=MAX_SIM_MB).contains(&mb) {
                     return Err(bad());
                 }
                 self.sim.capacity = mb * MIB;
+            }
+            "sim_address_space_mb" => {
+                let mb = parse_u64(value).ok_or_else(bad)?;
+                if !(2..=MAX_SIM_MB).contains(&mb) {
+                    return Err(bad());
+                }
+                self.sim.address_space = mb * MIB;
             }
             "sim_event_delay_us" => {
                 self.sim.event_delay_ns = parse_u64(value).and_then(|us| us.checked_mul(1000)).ok_or_else(bad)?
