@@ -691,9 +691,18 @@ impl Heap {
             self.deferred_work = true;
             return Ok(0);
         }
-        let candidates: Vec<BlockId> = (0..self.arena.blocks.len() as BlockId)
+        // Free blocks of a page or more (the smallest page is 2 MiB) from the free lists, in
+        // block order: the blocks that can hold a whole page, without a scan of every block.
+        let mut listed = Vec::new();
+        for list in &self.lists {
+            list.collect_at_least(&self.arena.blocks, SMALL_SEGMENT, &mut listed);
+        }
+        let mut candidates: Vec<BlockId> = listed
+            .into_iter()
+            .map(|(_, id)| id)
             .filter(|&id| self.whole_pages(id).is_some() && pick(self.arena.block(id)))
             .collect();
+        candidates.sort_unstable();
         let mut synced = Vec::new();
         let mut released = 0;
         for id in candidates {
