@@ -869,12 +869,25 @@ mod tests {
     /// the string came from when the caller says.
     #[test]
     fn errors_name_the_value_and_the_range() {
-        for bad in ["sim_capacity_mb:0", "sim_capacity_mb:16777217"] {
+        // A simulated device smaller than a page (2 MiB) could serve nothing: refused too.
+        for bad in ["sim_capacity_mb:0", "sim_capacity_mb:1", "sim_capacity_mb:16777217"] {
             let e = Config::parse(bad).unwrap_err().to_string();
             let value = bad.split(':').nth(1).unwrap();
             assert!(e.contains("`sim_capacity_mb`") && e.contains(&format!("`{value}`")), "{e}");
-            assert!(e.contains("1..16777216"), "{e}");
+            assert!(e.contains("2..16777216"), "{e}");
         }
+        for bad in ["sim_address_space_mb:1", "sim_address_space_mb:16777217"] {
+            let e = Config::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("`sim_address_space_mb`") && e.contains("2..16777216"), "{e}");
+        }
+        // A page larger than the simulated device: named, with both sizes.
+        let e = Config::parse("backend:sim,sim_capacity_mb:64,expandable_segments:True,large_segment_size_mb:1024")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`large_segment_size_mb`") && e.contains("1024 MiB") && e.contains("64 MiB"), "{e}");
+        // On a GPU the memory is not known when configured: accepted (the out-of-memory error
+        // names the page then).
+        Config::parse("backend:cuda,sim_capacity_mb:64,expandable_segments:True,large_segment_size_mb:1024").unwrap();
         let e = Config::parse_from("sim_capacity_mb:0", "STEPALLOC_CONF").unwrap_err().to_string();
         assert!(e.ends_with("(in STEPALLOC_CONF)"), "{e}");
         let e = Config::parse("trace_entries:67108865").unwrap_err().to_string();

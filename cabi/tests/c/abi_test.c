@@ -266,7 +266,7 @@ static void scenario_bad_config(void) {
     CHECK(strstr(last_error(), "max_split_size_mb") != NULL, "names the key: %s", last_error());
     CHECK(strstr(last_error(), "stepalloc_configure") != NULL, "names the source: %s", last_error());
     CHECK(p_stepalloc_configure("sim_capacity_mb:0") == STEPALLOC_CONFIG, "capacity 0");
-    CHECK(strstr(last_error(), "`0`") != NULL && strstr(last_error(), "1..16777216") != NULL, "value and range: %s",
+    CHECK(strstr(last_error(), "`0`") != NULL && strstr(last_error(), "2..16777216") != NULL, "value and range: %s",
           last_error());
     CHECK(p_stepalloc_configure("no_such_key:1") == STEPALLOC_CONFIG, "unknown key");
     CHECK(strstr(last_error(), "no_such_key") != NULL && strstr(last_error(), "accepted keys") != NULL, "%s",
