@@ -256,9 +256,15 @@ impl Allocator {
         out
     }
 
-    /// For `set_base_alloc_fn`: the segment (base address, size) holding `ptr`, on any device.
-    pub fn base_allocation(&self, ptr: u64) -> Option<(u64, u64)> {
-        self.devices.iter().find_map(|heap| heap.lock().base_allocation(ptr))
+    /// For `set_base_alloc_fn`: the segment (base address, size) holding `ptr`, on any device;
+    /// refused for an expandable segment (see `Heap::base_allocation`).
+    pub fn base_allocation(&self, ptr: u64) -> Result<Option<(u64, u64)>> {
+        for heap in &self.devices {
+            if let Some(found) = heap.lock().base_allocation(ptr)? {
+                return Ok(Some(found));
+            }
+        }
+        Ok(None)
     }
 
     /// The device whose live allocation starts at `ptr` (for callers that are not told the

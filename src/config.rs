@@ -32,6 +32,10 @@ pub const MAX_TRACE_ENTRIES: usize = 1 << 26;
 #[rustfmt::skip]
 pub const RECOMMENDED: &str = "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:16,pack_small:True,close_holes:True,param_lane:True";
 
+/// The simulated device's largest memory and address space per device, in MiB (16 TiB, its
+/// address window).
+const MAX_SIM_MB: u64 = 1 << 24;
+
 /// Pages of expandable segments: multiples of the 2 MiB granularity, at most 1 GiB.
 const LARGE_PAGE_STEP: u64 = 2 * MIB;
 const MAX_LARGE_PAGE: u64 = 1024 * MIB;
@@ -87,6 +91,8 @@ pub struct Config {
 pub struct SimConfig {
     pub devices: usize,
     pub capacity: u64,
+    /// Bytes of virtual address space per device (reservations and ranges).
+    pub address_space: u64,
     pub event_delay_ns: u64,
     pub fail_nth: u64,
     pub fail_prob: f64,
@@ -100,6 +106,7 @@ impl Default for SimConfig {
         SimConfig {
             devices: 1,
             capacity: 81920 * MIB,
+            address_space: MAX_SIM_MB * MIB,
             event_delay_ns: 0,
             fail_nth: 0,
             fail_prob: 0.0,
@@ -199,6 +206,19 @@ impl Config {
             return Err(Error::config(
                 "big_page_mb",
                 format!("bad value `{}`: expected 0, or a multiple of 2 from 2 to 1024", self.big_page / MIB),
+            ));
+        }
+        // A simulated device (known now, unlike a GPU) smaller than the large pool's page
+        // could map no large request: every one would fail with the memory free.
+        if self.backend == BackendKind::Sim && self.expandable_segments && self.large_page > self.sim.capacity {
+            return Err(Error::config(
+                "large_segment_size_mb",
+                format!(
+                    "a page of {} MiB does not fit in the simulated device's {} MiB (sim_capacity_mb): \
+                     every large request would fail with the memory free; use a page of at most the device's memory",
+                    self.large_page / MIB,
+                    self.sim.capacity / MIB
+                ),
             ));
         }
         for (key, on) in [
@@ -350,11 +370,19 @@ impl Config {
             }
             "sim_capacity_mb" => {
                 let mb = parse_u64(value).ok_or_else(bad)?;
-                // The simulated address space per device is 2^44 bytes (16 TiB).
-                if mb == 0 || mb > (1 << 24) {
+                // At least the smallest segment and page (2 MiB): a smaller device could serve
+                // nothing. At most the simulated address space per device, 2^44 bytes (16 TiB).
+                if !(2..=MAX_SIM_MB).contains(&mb) {
                     return Err(bad());
                 }
                 self.sim.capacity = mb * MIB;
+            }
+            "sim_address_space_mb" => {
+                let mb = parse_u64(value).ok_or_else(bad)?;
+                if !(2..=MAX_SIM_MB).contains(&mb) {
+                    return Err(bad());
+                }
+                self.sim.address_space = mb * MIB;
             }
             "sim_event_delay_us" => {
                 self.sim.event_delay_ns = parse_u64(value).and_then(|us| us.checked_mul(1000)).ok_or_else(bad)?
@@ -608,12 +636,25 @@ mod tests {
     /// the string came from when the caller says.
     #[test]
     fn errors_name_the_value_and_the_range() {
-        for bad in ["sim_capacity_mb:0", "sim_capacity_mb:16777217"] {
+        // A simulated device smaller than a page (2 MiB) could serve nothing: refused too.
+        for bad in ["sim_capacity_mb:0", "sim_capacity_mb:1", "sim_capacity_mb:16777217"] {
             let e = Config::parse(bad).unwrap_err().to_string();
             let value = bad.split(':').nth(1).unwrap();
             assert!(e.contains("`sim_capacity_mb`") && e.contains(&format!("`{value}`")), "{e}");
-            assert!(e.contains("1..16777216"), "{e}");
+            assert!(e.contains("2..16777216"), "{e}");
         }
+        for bad in ["sim_address_space_mb:1", "sim_address_space_mb:16777217"] {
+            let e = Config::parse(bad).unwrap_err().to_string();
+            assert!(e.contains("`sim_address_space_mb`") && e.contains("2..16777216"), "{e}");
+        }
+        // A page larger than the simulated device: named, with both sizes.
+        let e = Config::parse("backend:sim,sim_capacity_mb:64,expandable_segments:True,large_segment_size_mb:1024")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("`large_segment_size_mb`") && e.contains("1024 MiB") && e.contains("64 MiB"), "{e}");
+        // On a GPU the memory is not known when configured: accepted (the out-of-memory error
+        // names the page then).
+        Config::parse("backend:cuda,sim_capacity_mb:64,expandable_segments:True,large_segment_size_mb:1024").unwrap();
         let e = Config::parse_from("sim_capacity_mb:0", "STEPALLOC_CONF").unwrap_err().to_string();
         assert!(e.ends_with("(in STEPALLOC_CONF)"), "{e}");
         let e = Config::parse("trace_entries:67108865").unwrap_err().to_string();

@@ -29,6 +29,20 @@ pub struct OomReport {
     /// Expandable segments: bytes the out-of-memory path unmapped for this request, or `None`
     /// without virtual memory. What stayed free but mapped is `reserved_unallocated`.
     pub unmapped: Option<u64>,
+    /// Expandable segments: the address space, not memory, ran out (a new range found no room).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub address_space: Option<AddressSpaceShort>,
+}
+
+/// A range of virtual address space that could not be reserved for a new expandable segment.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct AddressSpaceShort {
+    /// Bytes of the smallest range tried (the request's pages).
+    pub range: u64,
+    /// Address space held by the heap's expandable segments then.
+    pub reserved: u64,
+    /// Their number.
+    pub ranges: u64,
 }
 
 impl OomReport {
@@ -54,6 +68,17 @@ impl fmt::Display for OomReport {
             format_bytes(self.reserved_unallocated()),
             format_bytes(self.largest_free_block),
         )?;
+        if let Some(short) = &self.address_space {
+            write!(
+                f,
+                " The device's virtual address space ran out, not its memory: no free range of {} \
+                 was left for a new expandable segment; stepalloc holds {} of address space in {} \
+                 ranges (one or more per stream and pool).",
+                format_bytes(short.range),
+                format_bytes(short.reserved),
+                short.ranges,
+            )?;
+        }
         if let Some(allowed) = self.allowed {
             write!(f, " The process may use at most {} (per_process_memory_fraction).", format_bytes(allowed))?;
         }

@@ -113,6 +113,13 @@ pub struct Heap {
     pub(crate) step_clock: u64,
     /// `param_lane`: rounded sizes of the blocks live when the first step began.
     param_sizes: rustc_hash::FxHashSet<u64>,
+    /// `page_release` over the cache limit: no free block holds a whole page and no expandable
+    /// range is wholly unmapped, as the last release over the limit left it (see
+    /// `release_pages_over_limit`).
+    no_free_pages: bool,
+    /// Expandable segments: bytes of the last range the address space had no room for in the
+    /// request in progress (0 = none), for its out-of-memory report.
+    address_space_short: u64,
 }
 
 impl Heap {
@@ -140,6 +147,8 @@ impl Heap {
             idle_pages: Vec::new(),
             step_clock: 0,
             param_sizes: Default::default(),
+            no_free_pages: false,
+            address_space_short: 0,
             deferred_frees: Vec::new(),
             deferred_work: false,
             deferred_empty_cache: false,
@@ -423,7 +432,15 @@ impl Heap {
         let allocated = self.stats.allocated_bytes.current();
         let largest = self.largest_free_block();
         let cached_free = reserved - self.stats.active_bytes_current();
-        let hint = if cached_free >= rounded && largest < rounded && !self.config.page_reuse {
+        let hint = if segment_size > device_total {
+            // A device smaller than a segment or page: free memory cannot help.
+            format!(
+                "The request needs a segment or page of {}, more than the device's whole memory: \
+                 it cannot be served however much is free (the page of expandable segments' large \
+                 pool is large_segment_size_mb).",
+                format_bytes(segment_size),
+            )
+        } else if cached_free >= rounded && largest < rounded && !self.config.page_reuse {
             format!(
                 "{} is cached but no free block is large enough: the cache is fragmented. \
                  stepalloc's recommended configuration (`{}`) moves free pages to where a \
@@ -449,6 +466,7 @@ impl Heap {
             largest_free_block: largest,
             hint,
             unmapped: None,
+            address_space: None,
         }))
     }
 
@@ -548,9 +566,8 @@ impl Heap {
             self.release_segment(seg_id, ReleaseReason::Limit)?;
         } else if whole_segment_free && self.mempool_mode && class.pool() == 0 {
             self.release_segment(seg_id, ReleaseReason::EmptyCache)?;
-        } else if self.config.page_release && class.expandable() && self.over_cache_limit() {
-            let limit = self.cache_limit();
-            self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
+        } else if self.config.page_release && class.expandable() {
+            self.release_pages_over_limit(id)?;
         }
         Ok(())
     }
@@ -908,13 +925,25 @@ impl Heap {
     }
 
     /// The block holding `ptr` (anywhere inside it), for `set_base_alloc_fn`: the segment's base
-    /// address and size.
-    pub fn base_allocation(&self, ptr: u64) -> Option<(u64, u64)> {
-        self.arena
-            .live_segment_ids()
-            .map(|s| self.arena.segment(s))
-            .find(|s| s.addr <= ptr && ptr < s.addr + s.size)
-            .map(|s| (s.addr, s.size))
+    /// address and size (`Ok(None)`: in no segment). An expandable segment is refused, as
+    /// PyTorch's `getBaseAllocation` refuses it: its range is mostly unmapped, and IPC of its
+    /// memory goes through the physical pages' handles, not a base pointer.
+    pub fn base_allocation(&self, ptr: u64) -> Result<Option<(u64, u64)>> {
+        match self.segment_holding(ptr) {
+            Some((_, _, true)) => Err(Error::InvalidArgument(format!(
+                "{ptr:#x} lies in an expandable segment, which has no base allocation: tensors allocated \
+                 with expandable_segments:True cannot be shared between processes (as in PyTorch); use \
+                 expandable_segments:False for memory to be shared"
+            ))),
+            found => Ok(found.map(|(addr, size, _)| (addr, size))),
+        }
+    }
+
+    /// The segment holding `ptr` (anywhere inside it): its address, size (an expandable
+    /// segment's whole range) and whether it is expandable.
+    pub fn segment_holding(&self, ptr: u64) -> Option<(u64, u64, bool)> {
+        let mut segments = self.arena.live_segment_ids().map(|s| self.arena.segment(s));
+        segments.find(|s| s.addr <= ptr && ptr < s.addr + s.size).map(|s| (s.addr, s.size, s.expandable()))
     }
 
     /// Whether `ptr` is the start of a live allocation of this heap.
@@ -983,6 +1012,7 @@ impl Heap {
         let mut reserved = [0u64; 2];
         let mut listed = 0u64;
         let mut displaced = 0usize;
+        let mut unmapped = 0usize;
         for seg_id in self.arena.live_segment_ids() {
             let seg = self.arena.segment(seg_id);
             let p = if seg.small { 0 } else { 1 };
@@ -1037,7 +1067,12 @@ impl Heap {
                             }
                         }
                     }
-                    BlockState::Unmapped if seg.expandable() => {}
+                    BlockState::Unmapped if seg.expandable() => {
+                        unmapped += 1;
+                        if self.arena.unmapped_at(b.addr) != Some(id) {
+                            return Err(format!("unmapped block {:#x} missing from their index", b.addr));
+                        }
+                    }
                     BlockState::Unmapped | BlockState::Vacant => {
                         return Err(format!("{state:?} block {id} linked in a segment"))
                     }
@@ -1059,6 +1094,10 @@ impl Heap {
                     return Err(format!("segment {:#x}: {pages} pages mapped for {} bytes", seg.addr, seg.mapped));
                 }
             }
+        }
+        self.check_no_free_pages()?;
+        if unmapped != self.arena.unmapped_filed() {
+            return Err(format!("{unmapped} unmapped blocks, {} in their index", self.arena.unmapped_filed()));
         }
         if displaced != self.arena.displaced_blocks() {
             let filed = self.arena.displaced_blocks();

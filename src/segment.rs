@@ -29,6 +29,7 @@ pub use block::{Block, BlockClass, BlockId, BlockState, Segment, SegmentId, Segm
 use crate::backend::Stream;
 use live::LiveIndex;
 use rustc_hash::FxHashMap;
+use std::collections::BTreeMap;
 
 /// Slot storage for blocks and segments, with reuse of vacant slots, and the lookup of
 /// allocated blocks by address.
@@ -59,6 +60,11 @@ pub struct Arena {
     extra_streams: FxHashMap<BlockId, Vec<Stream>>,
     /// Events still to complete before a pending block is free; entries only while non-zero.
     pending_events: FxHashMap<BlockId, u32>,
+    /// The unmapped blocks of expandable segments, by address: what a request that needs pages
+    /// searches. Kept by the code that makes, splits, merges, maps and drops them
+    /// (`add_unmapped`, `remove_unmapped`), so that finding room costs the unmapped blocks it
+    /// looks at, not every block of the segments.
+    unmapped: BTreeMap<u64, BlockId>,
     pub segments: Vec<Segment>,
     /// Per segment slot, what allocations update (see `SegmentUse`).
     uses: Vec<SegmentUse>,
@@ -139,6 +145,7 @@ impl Default for Arena {
             displaced: LiveIndex::default(),
             extra_streams: FxHashMap::default(),
             pending_events: FxHashMap::default(),
+            unmapped: BTreeMap::new(),
             segments: Vec::new(),
             uses: Vec::new(),
             vacant_segments: Vec::new(),
@@ -487,6 +494,37 @@ impl Arena {
             cursor = self.block(current).next;
             Some(current)
         })
+    }
+
+    /// Files the unmapped block `id` in the index of unmapped blocks (at its address).
+    pub fn add_unmapped(&mut self, id: BlockId) {
+        debug_assert_eq!(self.state(id), BlockState::Unmapped);
+        let previous = self.unmapped.insert(self.block(id).addr, id);
+        debug_assert!(previous.is_none(), "two unmapped blocks at {:#x}", self.block(id).addr);
+    }
+
+    /// Takes block `id` out of the index of unmapped blocks (before its state or address changes,
+    /// or it is dropped).
+    pub fn remove_unmapped(&mut self, id: BlockId) {
+        let addr = self.block(id).addr;
+        let removed = self.unmapped.remove(&addr);
+        debug_assert_eq!(removed, Some(id), "unmapped block {id} was not filed at its address");
+    }
+
+    /// The unmapped blocks of segment `id` in address order.
+    pub fn unmapped_in(&self, id: SegmentId) -> impl Iterator<Item = BlockId> + '_ {
+        let seg = self.segment(id);
+        self.unmapped.range(seg.addr..seg.addr.saturating_add(seg.size)).map(|(_, &b)| b)
+    }
+
+    /// Unmapped blocks filed in the index, and the one filed at `addr` (for the heap's
+    /// invariant check).
+    pub fn unmapped_filed(&self) -> usize {
+        self.unmapped.len()
+    }
+
+    pub fn unmapped_at(&self, addr: u64) -> Option<BlockId> {
+        self.unmapped.get(&addr).copied()
     }
 
     pub fn live_segment_ids(&self) -> impl Iterator<Item = SegmentId> + '_ {

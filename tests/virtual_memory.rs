@@ -408,7 +408,7 @@ fn param_lane_packs_optimizer_states_apart_from_activations() {
         a.step_end().unwrap();
         a.check_invariants().unwrap();
         let base = weights[0];
-        let segment_of = |ptr: u64| a.with_heap(0, |h| h.base_allocation(ptr)).unwrap().unwrap().0;
+        let segment_of = |ptr: u64| a.with_heap(0, |h| h.segment_holding(ptr)).unwrap().unwrap().0;
         assert_eq!(segment_of(grads[0]) != segment_of(base), lane, "the gradients' segment is the lane's");
         if lane {
             let lane_base = *grads.iter().min().unwrap();
@@ -441,7 +441,7 @@ fn param_lane_starts_at_the_first_step_and_stops_at_big_pages() {
     let conf = "sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_reuse:True";
     let a = sim(&format!("{conf},big_page_mb:16,big_page_after_mb:64,param_lane:True"));
     let p = 3 * MIB + MIB / 2;
-    let segment_of = |ptr: u64| a.with_heap(0, |h| h.base_allocation(ptr)).unwrap().unwrap().0;
+    let segment_of = |ptr: u64| a.with_heap(0, |h| h.segment_holding(ptr)).unwrap().unwrap().0;
     let weight = a.malloc(0, p, S0).unwrap();
     let before = a.malloc(0, p, S0).unwrap();
     assert_eq!(segment_of(before), segment_of(weight), "no step has begun: no lane");
@@ -463,4 +463,88 @@ fn param_lane_starts_at_the_first_step_and_stops_at_big_pages() {
     a.check_invariants().unwrap();
     a.empty_cache().unwrap();
     assert_eq!(stats(&a).heap.reserved_bytes.all.current, 0, "every lane's pages unmapped");
+}
+
+/// Address space is not memory: 1,000 streams with one 4 KiB block each on an 80 GiB device
+/// would reserve 1,000 PyTorch-size ranges (90 GiB each) in a 16 TiB window. Past what the
+/// window holds, new ranges take only the pages they map, so every request is served.
+#[test]
+fn a_thousand_streams_do_not_run_out_of_address_space() {
+    let a = sim("expandable_segments:True");
+    let mut live = Vec::new();
+    for s in 0..1000u64 {
+        let stream = Stream(0x1000 + s);
+        live.push((a.malloc(0, 4096, stream).unwrap_or_else(|e| panic!("stream {s}: {e}")), stream));
+    }
+    let st = stats(&a);
+    assert_eq!(st.heap.num_ooms, 0);
+    assert_eq!(st.heap.reserved_bytes.all.current, 1000 * 2 * MIB, "one small page per stream");
+    a.check_invariants().unwrap();
+    for (p, _) in live {
+        a.free(0, p, 4096).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).heap.virtual_reserved_bytes, 0, "every range freed");
+}
+
+/// While the address space has room, a new range is PyTorch's 1.125 x device memory (so the
+/// layout and figures are PyTorch's); past it, ranges grow in chunks (twice the stream's widest)
+/// or take the request's pages; when even those find no room, the out-of-memory error says
+/// that the address space ran out, not memory, and the out-of-memory path freed empty ranges.
+#[test]
+fn address_space_runs_out_after_memory_and_says_so() {
+    // 1 GiB device, 2.5 GiB of address space: two PyTorch-size ranges (1,152 MiB) fit.
+    let a = sim("sim_capacity_mb:1024,sim_address_space_mb:2560,expandable_segments:True,large_segment_size_mb:2");
+    let p = a.malloc(0, 4 * MIB, S0).unwrap();
+    assert_eq!(stats(&a).heap.virtual_reserved_bytes, 1152 * MIB, "PyTorch's range first");
+    let q = a.malloc(0, 4 * MIB, S1).unwrap();
+    assert_eq!(stats(&a).heap.virtual_reserved_bytes, 2304 * MIB);
+    // A third stream: no room for 1,152 MiB; the range is the request's pages (it has none yet).
+    let s2 = Stream(0x2222);
+    let r = a.malloc(0, 6 * MIB, s2).unwrap();
+    assert_eq!(stats(&a).heap.virtual_reserved_bytes, 2310 * MIB, "a range of the request's pages");
+    // Its next request doubles its widest range.
+    let t = a.malloc(0, 3 * MIB, s2).unwrap();
+    assert_eq!(stats(&a).heap.virtual_reserved_bytes, 2322 * MIB, "twice the widest range");
+    // 2560 - 2322 = 238 MiB of address space left, 1 GiB - 18 MiB of memory: a 300 MiB request
+    // finds memory but no range.
+    let e = a.malloc(0, 300 * MIB, s2).unwrap_err();
+    let text = e.to_string();
+    assert!(text.starts_with("CUDA out of memory."), "{text}");
+    assert!(text.contains("address space ran out, not its memory"), "{text}");
+    let stepalloc::Error::OutOfMemory(report) = e else { panic!("not an out-of-memory error") };
+    let short = report.address_space.expect("address space named in the report");
+    assert_eq!((short.range, short.ranges), (300 * MIB, 4));
+    assert!(report.device_free > 900 * MIB, "memory was free: {}", report.device_free);
+    a.check_invariants().unwrap();
+    // Memory itself still serves requests that fit the space left.
+    let u = a.malloc(0, 200 * MIB, s2).unwrap();
+    for (ptr, size) in [(p, 4 * MIB), (q, 4 * MIB), (r, 6 * MIB), (t, 3 * MIB), (u, 200 * MIB)] {
+        a.free(0, ptr, size).unwrap();
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).heap.virtual_reserved_bytes, 0);
+}
+
+/// A device smaller than a page or segment: the simulated one is refused when configured; a
+/// request whose segment or page is larger than the device says so instead of "memory is free".
+#[test]
+fn a_device_smaller_than_a_page_is_refused_or_named() {
+    for (conf, key) in [
+        ("backend:sim,sim_capacity_mb:1", "sim_capacity_mb"),
+        ("backend:sim,sim_capacity_mb:64,expandable_segments:True,large_segment_size_mb:1024", "large_segment_size_mb"),
+    ] {
+        let e = Config::parse(conf).unwrap_err().to_string();
+        assert!(e.contains(&format!("`{key}`")), "{conf}: {e}");
+    }
+    // 16 MiB device, plain segments: 3 MiB needs a 20 MiB segment.
+    let a = sim("sim_capacity_mb:16");
+    let e = a.malloc(0, 3 * MIB, S0).unwrap_err().to_string();
+    assert!(e.contains("segment or page of 20.00 MiB, more than the device's whole memory"), "{e}");
+    // 100 MiB device, expandable segments with 64 MiB pages: one fits; 65 MiB needs two.
+    let a = sim("sim_capacity_mb:100,expandable_segments:True,large_segment_size_mb:64");
+    let p = a.malloc(0, 3 * MIB, S0).unwrap();
+    a.free(0, p, 3 * MIB).unwrap();
+    let e = a.malloc(0, 65 * MIB, S0).unwrap_err().to_string();
+    assert!(e.contains("segment or page of 128.00 MiB"), "{e}");
 }

@@ -245,7 +245,9 @@ void stepalloc_empty_cache(void);
 void stepalloc_set_memory_fraction(double fraction, int device);
 
 // The segment holding `ptr` (anywhere inside it): returns its base address and writes its size
-// to `*size`. NULL when `ptr` is in no segment or `size` is NULL.
+// to `*size`. NULL when `ptr` is in no segment or `size` is NULL, and (as PyTorch's
+// `getBaseAllocation` refuses) when `ptr` is in an expandable segment (status
+// `STEPALLOC_INVALID_ARGUMENT`; the last error says why).
 //
 // # Safety
 // `size` must be NULL or point to a writable `size_t`.

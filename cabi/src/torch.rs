@@ -105,7 +105,9 @@ pub extern "C" fn stepalloc_set_memory_fraction(fraction: f64, device: c_int) {
 }
 
 /// The segment holding `ptr` (anywhere inside it): returns its base address and writes its size
-/// to `*size`. NULL when `ptr` is in no segment or `size` is NULL.
+/// to `*size`. NULL when `ptr` is in no segment or `size` is NULL, and (as PyTorch's
+/// `getBaseAllocation` refuses) when `ptr` is in an expandable segment (status
+/// `STEPALLOC_INVALID_ARGUMENT`; the last error says why).
 ///
 /// # Safety
 /// `size` must be NULL or point to a writable `size_t`.
@@ -116,7 +118,7 @@ pub unsafe extern "C" fn stepalloc_base_alloc(ptr: *mut c_void, size: *mut usize
             return Err(AbiError::invalid("stepalloc_base_alloc: size is NULL".into()));
         }
         let addr = ptr as usize as u64;
-        let (base, bytes) = allocator()?.base_allocation(addr).ok_or(AbiError::UnknownPointer(addr))?;
+        let (base, bytes) = allocator()?.base_allocation(addr)?.ok_or(AbiError::UnknownPointer(addr))?;
         // Safety: checked non-NULL above; the caller guarantees it points to a size_t.
         unsafe { *size = bytes as usize };
         Ok(base as usize as *mut c_void)

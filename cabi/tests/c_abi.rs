@@ -61,6 +61,14 @@ fn out_of_memory_through_stepalloc_malloc() {
     scenario("oom", &[]);
 }
 
+/// `stepalloc_base_alloc` refuses a block of an expandable segment (as PyTorch's
+/// `getBaseAllocation` does) instead of returning the reserved range; many streams run out of
+/// address space, not memory, and the error says so.
+#[test]
+fn expandable_segments_have_no_base_allocation_and_name_the_address_space() {
+    scenario("expandable", &[]);
+}
+
 #[test]
 fn mempool_mode_gives_freed_segments_back_and_a_fraction_of_zero_is_accepted() {
     scenario("mempool", &[]);

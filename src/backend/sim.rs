@@ -139,7 +139,8 @@ impl SimDevice {
                 }
                 candidate = candidate.max((addr + size).div_ceil(ALIGNMENT) * ALIGNMENT);
             }
-            if candidate + span <= ADDRESS_WINDOW {
+            // Addresses past the configured space (`sim_address_space_mb`) stay unused.
+            if candidate + span <= self.config.address_space.min(ADDRESS_WINDOW) {
                 return Some(candidate);
             }
         }

@@ -204,8 +204,14 @@ pub const KEYS: &[KeyDoc] = &[
     KeyDoc {
         name: "sim_capacity_mb",
         default: "81920",
-        form: "integer MiB 1..16777216 (16 TiB, the simulated address window)",
+        form: "integer MiB 2..16777216 (2 MiB, the smallest segment and page, to 16 TiB, the simulated address window)",
         doc: "simulated device: memory per device",
+    },
+    KeyDoc {
+        name: "sim_address_space_mb",
+        default: "16777216",
+        form: "integer MiB 2..16777216 (16 TiB)",
+        doc: "simulated device: virtual address space per device (a small one runs out first)",
     },
     KeyDoc {
         name: "sim_event_delay_us",

@@ -134,6 +134,7 @@ impl Heap {
         requested: u64,
         lane: bool,
     ) -> Result<BlockId> {
+        self.address_space_short = 0;
         if let Some(id) = self.try_expand(small, stream, rounded, lane)? {
             return Ok(id);
         }
@@ -152,6 +153,14 @@ impl Heap {
         let mut e = self.out_of_memory(requested, rounded, rounded.div_ceil(page).saturating_mul(page));
         if let crate::Error::OutOfMemory(report) = &mut e {
             report.unmapped = Some(unmapped);
+            if self.address_space_short > 0 {
+                report.address_space = Some(crate::error::AddressSpaceShort {
+                    range: self.address_space_short,
+                    reserved: self.stats.virtual_reserved_bytes,
+                    ranges: self.arena.live_segment_ids().filter(|&s| self.arena.segment(s).expandable()).count()
+                        as u64,
+                });
+            }
         }
         Err(e)
     }
@@ -213,16 +222,16 @@ impl Heap {
             .map(|s| (self.arena.segment(s).addr, s))
             .collect();
         segments.sort_unstable();
+        // The largest range this stream has in the pool (a new range may double it).
+        let widest = segments.iter().map(|&(_, s)| self.arena.segment(s).size).max().unwrap_or(0);
         // `close_holes`: the smallest chain that the request closes (one that reaches the free
         // block after an unmapped hole) before PyTorch's first fit: a closed hole joins two
         // mapped runs, and their partly used end pages with them.
         let close_holes = self.config.close_holes;
         let (mut first, mut closing): (Option<BlockId>, Option<(u64, BlockId)>) = (None, None);
         for (_, seg_id) in segments {
-            for id in self.arena.segment_blocks(seg_id).collect::<Vec<_>>() {
-                if self.arena.state(id) != BlockState::Unmapped {
-                    continue;
-                }
+            // The segment's unmapped blocks in address order, from the index: not its blocks.
+            for id in self.arena.unmapped_in(seg_id) {
                 let prev = self.arena.block(id).prev;
                 let start = if prev != NIL && self.reusable_by(prev, stream) { prev } else { id };
                 if !self.room_from(start, rounded, stream) {
@@ -242,17 +251,7 @@ impl Heap {
         if let Some(start) = closing.map(|(_, start)| start).or(first) {
             return Ok(Some(start));
         }
-        // A new segment: 1.125 × device memory of address space, as PyTorch reserves.
-        let total = self.device_total;
-        let bytes = total.saturating_add(total / 8).div_ceil(page).saturating_mul(page);
-        if bytes < rounded {
-            return Ok(None);
-        }
-        let addr = match self.backend.reserve_address(bytes) {
-            Ok(addr) => addr,
-            Err(e) if e.is_out_of_memory() => return Ok(None),
-            Err(e) => return Err(e),
-        };
+        let Some((addr, bytes)) = self.reserve_range(rounded, page, widest)? else { return Ok(None) };
         let pages = (bytes / page) as usize;
         let seg = self.arena.new_segment(
             Segment {
@@ -273,11 +272,49 @@ impl Heap {
         let class = BlockClass::new(0, small, true).in_lane(lane);
         let block = Block::unlinked(addr, bytes, seg, class, stream, self.alloc_clock);
         let id = self.arena.new_block(block, BlockState::Unmapped);
+        self.arena.add_unmapped(id);
+        // Wholly unmapped until its pages are mapped (a full release would free it).
+        self.no_free_pages = false;
         self.arena.segment_mut(seg).first = id;
         self.pages.insert(seg, vec![None; pages]);
         self.stats.segment.increase(small, 1);
         self.stats.virtual_reserved_bytes += bytes;
         Ok(Some(id))
+    }
+
+    /// The address range of a new segment for a request of `rounded` bytes, `None` when the
+    /// address space has no room (recorded in `address_space_short`) or the request exceeds
+    /// what the device could map.
+    ///
+    /// First 1.125 × device memory, as PyTorch reserves, so that the layout (and every figure)
+    /// is PyTorch's while the address space has room. A process with many streams reserves that
+    /// per stream and pool, which exhausts a window long before memory (1,000 streams on an
+    /// 80 GiB device need 180 TiB; the simulated window is 16 TiB): then the range is sized to
+    /// what it will map, twice the stream's widest range in the pool (ranges grow in chunks)
+    /// or, failing that, the request's pages alone, so that address space is spent in step
+    /// with mapped memory and runs out only when the window is full of those.
+    fn reserve_range(&mut self, rounded: u64, page: u64, widest: u64) -> Result<Option<(u64, u64)>> {
+        let total = self.device_total;
+        let full = total.saturating_add(total / 8).div_ceil(page).saturating_mul(page);
+        if full < rounded {
+            return Ok(None);
+        }
+        let need = rounded.div_ceil(page).saturating_mul(page);
+        let grown = widest.saturating_mul(2).clamp(need, full);
+        let mut tried = u64::MAX;
+        for bytes in [full, grown, need] {
+            if bytes >= tried {
+                continue;
+            }
+            tried = bytes;
+            match self.backend.reserve_address(bytes) {
+                Ok(addr) => return Ok(Some((addr, bytes))),
+                Err(e) if e.is_out_of_memory() => {}
+                Err(e) => return Err(e),
+            }
+        }
+        self.address_space_short = need;
+        Ok(None)
     }
 
     /// Whether `stream` may use the free block `id` (PyTorch's "allocatable").
@@ -390,6 +427,8 @@ impl Heap {
             self.stats.num_oom_rejections += 1;
             return Ok(None);
         }
+        // New free pages: the next release over the cache limit looks at every block again.
+        self.no_free_pages = false;
         let first = ((addr - seg_addr) / page) as usize;
         let pages = (map_bytes / page) as usize;
         // A map operation is this heap's device malloc: timed like one (modelled on the sim).
@@ -418,9 +457,11 @@ impl Heap {
             }
             self.page_slot(seg_id, first + i).replace(handle);
         }
+        self.arena.remove_unmapped(id);
         if map_bytes < size {
             let rest = self.split_block(id, map_bytes);
             debug_assert_eq!(self.arena.state(rest), BlockState::Unmapped);
+            self.arena.add_unmapped(rest);
         }
         let clock = self.alloc_clock;
         self.arena.set_state(id, BlockState::Free);
@@ -607,7 +648,12 @@ impl Heap {
         }
         let bytes = end - start;
         self.arena.set_state(middle, BlockState::Unmapped);
+        self.arena.add_unmapped(middle);
         self.arena.segment_mut(seg_id).mapped -= bytes;
+        if self.arena.segment(seg_id).mapped == 0 {
+            // A wholly unmapped range, which a full release frees.
+            self.no_free_pages = false;
+        }
         let s = &mut self.stats;
         s.reserved_bytes.decrease(small, bytes);
         s.num_device_free += 1;
@@ -626,7 +672,10 @@ impl Heap {
             let other = if forward { b.next } else { b.prev };
             if other != NIL && self.arena.state(other) == BlockState::Unmapped {
                 let stream = self.arena.block(id).stream;
+                self.arena.remove_unmapped(id);
+                self.arena.remove_unmapped(other);
                 self.absorb(id, other, forward, stream);
+                self.arena.add_unmapped(id);
             }
         }
     }
@@ -645,9 +694,18 @@ impl Heap {
             self.deferred_work = true;
             return Ok(0);
         }
-        let candidates: Vec<BlockId> = (0..self.arena.blocks.len() as BlockId)
+        // Free blocks of a page or more (the smallest page is 2 MiB) from the free lists, in
+        // block order: the blocks that can hold a whole page, without a scan of every block.
+        let mut listed = Vec::new();
+        for list in &self.lists {
+            list.collect_at_least(&self.arena.blocks, SMALL_SEGMENT, &mut listed);
+        }
+        let mut candidates: Vec<BlockId> = listed
+            .into_iter()
+            .map(|(_, id)| id)
             .filter(|&id| self.whole_pages(id).is_some() && pick(self.arena.block(id)))
             .collect();
+        candidates.sort_unstable();
         let mut synced = Vec::new();
         let mut released = 0;
         for id in candidates {
@@ -661,6 +719,54 @@ impl Heap {
         }
         self.free_unmapped_segments()?;
         Ok(released)
+    }
+
+    /// `page_release` over the cache limit, at the free that made (or merged into) the free
+    /// block `freed`: unmaps whole free pages, in block order, until the cache is within the
+    /// limit. Flat per free: once a release has unmapped every free whole page and is still
+    /// over the limit (the cached bytes sit in partly used pages), `no_free_pages` records that
+    /// nothing is left to release; until something else maps pages, merges free blocks across
+    /// streams or leaves a range wholly unmapped (each of which clears it), the only free whole
+    /// pages are those of the blocks frees make, so a free looks at its own block alone, with
+    /// the same result as the whole search.
+    pub(crate) fn release_pages_over_limit(&mut self, freed: BlockId) -> Result<()> {
+        if !self.over_cache_limit() {
+            // Within the limit nothing is released, but the block may now hold whole pages.
+            if self.no_free_pages && self.whole_pages(freed).is_some() {
+                self.no_free_pages = false;
+            }
+            return Ok(());
+        }
+        if self.no_free_pages && self.captures_underway == 0 {
+            let Some((lo, hi)) = self.whole_pages(freed) else { return Ok(()) };
+            self.unmap_range(freed, lo, hi, Unmapped::Release(ReleaseReason::Limit), &mut Vec::new())?;
+            self.free_unmapped_segments()?;
+            self.no_free_pages = true;
+            return Ok(());
+        }
+        let limit = self.cache_limit();
+        self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
+        // Still over the limit after a search that stops only at the limit: every candidate
+        // went (a capture defers the search instead).
+        self.no_free_pages = self.captures_underway == 0 && self.cached_free() > limit;
+        Ok(())
+    }
+
+    /// Whether `no_free_pages` holds: no free block of an expandable segment holds a whole
+    /// page and no expandable range is wholly unmapped (for the heap's invariant check).
+    pub(super) fn check_no_free_pages(&self) -> std::result::Result<(), String> {
+        if !self.no_free_pages {
+            return Ok(());
+        }
+        if let Some(id) = self.arena.blocks_in_state(BlockState::Free).find(|&id| self.whole_pages(id).is_some()) {
+            return Err(format!("free block {:#x} holds whole pages, but none is recorded", self.arena.block(id).addr));
+        }
+        let empty =
+            self.arena.live_segment_ids().map(|s| self.arena.segment(s)).find(|s| s.expandable() && s.mapped == 0);
+        match empty {
+            Some(seg) => Err(format!("range {:#x} is wholly unmapped, but none is recorded", seg.addr)),
+            None => Ok(()),
+        }
     }
 
     /// Frees the address range of every expandable segment with nothing mapped.
@@ -679,6 +785,7 @@ impl Heap {
                 (seg.addr, seg.size, seg.small, seg.first)
             };
             self.backend.free_address(addr, size)?;
+            self.arena.remove_unmapped(first);
             self.arena.drop_block(first);
             self.arena.drop_segment(seg_id);
             self.pages.remove(&seg_id);

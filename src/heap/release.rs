@@ -137,6 +137,8 @@ impl Heap {
     /// Waits for the whole device; then no stream has work queued, every free block may serve
     /// any stream, and neighbours that could not merge before are merged.
     pub(super) fn settle_free_streams(&mut self) -> Result<()> {
+        // Merges below may join partial pages into whole ones.
+        self.no_free_pages = false;
         self.backend.synchronize()?;
         self.stats.num_device_synchronize += 1;
         // All free blocks, ANY ones too: a merge reaches one neighbour each way, so a chain of

@@ -266,7 +266,7 @@ static void scenario_bad_config(void) {
     CHECK(strstr(last_error(), "max_split_size_mb") != NULL, "names the key: %s", last_error());
     CHECK(strstr(last_error(), "stepalloc_configure") != NULL, "names the source: %s", last_error());
     CHECK(p_stepalloc_configure("sim_capacity_mb:0") == STEPALLOC_CONFIG, "capacity 0");
-    CHECK(strstr(last_error(), "`0`") != NULL && strstr(last_error(), "1..16777216") != NULL, "value and range: %s",
+    CHECK(strstr(last_error(), "`0`") != NULL && strstr(last_error(), "2..16777216") != NULL, "value and range: %s",
           last_error());
     CHECK(p_stepalloc_configure("no_such_key:1") == STEPALLOC_CONFIG, "unknown key");
     CHECK(strstr(last_error(), "no_such_key") != NULL && strstr(last_error(), "accepted keys") != NULL, "%s",
@@ -397,6 +397,42 @@ static void scenario_mempool(void) {
     check_roundtrip(0);
 }
 
+/* ----- expandable segments: no base allocation; address space, not memory, runs out ----- */
+
+static void scenario_expandable(void) {
+    /* 1 GiB device, 3 GiB of address space: two PyTorch-size ranges (1.125 GiB) fit. */
+    CHECK(p_stepalloc_configure("backend:sim,sim_capacity_mb:1024,sim_address_space_mb:3072,expandable_segments:True")
+              == STEPALLOC_OK,
+          "%s", last_error());
+    void *p = p_stepalloc_malloc(3 * MIB, 0, NULL);
+    CHECK(p != NULL, "3 MiB: %s", last_error());
+    /* As PyTorch's getBaseAllocation: refused, not the whole reserved range. */
+    size_t seg_size = 12345;
+    CHECK(p_stepalloc_base_alloc((char *)p + 100, &seg_size) == NULL, "base_alloc of an expandable block");
+    CHECK(status() == STEPALLOC_INVALID_ARGUMENT, "status %d", status());
+    CHECK(strstr(last_error(), "expandable") != NULL && strstr(last_error(), "cannot be shared") != NULL, "%s",
+          last_error());
+    CHECK(seg_size == 12345, "size written on refusal: %zu", seg_size);
+    /* One 4 KiB block per stream: past two streams the ranges are sized to their pages; the
+       address space runs out after about 3 GiB / 2 MiB of them, with memory to spare, and the
+       error says so. */
+    void *blocks[2048];
+    int n = 0;
+    for (; n < 2048; n++) {
+        blocks[n] = p_stepalloc_malloc(4096, 0, (void *)(uintptr_t)(0x100 + n));
+        if (blocks[n] == NULL) break;
+    }
+    CHECK(n > 300 && n < 2048, "%d streams got a block", n);
+    CHECK(status() == STEPALLOC_OUT_OF_MEMORY, "status %d", status());
+    CHECK(strncmp(last_error(), "CUDA out of memory.", 19) == 0 && strstr(last_error(), "address space ran out") != NULL,
+          "message: %s", last_error());
+    for (int i = 0; i < n; i++) p_stepalloc_free(blocks[i], 4096, 0, (void *)(uintptr_t)(0x100 + i));
+    p_stepalloc_free(p, 3 * MIB, 0, NULL);
+    CHECK(status() == STEPALLOC_OK, "%s", last_error());
+    check_stats(0, 0, 0);
+    check_roundtrip(0);
+}
+
 int main(int argc, char **argv) {
     CHECK(argc == 3, "usage: %s LIBRARY SCENARIO", argv[0]);
     load_library(argv[1]);
@@ -410,6 +446,7 @@ int main(int argc, char **argv) {
     else if (strcmp(scenario, "no_backend") == 0) scenario_no_backend();
     else if (strcmp(scenario, "oom") == 0) scenario_oom();
     else if (strcmp(scenario, "mempool") == 0) scenario_mempool();
+    else if (strcmp(scenario, "expandable") == 0) scenario_expandable();
     else CHECK(0, "unknown scenario %s", scenario);
     printf("ok %s\n", scenario);
     return 0;
