@@ -99,6 +99,13 @@ static void warm_linear_put(void *p, unsigned long long bytes);
 static int warm_chunk_take(unsigned long long bytes, int *warm);
 static void warm_chunk_put(int fd, unsigned long long bytes);
 static void warm_populate(unsigned long long ptr, unsigned long long size);
+/* Captured copies and memsets, replayed when the graph is launched (the last section). */
+struct stream;
+enum { OP_COPY = 0, OP_SET8 = 1, OP_SET32 = 2 };
+static void capture_record(struct stream *s, int kind, unsigned long long dst, unsigned long long src,
+                           unsigned long long n);
+static void *graph_new(struct stream *s, int keep);
+static void graph_free(void *gr);
 
 static unsigned long long now_ns(void) {
     struct timespec ts;
@@ -651,9 +658,9 @@ CUresult cuStreamEndCapture(void *h, void **graph) {
     int invalid = s->cap_status == CAP_INVALIDATED;
     s->cap_status = CAP_NONE;
     *graph = NULL;
+    void *gr = graph_new(s, !invalid); /* takes the capture's recorded work */
     if (invalid) RETURN(E_CAPTURE_INVALIDATED);
-    void *gr = malloc(16);
-    if (!gr || reg_add(&graphs, gr)) { free(gr); RETURN(E_OUT_OF_MEMORY); }
+    if (!gr || reg_add(&graphs, gr)) { graph_free(gr); RETURN(E_OUT_OF_MEMORY); }
     *graph = gr;
     RETURN(OK);
 }
@@ -685,7 +692,7 @@ CUresult cuGraphDestroy(void *gr) {
     long i = reg_find(&graphs, gr);
     if (i < 0) RETURN(E_INVALID_VALUE);
     reg_del(&graphs, i);
-    free(gr);
+    graph_free(gr);
     RETURN(OK);
 }
 
@@ -859,7 +866,7 @@ CUresult cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t n, void *s
     if (r) RETURN(r);
     if (!device_range(ptr, n, 1)) RETURN(E_INVALID_VALUE);
     if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
-    if (s->cap_status == CAP_ACTIVE) RETURN(OK); /* captured: runs when the graph runs */
+    if (s->cap_status == CAP_ACTIVE) { capture_record(s, OP_SET8, ptr, value, n); RETURN(OK); } /* runs when the graph runs */
     if ((r = legacy_during_capture(s))) RETURN(r);
     memset((void *)(uintptr_t)ptr, value, n);
     enqueue(s);
@@ -889,7 +896,7 @@ CUresult cuMemsetD32Async(CUdeviceptr ptr, unsigned value, size_t words, void *s
     if (r) RETURN(r);
     if (ptr % 4 || words > (~0ull >> 2) || !device_range(ptr, 4ull * words, 1)) RETURN(E_INVALID_VALUE);
     if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
-    if (s->cap_status == CAP_ACTIVE) RETURN(OK); /* captured: runs when the graph runs */
+    if (s->cap_status == CAP_ACTIVE) { capture_record(s, OP_SET32, ptr, value, words); RETURN(OK); } /* runs when the graph runs */
     if ((r = legacy_during_capture(s))) RETURN(r);
     fill32(ptr, value, words);
     enqueue(s);
@@ -1154,7 +1161,10 @@ static CUresult copy_check(void *sh, struct stream **s, unsigned long long dev_a
 
 /* Runs a checked copy on `s`: captured (not run) during an active capture, else now. */
 static CUresult copy_run(struct stream *s, void *dst, const void *src, size_t n) {
-    if (s->cap_status == CAP_ACTIVE) return OK;
+    if (s->cap_status == CAP_ACTIVE) { /* runs when the graph runs */
+        capture_record(s, OP_COPY, (uintptr_t)dst, (uintptr_t)src, n);
+        return OK;
+    }
     CUresult r = legacy_during_capture(s);
     if (r) return r;
     if (n) memmove(dst, src, n);
@@ -1640,4 +1650,127 @@ static void set_warm_limit(unsigned long long bytes) {
         reg_del(pool, (long)pool->n - 1);
         free(w);
     }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* graphs that replay their copies
+ *
+ * Copies and memsets queued on a capturing stream are recorded (they do not run then, as on a
+ * device) and the graph that cuStreamEndCapture returns holds them; the runtime
+ * (hostcudart.c) snapshots them at instantiation and runs them, in capture order, at each
+ * launch. Each launch checks the device side of every recorded operation against the memory
+ * mapped now: a graph whose memory was unmapped (a paused tag) fails with
+ * CUDA_ERROR_INVALID_VALUE instead of touching it, where a device would fault. Kernels are not
+ * recorded (none run here); cross-stream captures record only the capturing stream's work. */
+
+struct op { int kind; unsigned long long dst, src, n; }; /* SET8/SET32: src is the value */
+struct ops { struct op *v; size_t n, cap; };
+struct capture_rec { struct stream *s; unsigned long long id; struct ops ops; };
+static struct reg captures; /* struct capture_rec *, one per capture with recorded work */
+
+static int ops_add(struct ops *o, struct op op) {
+    if (o->n == o->cap) {
+        size_t cap = o->cap ? o->cap * 2 : 16;
+        struct op *v = realloc(o->v, cap * sizeof *v);
+        if (!v) return -1;
+        o->v = v;
+        o->cap = cap;
+    }
+    o->v[o->n++] = op;
+    return 0;
+}
+
+static void capture_record(struct stream *s, int kind, unsigned long long dst, unsigned long long src,
+                           unsigned long long n) {
+    struct capture_rec *c = NULL;
+    for (size_t i = 0; i < captures.n && !c; i++) {
+        struct capture_rec *x = captures.v[i];
+        if (x->s == s && x->id == s->cap_id) c = x;
+    }
+    if (!c) {
+        if (!(c = calloc(1, sizeof *c)) || reg_add(&captures, c)) { free(c); s->cap_status = CAP_INVALIDATED; return; }
+        c->s = s;
+        c->id = s->cap_id;
+    }
+    if (ops_add(&c->ops, (struct op){kind, dst, src, n})) s->cap_status = CAP_INVALIDATED; /* out of host memory */
+}
+
+/* A graph: the recorded work of the capture that ends on `s` (dropped when !keep). */
+static void *graph_new(struct stream *s, int keep) {
+    struct ops ops = {0};
+    for (size_t i = 0; i < captures.n; i++) {
+        struct capture_rec *c = captures.v[i];
+        if (c->s != s || c->id != s->cap_id) continue;
+        ops = c->ops;
+        reg_del(&captures, (long)i);
+        free(c);
+        break;
+    }
+    if (!keep) { free(ops.v); return NULL; }
+    struct ops *gr = malloc(sizeof *gr);
+    if (!gr) { free(ops.v); return NULL; }
+    *gr = ops;
+    return gr;
+}
+
+static void graph_free(void *gr) {
+    struct ops *o = gr;
+    if (o) free(o->v);
+    free(o);
+}
+
+/* Whether `p` lies in device address space (an allocation or a reserved range). */
+static int device_space(unsigned long long p) {
+    for (size_t i = 0; i < allocs.n; i++) {
+        struct alloc *a = allocs.v[i];
+        if (p >= a->addr && p < a->addr + a->charged) return 1;
+    }
+    return reserved(p, 1);
+}
+
+/* For the runtime's cudaGraphInstantiate: a copy of graph `gr`'s recorded work, or NULL
+ * (not a live graph, or out of memory). Free with hostcuda_graph_snapshot_free. */
+void *hostcuda_graph_snapshot(void *gr) {
+    lock();
+    struct ops *copy = NULL;
+    if (reg_find(&graphs, gr) >= 0 && (copy = calloc(1, sizeof *copy))) {
+        struct ops *o = gr;
+        if (o->n && !(copy->v = malloc(o->n * sizeof *copy->v))) { free(copy); copy = NULL; }
+        else {
+            if (o->n) memcpy(copy->v, o->v, o->n * sizeof *copy->v);
+            copy->n = copy->cap = o->n;
+        }
+    }
+    unlock();
+    return copy;
+}
+
+void hostcuda_graph_snapshot_free(void *snap) { graph_free(snap); }
+
+/* For the runtime's cudaGraphLaunch: runs the snapshot's work on stream `sh`, in order. */
+CUresult hostcuda_graph_launch(void *snap, void *sh) {
+    BEGIN(hostcuda_graph_launch);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(sh, &s);
+    if (r) RETURN(r);
+    if (!snap) RETURN(E_INVALID_VALUE);
+    if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
+    if (s->cap_status == CAP_ACTIVE) RETURN(OK); /* a graph launched inside a capture: a node */
+    struct ops *o = snap;
+    for (size_t i = 0; i < o->n; i++) { /* every device side mapped now, before anything runs */
+        struct op *op = &o->v[i];
+        unsigned long long bytes = op->kind == OP_SET32 ? 4 * op->n : op->n;
+        if (!bytes) continue;
+        if (device_space(op->dst) && !device_range(op->dst, bytes, 1)) RETURN(E_INVALID_VALUE);
+        if (op->kind == OP_COPY && device_space(op->src) && !device_range(op->src, bytes, 0)) RETURN(E_INVALID_VALUE);
+    }
+    for (size_t i = 0; i < o->n; i++) {
+        struct op *op = &o->v[i];
+        if (op->kind == OP_COPY) memmove((void *)(uintptr_t)op->dst, (const void *)(uintptr_t)op->src, op->n);
+        else if (op->kind == OP_SET8) memset((void *)(uintptr_t)op->dst, (int)op->src, op->n);
+        else fill32(op->dst, (unsigned)op->src, op->n);
+    }
+    enqueue(s);
+    RETURN(OK);
 }
