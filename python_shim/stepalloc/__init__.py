@@ -19,7 +19,9 @@ Layer map: ``_lib`` (the ctypes handle, errors), ``steps`` (step hooks), ``stats
 (torch-compatible statistics), ``snapshot`` (memory-viewer snapshots), ``metrics``
 (Prometheus), ``ranks`` (torchrun: the rank's device, Prometheus targets, gathering every
 rank's figures), ``torch`` (install / mempool / patch_torch), ``integrations`` (framework
-callbacks, agent loops). Importing this package loads no library and imports neither torch
+callbacks, agent loops), ``sleep`` (tagged regions, pause / resume with addresses kept),
+``memory_saver`` (a torch_memory_saver-shaped object over ``sleep``). Importing this package
+loads no library and imports neither torch
 nor any framework: everything happens on first use.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 from ._lib import (
     ConfigError,
     LibraryNotFoundError,
+    PausedError,
     StepallocError,
     config_help,
     configure,
@@ -41,6 +44,7 @@ from ._lib import (
 from .integrations import AgentLoop, PhaseRecord, hf_callback, lightning_callback
 from .metrics import StepallocCollector, metrics_text, register_prometheus, serve_metrics
 from .ranks import RankInfo, gather_stats, prometheus_target, rank_device, rank_info, write_prometheus_targets
+from .sleep import SleepReport, pause, paused_tags, region, release_backup, resume, tags
 from .snapshot import dump_snapshot, dump_trace, memory_snapshot, trace_jsonl
 from .stats import (
     max_memory_allocated,
@@ -73,13 +77,15 @@ def empty_cache() -> None:
 
 
 __all__ = [
-    "RECOMMENDED",
     "AgentLoop",
     "ConfigError",
     "Installation",
     "LibraryNotFoundError",
+    "PausedError",
     "PhaseRecord",
+    "RECOMMENDED",
     "RankInfo",
+    "SleepReport",
     "StepallocCollector",
     "StepallocError",
     "config_help",
@@ -107,19 +113,25 @@ __all__ = [
     "mempool",
     "metrics_text",
     "patch_torch",
+    "pause",
+    "paused_tags",
     "prometheus_target",
     "rank_device",
     "rank_info",
     "raw_alloc",
     "raw_free",
+    "region",
     "register_prometheus",
+    "release_backup",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
+    "resume",
     "serve_metrics",
     "step",
     "step_begin",
     "step_end",
     "stepalloc_stats",
+    "tags",
     "trace_jsonl",
     "unpatch_torch",
     "version",
