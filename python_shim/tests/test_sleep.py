@@ -467,3 +467,16 @@ def test_process_exit_while_paused_is_clean() -> None:
     assert r.returncode == 0 and "paused=1" in r.stdout, r.stderr[-4000:]
     assert "panic" not in r.stderr.lower(), r.stderr[-4000:]
 
+
+
+@needs_torch
+def test_the_colocated_loop_example_runs_and_fits() -> None:
+    example = ROOT / "python_shim" / "examples" / "colocated_loop.py"
+    r = run_python(
+        f"import runpy, sys\nsys.argv = [{str(example)!r}, '--iterations', '3', '--unit-mb', '64']\n"
+        f"runpy.run_path({str(example)!r}, run_name='__main__')",
+        env=torch_env(capacity_mb=1024),
+        timeout=300,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-4000:]
+    assert "fits: yes" in r.stdout and "addresses kept: yes" in r.stdout, r.stdout
