@@ -125,19 +125,32 @@ timed(out, back, check)
 """
 
 
-def run(name: str, body: str, args: argparse.Namespace, one_tensor: bool = False) -> list[tuple[float, float]] | str:
+def run(
+    name: str, body: str, args: argparse.Namespace, one_tensor: bool = False
+) -> list[tuple[float, float]] | str:
     runtime = HOSTCUDA / "runtime"
-    env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTCUDA_") and k != "STEPALLOC_CONF"}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith("HOSTCUDA_") and k != "STEPALLOC_CONF"
+    }
     env.update(
         {
             "LD_PRELOAD": str(runtime / "libcudart.so.13"),
             "LD_LIBRARY_PATH": os.pathsep.join(
-                [str(runtime), str(HOSTCUDA), str(HOSTCUDA / "standins"), os.environ.get("LD_LIBRARY_PATH", "")]
+                [
+                    str(runtime),
+                    str(HOSTCUDA),
+                    str(HOSTCUDA / "standins"),
+                    os.environ.get("LD_LIBRARY_PATH", ""),
+                ]
             ),
             "HOSTCUDA_DEVICES": "1",
             "HOSTCUDA_CAPACITY_MB": str(args.capacity_mb),
             "PYTORCH_CUDA_ALLOC_CONF": "",
-            "PYTHONPATH": os.pathsep.join([str(ROOT / "python_shim"), env.get("PYTHONPATH", "")]),
+            "PYTHONPATH": os.pathsep.join(
+                [str(ROOT / "python_shim"), env.get("PYTHONPATH", "")]
+            ),
         }
     )
     params = {
@@ -148,7 +161,12 @@ def run(name: str, body: str, args: argparse.Namespace, one_tensor: bool = False
         "one_tensor": one_tensor,
     }
     r = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(COMMON) + textwrap.dedent(body), json.dumps(params)],
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(COMMON) + textwrap.dedent(body),
+            json.dumps(params),
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -169,7 +187,11 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=257)
     ap.add_argument("--cycles", type=int, default=6)
     ap.add_argument("--capacity-mb", type=int, default=4096)
-    ap.add_argument("--only", default="", help="comma-separated columns to run (stepalloc,tms_default,tms_floor,host_copy)")
+    ap.add_argument(
+        "--only",
+        default="",
+        help="comma-separated columns to run (stepalloc,tms_default,tms_floor,host_copy)",
+    )
     ap.add_argument("--json", help="also write the figures to this file")
     args = ap.parse_args()
     if args.cycles < 2:
@@ -190,7 +212,9 @@ def main() -> int:
         f"one cycle: pause + resume of {args.backup_mb} MiB backed up in {args.tensors} tensors + "
         f"{args.discard_mb} MiB discarded; median of cycles 2..{args.cycles} on testdrv (host memory)"
     )
-    print(f"{'variant':<12} {'pause ms':>9} {'resume ms':>10} {'cycle ms':>9} {'GiB/s':>7} {'vs floor':>9}")
+    print(
+        f"{'variant':<12} {'pause ms':>9} {'resume ms':>10} {'cycle ms':>9} {'GiB/s':>7} {'vs floor':>9}"
+    )
     floor = None
     rows = {}
     for name, res in results.items():
@@ -205,11 +229,24 @@ def main() -> int:
         if name == "tms_floor":
             floor = cycle
     for name, row in rows.items():
-        gibs = 2 * args.backup_mb / 1024 / row["cycle_s"]  # backed-up bytes, out and back
+        gibs = (
+            2 * args.backup_mb / 1024 / row["cycle_s"]
+        )  # backed-up bytes, out and back
         ratio = f"{row['cycle_s'] / floor:.2f}x" if floor else "-"
-        print(f"{name:<12} {row['pause_s'] * 1e3:>9.1f} {row['resume_s'] * 1e3:>10.1f} {row['cycle_s'] * 1e3:>9.1f} {gibs:>7.2f} {ratio:>9}")
+        print(
+            f"{name:<12} {row['pause_s'] * 1e3:>9.1f} {row['resume_s'] * 1e3:>10.1f} {row['cycle_s'] * 1e3:>9.1f} {gibs:>7.2f} {ratio:>9}"
+        )
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "rows": rows, "errors": {k: v for k, v in results.items() if isinstance(v, str)}}, indent=1))
+        Path(args.json).write_text(
+            json.dumps(
+                {
+                    "args": vars(args),
+                    "rows": rows,
+                    "errors": {k: v for k, v in results.items() if isinstance(v, str)},
+                },
+                indent=1,
+            )
+        )
     return 0 if all(not isinstance(v, str) for v in results.values()) else 1
 
 

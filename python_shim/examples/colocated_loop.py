@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 try:
@@ -54,7 +53,12 @@ def check(t: torch.Tensor, value: int, what: str) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iterations", type=int, default=4)
-    ap.add_argument("--unit-mb", type=int, default=64, help="size unit: weights 3, KV 6, params 2, optimizer 4, grads 2, activations 4 units")
+    ap.add_argument(
+        "--unit-mb",
+        type=int,
+        default=64,
+        help="size unit: weights 3, KV 6, params 2, optimizer 4, grads 2, activations 4 units",
+    )
     ap.add_argument("--tensors", type=int, default=16, help="tensors per weight set (models are many tensors)")
     ap.add_argument("--conf", default="backend:cuda," + stepalloc.RECOMMENDED)
     args = ap.parse_args()
@@ -88,7 +92,10 @@ def main() -> int:
     addresses = [t.data_ptr() for t in weights + params + optim + grads] + [kv.data_ptr()]
 
     _, total = torch.cuda.mem_get_info()
-    print(f"device {total / MIB:.0f} MiB; engine {9 * u / MIB:.0f} MiB, trainer {12 * u / MIB:.0f} MiB (both: {21 * u / MIB:.0f} MiB)")
+    print(
+        f"device {total / MIB:.0f} MiB; engine {9 * u / MIB:.0f} MiB, trainer {12 * u / MIB:.0f} MiB "
+        f"(both: {21 * u / MIB:.0f} MiB)"
+    )
     print(f"{'iter':>4} {'phase':<8} {'in use MiB':>10} {'copied MiB':>10} {'switch ms':>9} {'GiB/s':>6}")
     peak = 0
     switch_s = 0.0
@@ -150,8 +157,13 @@ def main() -> int:
     if now != addresses:
         raise SystemExit("an address moved across a sleep")
     fits = peak <= total and 21 * u > total
-    print(f"peak in use {peak / MIB:.0f} MiB of {total / MIB:.0f} MiB; both sides resident would need {21 * u / MIB:.0f} MiB")
-    print(f"addresses kept: yes; bytes kept: yes; switch time {switch_s * 1e3:.0f} ms over {args.iterations} iterations")
+    print(
+        f"peak in use {peak / MIB:.0f} MiB of {total / MIB:.0f} MiB; "
+        f"both sides resident would need {21 * u / MIB:.0f} MiB"
+    )
+    print(
+        f"addresses kept: yes; bytes kept: yes; switch time {switch_s * 1e3:.0f} ms over {args.iterations} iterations"
+    )
     print("fits: " + ("yes" if fits else "no"))
     return 0
 

@@ -26,7 +26,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import threading
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 from . import _lib, sleep
 
@@ -54,7 +55,7 @@ class TorchMemorySaver:
         self._margin = 0
         self._retain = True  # stepalloc keeps its host buffers; False gives them back on resume
         self._tags: set[str] = set()  # the tags this object's regions named
-        self._hook_mode: Optional[str] = None
+        self._hook_mode: str | None = None
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -94,7 +95,7 @@ class TorchMemorySaver:
         tag: str = _TAG_DEFAULT,
         enable_cpu_backup: bool = False,
         enable_disk_backup: bool = False,
-        cpu_backup_backend: Optional[str] = None,
+        cpu_backup_backend: str | None = None,
     ) -> Iterator[None]:
         """Tensors allocated inside carry ``tag``; with ``enable_cpu_backup`` their bytes are
         kept on the host through ``pause``/``resume``, else they are discarded."""
@@ -113,7 +114,7 @@ class TorchMemorySaver:
         capture_error_mode: str = "global",
         tag: str = _TAG_DEFAULT,
         enable_cpu_backup: bool = False,
-        cpu_backup_backend: Optional[str] = None,
+        cpu_backup_backend: str | None = None,
     ) -> Iterator[None]:
         """``torch.cuda.graph(...)`` whose memory (the graph's pool) carries ``tag``, so it can
         be paused with the rest; the graph replays after ``resume`` (same addresses)."""
@@ -121,10 +122,10 @@ class TorchMemorySaver:
         self._ensure_initialized()
         import torch
 
-        with torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
-            with sleep.region(_tag(tag), backup=enable_cpu_backup):
-                self._tags.add(_tag(tag))
-                yield
+        graph = torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
+        with graph, sleep.region(_tag(tag), backup=enable_cpu_backup):
+            self._tags.add(_tag(tag))
+            yield
 
     @contextlib.contextmanager
     def disable(self, dispose_mem_pool_after_use: bool = True) -> Iterator[None]:
@@ -137,7 +138,7 @@ class TorchMemorySaver:
 
     # --- pause and resume ------------------------------------------------------------------
 
-    def _targets(self, tag: Optional[str]) -> list[str]:
+    def _targets(self, tag: str | None) -> list[str]:
         """The tags a call acts on: the one named, if it has memory (torch_memory_saver does
         nothing for a tag without allocations), else every tag this object's regions named."""
         known = sleep.tags()
@@ -145,13 +146,13 @@ class TorchMemorySaver:
             return [_tag(tag)] if _tag(tag) in known else []
         return sorted(t for t in self._tags if t in known)
 
-    def pause(self, tag: Optional[str] = None) -> sleep.SleepReport:
+    def pause(self, tag: str | None = None) -> sleep.SleepReport:
         """Releases the memory of ``tag`` (None: every tag of this object's regions), keeping
         the addresses. Returns stepalloc's report (torch_memory_saver returns None)."""
         self._ensure_initialized()
         return _merge("pause", [sleep.pause(t) for t in self._targets(tag)])
 
-    def resume(self, tag: Optional[str] = None) -> sleep.SleepReport:
+    def resume(self, tag: str | None = None) -> sleep.SleepReport:
         """Maps the memory of ``tag`` (None: every paused tag of this object's regions) again and
         restores its backup. With ``memory_margin_bytes`` set, refuses (out of memory, nothing
         mapped) when less than the margin would stay free on the device afterwards."""
@@ -207,6 +208,8 @@ class TorchMemorySaver:
         if not x.is_contiguous():
             raise ValueError(f"get_cpu_backup needs a contiguous tensor (shape {tuple(x.shape)}, stride {x.stride()})")
         nbytes = int(x.numel() * x.element_size())
+        if not sleep.has_backup_pointer() and not sleep.paused_tags():
+            return None  # nothing is paused: no tensor has a backup
         host = sleep.backup_pointer(int(x.data_ptr()), nbytes)
         if not host:
             return None
@@ -218,7 +221,7 @@ class TorchMemorySaver:
         return out if zero_copy else out.clone()
 
 
-def _check_backend(enable_cpu_backup: bool, enable_disk_backup: bool, backend: Optional[str]) -> None:
+def _check_backend(enable_cpu_backup: bool, enable_disk_backup: bool, backend: str | None) -> None:
     if enable_disk_backup:
         raise NotImplementedError(
             "enable_disk_backup: stepalloc backs up to pinned host memory only (enable_cpu_backup=True)"

@@ -23,7 +23,7 @@ import json
 import threading
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Optional
+from typing import Any
 
 from . import _lib
 
@@ -94,7 +94,7 @@ class SleepReport:
     raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def from_json(cls, text: str) -> "SleepReport":
+    def from_json(cls, text: str) -> SleepReport:
         d = json.loads(text)
         return cls(
             op=str(d.get("op", "")),
@@ -125,7 +125,7 @@ def _report() -> SleepReport:
     return SleepReport.from_json(_lib.read_text(_c().stepalloc_sleep_report_json))
 
 
-class region:  # noqa: N801 - a context manager used like a function, as torch's are
+class region:
     """``with stepalloc.region(tag, backup=False):`` — what this thread allocates inside carries
     ``tag`` (the innermost region wins; outside every region, ``"default"``).
 
@@ -142,7 +142,7 @@ class region:  # noqa: N801 - a context manager used like a function, as torch's
         self.backup = bool(backup)
         self._data = _tag_arg(tag, "region: tag")
 
-    def __enter__(self) -> "region":
+    def __enter__(self) -> region:
         _lib.check(int(_c().stepalloc_region_enter(self._data, 1 if self.backup else 0)))
         return self
 
@@ -153,7 +153,7 @@ class region:  # noqa: N801 - a context manager used like a function, as torch's
         return f"stepalloc.region({self.tag!r}, backup={self.backup})"
 
 
-def pause(tag: Optional[str] = None, backup: Optional[bool] = None) -> SleepReport:
+def pause(tag: str | None = None, backup: bool | None = None) -> SleepReport:
     """Releases the physical memory of ``tag`` (None: every tag that has had a region) to the
     device, keeping every address: tensors keep their ``data_ptr()`` and CUDA graphs captured
     before stay valid once ``resume`` ran. Live bytes are copied to host memory first when the
@@ -169,7 +169,7 @@ def pause(tag: Optional[str] = None, backup: Optional[bool] = None) -> SleepRepo
     return _report()
 
 
-def resume(tag: Optional[str] = None) -> SleepReport:
+def resume(tag: str | None = None) -> SleepReport:
     """Maps physical memory at the addresses ``tag`` (None: every paused tag) had and restores
     its backed-up bytes. When the device cannot give the memory back, raises
     ``torch.cuda.OutOfMemoryError`` naming the tag and the shortfall; the tag stays paused with
@@ -190,6 +190,11 @@ def tags() -> dict[str, dict[str, Any]]:
     """Every tag with its figures: ``live_bytes``, ``paused``, ``paused_bytes``, ``backup``,
     ``backup_bytes``, ``pauses``, ``resumes``, ``pause_seconds``, ``resume_seconds``."""
     return json.loads(_lib.read_text(_c().stepalloc_tags_json) or "{}")
+
+
+def has_backup_pointer() -> bool:
+    """Whether the library can tell where a paused range's backup lies (``backup_pointer``)."""
+    return hasattr(_c(), "stepalloc_backup_pointer")
 
 
 def backup_pointer(ptr: int, nbytes: int) -> int:

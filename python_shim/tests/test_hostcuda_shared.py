@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -168,11 +167,12 @@ def test_released_physical_memory_is_handed_back_warm_and_uncleared(tmp_path: Pa
         acc = Access(1, 0, 3)
         N = 64 * MIB
         va = ctypes.c_uint64()
-        ok(cu.cuMemAddressReserve(ctypes.byref(va), ctypes.c_size_t(N), ctypes.c_size_t(0), ctypes.c_uint64(0), ctypes.c_ulonglong(0)), "reserve")
+        U64, SZ = ctypes.c_uint64, ctypes.c_size_t
+        ok(cu.cuMemAddressReserve(ctypes.byref(va), SZ(N), SZ(0), U64(0), U64(0)), "reserve")
         def mapped():
             r, h, _ = create(N); ok(r, "create")
-            ok(cu.cuMemMap(ctypes.c_uint64(va.value), ctypes.c_size_t(N), ctypes.c_size_t(0), ctypes.c_uint64(h), ctypes.c_ulonglong(0)), "map")
-            ok(cu.cuMemSetAccess(ctypes.c_uint64(va.value), ctypes.c_size_t(N), ctypes.byref(acc), ctypes.c_size_t(1)), "access")
+            ok(cu.cuMemMap(U64(va.value), SZ(N), SZ(0), U64(h), U64(0)), "map")
+            ok(cu.cuMemSetAccess(U64(va.value), SZ(N), ctypes.byref(acc), SZ(1)), "access")
             return h
         def unmap(h):
             ok(cu.cuMemUnmap(ctypes.c_uint64(va.value), ctypes.c_size_t(N)), "unmap")
@@ -208,8 +208,12 @@ def test_without_the_variable_each_process_has_its_own_device(tmp_path: Path) ->
     env = {k: v for k, v in os.environ.items() if not k.startswith("HOSTCUDA_")}
     env.update({"HOSTCUDA_CAPACITY_MB": "256", "HOSTCUDA_DEVICES": "1"})
     code = PRELUDE + 'r, a = alloc(200 * MIB); ok(r, "alloc"); say("free", free_bytes()[0]); sys.stdin.readline()\n'
-    a = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    b = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    a = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    b = subprocess.Popen(
+        [sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
     assert int(expect(a, "free")) == 56 * MIB
     assert int(expect(b, "free")) == 56 * MIB
     for p in (a, b):

@@ -115,9 +115,8 @@ def test_allocating_in_a_paused_tags_region_is_a_paused_error() -> None:
         p = stepalloc.raw_alloc(4 * MIB, DEV)
     stepalloc.pause("sim_blocked")
     try:
-        with stepalloc.region("sim_blocked"):
-            with pytest.raises(stepalloc.PausedError, match="sim_blocked"):
-                stepalloc.raw_alloc(4 * MIB, DEV)
+        with stepalloc.region("sim_blocked"), pytest.raises(stepalloc.PausedError, match="sim_blocked"):
+            stepalloc.raw_alloc(4 * MIB, DEV)
         # Outside the region the thread allocates as usual.
         q = stepalloc.raw_alloc(4 * MIB, DEV)
         stepalloc.raw_free(q, 0, DEV)
@@ -148,9 +147,8 @@ def test_odd_calls_have_their_documented_outcome() -> None:
     with pytest.raises(ValueError, match="never_seen_tag"):
         stepalloc.pause("never_seen_tag")
     for bad in ["", "has space", "x" * 65, "slash/tag"]:
-        with pytest.raises(ValueError):
-            with stepalloc.region(bad):
-                pass
+        with pytest.raises(ValueError), stepalloc.region(bad):
+            pass
     with pytest.raises(ValueError, match="NUL"):
         stepalloc.region("a\x00b")
     with pytest.raises(TypeError):
@@ -445,7 +443,7 @@ def test_another_process_sees_paused_memory_free_and_resume_waits_for_it(tmp_pat
     _send(trainer)
     assert _expect(trainer, "retry") == "True"
     for p in (engine, trainer):
-        out, err = p.communicate(timeout=60)
+        _out, err = p.communicate(timeout=60)
         assert p.returncode == 0, err[-4000:]
 
 
@@ -466,7 +464,6 @@ def test_process_exit_while_paused_is_clean() -> None:
     )
     assert r.returncode == 0 and "paused=1" in r.stdout, r.stderr[-4000:]
     assert "panic" not in r.stderr.lower(), r.stderr[-4000:]
-
 
 
 @needs_torch
