@@ -1747,6 +1747,21 @@ void *hostcuda_graph_snapshot(void *gr) {
 
 void hostcuda_graph_snapshot_free(void *snap) { graph_free(snap); }
 
+/* For the runtime's cudaGraphGetNodes: the operations recorded in graph `gr` (-1: not a live
+ * graph); with `nodes`, up to `cap` handles (the operations' addresses, unique and stable while
+ * the graph lives). */
+long hostcuda_graph_nodes(void *gr, void **nodes, size_t cap) {
+    lock();
+    long n = -1;
+    if (reg_find(&graphs, gr) >= 0) {
+        struct ops *o = gr;
+        n = (long)o->n;
+        for (size_t i = 0; nodes && i < cap && i < o->n; i++) nodes[i] = &o->v[i];
+    }
+    unlock();
+    return n;
+}
+
 /* For the runtime's cudaGraphLaunch: runs the snapshot's work on stream `sh`, in order. */
 CUresult hostcuda_graph_launch(void *snap, void *sh) {
     BEGIN(hostcuda_graph_launch);

@@ -716,6 +716,7 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
 void *hostcuda_graph_snapshot(void *graph);
 void hostcuda_graph_snapshot_free(void *snap);
 CUresult hostcuda_graph_launch(void *snap, void *stream);
+long hostcuda_graph_nodes(void *graph, void **nodes, size_t cap);
 
 struct graph_exec { unsigned magic; void *ops; };
 #define EXEC_MAGIC 0x67726170u
@@ -757,9 +758,10 @@ cudaError_t cudaGraphExecDestroy(void *exec) {
 cudaError_t cudaGraphDestroy(void *graph) { CTX(); return ret(cuGraphDestroy(graph)); }
 
 cudaError_t cudaGraphGetNodes(void *graph, void **nodes, size_t *n) {
-    (void)graph, (void)nodes;
     if (!n) return ret(cudaErrorInvalidValue);
-    *n = 0;
+    long count = hostcuda_graph_nodes(graph, nodes, nodes ? *n : 0);
+    if (count < 0) return ret(cudaErrorInvalidValue);
+    if (!nodes || (size_t)count < *n) *n = (size_t)count; /* with nodes: how many were written */
     return cudaSuccess;
 }
 
