@@ -17,6 +17,9 @@ iteration). Columns:
   * host copy: ``copy_`` of each backed-up tensor into pinned buffers allocated once, and back
     (no unmapping, no discard): the copy alone.
 
+Wall-clock columns, and the process's CPU time per cycle (every thread): on a shared, loaded
+host the CPU figure is the steadier (testdrv's copies and page-table work are CPU work).
+
 Each variant runs in its own child process (PyTorch over testdrv's stub runtime,
 ``HOSTCUDA_CAPACITY_MB`` = ``--capacity-mb``). Needs torch, ``testdrv/build.sh``,
 ``python3 testdrv/standins.py target/hostcuda/standins`` (a torch without CUDA wheels), the
@@ -54,11 +57,20 @@ def sizes(total, n):
 def host_values(n, seed):
     return torch.full((n,), seed % 251 + 1, dtype=torch.uint8)
 def timed(pause, resume, check):
+    # wall seconds of pause and resume, and the process's CPU seconds (all threads) for the
+    # cycle: on a loaded host the CPU figure is the steadier one (testdrv's copies, maps and
+    # page-table work are all CPU work of this process)
     cycles = []
     for _ in range(A["cycles"]):
         torch.cuda.synchronize()
-        t0 = time.perf_counter(); pause(); t1 = time.perf_counter(); resume(); torch.cuda.synchronize(); t2 = time.perf_counter()
-        cycles.append((t1 - t0, t2 - t1))
+        c0 = time.process_time()
+        t0 = time.perf_counter()
+        pause()
+        t1 = time.perf_counter()
+        resume()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        cycles.append((t1 - t0, t2 - t1, time.process_time() - c0))
     check()
     print("RESULT " + json.dumps(cycles), flush=True)
 """
@@ -148,9 +160,7 @@ def run(
             "HOSTCUDA_DEVICES": "1",
             "HOSTCUDA_CAPACITY_MB": str(args.capacity_mb),
             "PYTORCH_CUDA_ALLOC_CONF": "",
-            "PYTHONPATH": os.pathsep.join(
-                [str(ROOT / "python_shim"), env.get("PYTHONPATH", "")]
-            ),
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "python_shim"), env.get("PYTHONPATH", "")]),
         }
     )
     params = {
@@ -213,28 +223,34 @@ def main() -> int:
         f"{args.discard_mb} MiB discarded; median of cycles 2..{args.cycles} on testdrv (host memory)"
     )
     print(
-        f"{'variant':<12} {'pause ms':>9} {'resume ms':>10} {'cycle ms':>9} {'GiB/s':>7} {'vs floor':>9}"
+        f"{'variant':<12} {'pause ms':>9} {'resume ms':>10} {'cycle ms':>9} {'GiB/s':>7}"
+        f" {'vs floor':>9} {'cycle CPU ms':>13} {'vs floor':>9}"
     )
-    floor = None
+    floor = floor_cpu = None
     rows = {}
     for name, res in results.items():
         if isinstance(res, str):
             print(f"{name:<12} {res}")
             continue
         steady = res[1:]
-        p = statistics.median(c[0] for c in steady)
-        r = statistics.median(c[1] for c in steady)
-        cycle = statistics.median(c[0] + c[1] for c in steady)
-        rows[name] = {"pause_s": p, "resume_s": r, "cycle_s": cycle, "cycles": res}
+        rows[name] = {
+            "pause_s": statistics.median(c[0] for c in steady),
+            "resume_s": statistics.median(c[1] for c in steady),
+            "cycle_s": statistics.median(c[0] + c[1] for c in steady),
+            "cycle_cpu_s": statistics.median(c[2] for c in steady),
+            "cycles": res,
+        }
         if name == "tms_floor":
-            floor = cycle
+            floor, floor_cpu = rows[name]["cycle_s"], rows[name]["cycle_cpu_s"]
     for name, row in rows.items():
-        gibs = (
-            2 * args.backup_mb / 1024 / row["cycle_s"]
-        )  # backed-up bytes, out and back
+        # backed-up bytes, out and back, per wall second
+        gibs = 2 * args.backup_mb / 1024 / row["cycle_s"]
         ratio = f"{row['cycle_s'] / floor:.2f}x" if floor else "-"
+        ratio_cpu = f"{row['cycle_cpu_s'] / floor_cpu:.2f}x" if floor_cpu else "-"
         print(
-            f"{name:<12} {row['pause_s'] * 1e3:>9.1f} {row['resume_s'] * 1e3:>10.1f} {row['cycle_s'] * 1e3:>9.1f} {gibs:>7.2f} {ratio:>9}"
+            f"{name:<12} {row['pause_s'] * 1e3:>9.1f} {row['resume_s'] * 1e3:>10.1f}"
+            f" {row['cycle_s'] * 1e3:>9.1f} {gibs:>7.2f} {ratio:>9}"
+            f" {row['cycle_cpu_s'] * 1e3:>13.1f} {ratio_cpu:>9}"
         )
     if args.json:
         Path(args.json).write_text(
