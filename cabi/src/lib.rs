@@ -6,6 +6,7 @@
 //! - `trampoline.cpp`: the C++ part: `stepalloc_torch_malloc`, which throws a C++ exception on
 //!   out-of-memory, and the CUDA-graph pool hooks, which take C++ types by value;
 //! - `control.rs`: configuration, steps, statistics, snapshots, traces, metrics, last error;
+//! - `sleep.rs`: regions (tags), pause and resume, their report and per-tag figures;
 //! - `guard.rs`, `last_error.rs`, `status.rs`: the panic guard, the thread-local last error,
 //!   the stable status codes.
 //!
@@ -22,10 +23,12 @@
 mod control;
 mod guard;
 mod last_error;
+mod sleep;
 mod status;
 mod torch;
 
 pub use control::*;
+pub use sleep::*;
 pub use status::*;
 pub use torch::*;
 
