@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,17 @@ from stepalloc import sleep as sleep_mod
 
 GIB = 1 << 30
 DEV = 1  # device 1 of the session's simulated devices: other tests use device 0 most
+
+
+@pytest.fixture(autouse=True)
+def _leave_the_session_as_found() -> Iterator[None]:
+    """Nothing paused and nothing cached after each test: later tests of this process count
+    device mallocs and expect an empty cache."""
+    yield
+    if stepalloc.paused_tags():
+        stepalloc.resume()
+    stepalloc.empty_cache()
+    stepalloc.release_backup()
 
 
 def live(tag: str) -> int:
@@ -146,6 +158,10 @@ def test_resume_that_cannot_get_the_memory_fails_naming_the_tag_and_can_be_retri
 def test_odd_calls_have_their_documented_outcome() -> None:
     with pytest.raises(ValueError, match="never_seen_tag"):
         stepalloc.pause("never_seen_tag")
+    with pytest.raises(ValueError, match="default"):
+        stepalloc.pause("default")  # memory outside every region is never paused
+    with pytest.raises(ValueError, match="default"):
+        stepalloc.resume("default")
     for bad in ["", "has space", "x" * 65, "slash/tag"]:
         with pytest.raises(ValueError), stepalloc.region(bad):
             pass
