@@ -37,9 +37,11 @@ pub mod metrics;
 pub mod process;
 pub mod segment;
 pub mod sizeclass;
+pub mod sleep;
 pub mod snapshot;
 pub mod stats;
 pub mod step;
+pub mod tags;
 pub mod trace;
 pub mod units;
 

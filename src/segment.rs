@@ -403,6 +403,11 @@ impl Arena {
         }
     }
 
+    /// The streams `record_stream` added to block `id` (empty when none).
+    pub fn extra_streams(&self, id: BlockId) -> &[Stream] {
+        self.extra_streams.get(&id).map_or(&[], Vec::as_slice)
+    }
+
     pub fn take_extra_streams(&mut self, id: BlockId) -> Option<Vec<Stream>> {
         if self.extra_streams.is_empty() {
             return None;

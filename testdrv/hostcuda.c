@@ -5,7 +5,7 @@
  * rules and returns the documented error codes; testdrv/README.md lists each call, its rule and
  * the documentation it follows, and every configuration variable.
  *
- * Invariants:
+ * Invariants (the accounting and warm-memory rules are in the last two sections):
  * - Device memory is host memory: cuMemAlloc is an anonymous mmap (MAP_NORESERVE); cuMemCreate
  *   is a memfd, mapped with MAP_SHARED|MAP_FIXED inside ranges reserved with PROT_NONE, so one
  *   physical chunk can be mapped at two addresses and data written through one is read through
@@ -17,6 +17,10 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/stat.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -80,6 +84,29 @@ static struct {
 static void lock(void) { pthread_mutex_lock(&g.lock); }
 static void unlock(void) { pthread_mutex_unlock(&g.lock); }
 
+/* Device memory accounting and warm memory, defined in the last sections of this file (a
+ * device shared by several processes; memory released earlier handed back uncleared). Called
+ * under the lock. */
+static void shared_open(void);
+static int set_capacity(unsigned long long bytes);
+static void set_warm_limit(unsigned long long bytes);
+static unsigned long long dev_capacity(void);
+static unsigned long long dev_free(int d);
+static int dev_charge(int d, unsigned long long bytes);
+static void dev_uncharge(int d, unsigned long long bytes);
+static void *warm_linear_take(unsigned long long bytes);
+static void warm_linear_put(void *p, unsigned long long bytes);
+static int warm_chunk_take(unsigned long long bytes, int *warm);
+static void warm_chunk_put(int fd, unsigned long long bytes);
+static void warm_populate(unsigned long long ptr, unsigned long long size);
+/* Captured copies and memsets, replayed when the graph is launched (the last section). */
+struct stream;
+enum { OP_COPY = 0, OP_SET8 = 1, OP_SET32 = 2 };
+static void capture_record(struct stream *s, int kind, unsigned long long dst, unsigned long long src,
+                           unsigned long long n);
+static void *graph_new(struct stream *s, int keep);
+static void graph_free(void *gr);
+
 static unsigned long long now_ns(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -140,6 +167,7 @@ static void configure(void) { /* under the lock */
     g.rng = env_u64("HOSTCUDA_SEED", 1);
     g.trace = (int)env_u64("HOSTCUDA_TRACE", 0);
     parse_rules(getenv("HOSTCUDA_FAIL"));
+    shared_open();
 }
 
 /* The injected failure for this call, if a rule fires (under the lock). */
@@ -209,7 +237,7 @@ struct event {
 
 struct alloc { unsigned long long addr, size, charged; int dev; };
 struct resv { unsigned long long base, size; };
-struct phys { int fd, dev, released, maps; unsigned long long size; };
+struct phys { int fd, dev, released, maps, warm; unsigned long long size; }; /* warm: its pages were touched before */
 struct mapping { unsigned long long addr, size, offset; struct phys *p; int prot; };
 
 static struct ctx ctxs[MAX_DEVICES];
@@ -217,6 +245,7 @@ static unsigned long long used[MAX_DEVICES];
 static struct reg streams, events, graphs, allocs, resvs, physs, maps;
 static __thread struct ctx *t_current;
 static __thread int t_mode = MODE_GLOBAL;
+
 
 static int ctx_valid(const struct ctx *c) {
     return c >= ctxs && c < ctxs + g.devices && ((const char *)c - (const char *)ctxs) % sizeof *c == 0 && c->refs > 0;
@@ -385,7 +414,7 @@ CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev) {
     BEGIN(cuDeviceTotalMem_v2);
     NEED_DEV(dev);
     if (!bytes) RETURN(E_INVALID_VALUE);
-    *bytes = g.capacity;
+    *bytes = dev_capacity();
     RETURN(OK);
 }
 
@@ -629,9 +658,9 @@ CUresult cuStreamEndCapture(void *h, void **graph) {
     int invalid = s->cap_status == CAP_INVALIDATED;
     s->cap_status = CAP_NONE;
     *graph = NULL;
+    void *gr = graph_new(s, !invalid); /* takes the capture's recorded work */
     if (invalid) RETURN(E_CAPTURE_INVALIDATED);
-    void *gr = malloc(16);
-    if (!gr || reg_add(&graphs, gr)) { free(gr); RETURN(E_OUT_OF_MEMORY); }
+    if (!gr || reg_add(&graphs, gr)) { graph_free(gr); RETURN(E_OUT_OF_MEMORY); }
     *graph = gr;
     RETURN(OK);
 }
@@ -663,7 +692,7 @@ CUresult cuGraphDestroy(void *gr) {
     long i = reg_find(&graphs, gr);
     if (i < 0) RETURN(E_INVALID_VALUE);
     reg_del(&graphs, i);
-    free(gr);
+    graph_free(gr);
     RETURN(OK);
 }
 
@@ -757,8 +786,8 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     NEED_CTX();
     if (!free_bytes || !total) RETURN(E_INVALID_VALUE);
     int d = t_current->dev;
-    *free_bytes = g.capacity > used[d] ? g.capacity - used[d] : 0;
-    *total = g.capacity;
+    *free_bytes = dev_free(d);
+    *total = dev_capacity();
     RETURN(OK);
 }
 
@@ -770,13 +799,13 @@ CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t bytes) {
     if (!out || bytes == 0) RETURN(E_INVALID_VALUE);
     int d = t_current->dev;
     unsigned long long charged = round_up(bytes, ALLOC_PAGE);
-    if (charged > g.capacity || used[d] > g.capacity - charged) RETURN(E_OUT_OF_MEMORY);
-    void *p = mmap(NULL, charged, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) RETURN(E_OUT_OF_MEMORY);
+    if (dev_charge(d, charged)) RETURN(E_OUT_OF_MEMORY);
+    void *p = warm_linear_take(charged);
+    if (!p) p = mmap(NULL, charged, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) { dev_uncharge(d, charged); RETURN(E_OUT_OF_MEMORY); }
     struct alloc *a = malloc(sizeof *a);
-    if (!a || reg_add(&allocs, a)) { free(a); munmap(p, charged); RETURN(E_OUT_OF_MEMORY); }
+    if (!a || reg_add(&allocs, a)) { free(a); munmap(p, charged); dev_uncharge(d, charged); RETURN(E_OUT_OF_MEMORY); }
     *a = (struct alloc){(uintptr_t)p, bytes, charged, d};
-    used[d] += charged;
     *out = (uintptr_t)p;
     RETURN(OK);
 }
@@ -789,8 +818,8 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
     for (size_t i = 0; i < allocs.n; i++) {
         struct alloc *a = allocs.v[i];
         if (a->addr == ptr) {
-            munmap((void *)(uintptr_t)a->addr, a->charged);
-            used[a->dev] -= a->charged;
+            warm_linear_put((void *)(uintptr_t)a->addr, a->charged);
+            dev_uncharge(a->dev, a->charged);
             reg_del(&allocs, (long)i);
             free(a);
             RETURN(OK);
@@ -837,7 +866,7 @@ CUresult cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t n, void *s
     if (r) RETURN(r);
     if (!device_range(ptr, n, 1)) RETURN(E_INVALID_VALUE);
     if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
-    if (s->cap_status == CAP_ACTIVE) RETURN(OK); /* captured: runs when the graph runs */
+    if (s->cap_status == CAP_ACTIVE) { capture_record(s, OP_SET8, ptr, value, n); RETURN(OK); } /* runs when the graph runs */
     if ((r = legacy_during_capture(s))) RETURN(r);
     memset((void *)(uintptr_t)ptr, value, n);
     enqueue(s);
@@ -867,7 +896,7 @@ CUresult cuMemsetD32Async(CUdeviceptr ptr, unsigned value, size_t words, void *s
     if (r) RETURN(r);
     if (ptr % 4 || words > (~0ull >> 2) || !device_range(ptr, 4ull * words, 1)) RETURN(E_INVALID_VALUE);
     if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
-    if (s->cap_status == CAP_ACTIVE) RETURN(OK); /* captured: runs when the graph runs */
+    if (s->cap_status == CAP_ACTIVE) { capture_record(s, OP_SET32, ptr, value, words); RETURN(OK); } /* runs when the graph runs */
     if ((r = legacy_during_capture(s))) RETURN(r);
     fill32(ptr, value, words);
     enqueue(s);
@@ -981,23 +1010,24 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *out, size_t size, const struc
     if (!out || size == 0 || size % GRANULARITY || flags) RETURN(E_INVALID_VALUE);
     if ((r = prop_check(prop))) RETURN(r);
     int d = prop->location.id;
-    if (size > g.capacity || used[d] > g.capacity - size) RETURN(E_OUT_OF_MEMORY);
-    int fd = memfd_create("hostcuda", MFD_CLOEXEC);
-    if (fd < 0) RETURN(E_OUT_OF_MEMORY);
-    if (ftruncate(fd, (off_t)size)) { close(fd); RETURN(E_OUT_OF_MEMORY); }
+    if (dev_charge(d, size)) RETURN(E_OUT_OF_MEMORY);
+    int warm = 0, fd = warm_chunk_take(size, &warm);
+    if (fd < 0) fd = memfd_create("hostcuda", MFD_CLOEXEC);
+    if (fd < 0) { dev_uncharge(d, size); RETURN(E_OUT_OF_MEMORY); }
+    if (!warm && ftruncate(fd, (off_t)size)) { close(fd); dev_uncharge(d, size); RETURN(E_OUT_OF_MEMORY); }
     struct phys *p = calloc(1, sizeof *p);
-    if (!p || reg_add(&physs, p)) { free(p); close(fd); RETURN(E_OUT_OF_MEMORY); }
+    if (!p || reg_add(&physs, p)) { free(p); close(fd); dev_uncharge(d, size); RETURN(E_OUT_OF_MEMORY); }
     p->fd = fd;
     p->dev = d;
     p->size = size;
-    used[d] += size;
+    p->warm = warm;
     *out = (uintptr_t)p;
     RETURN(OK);
 }
 
 static void phys_free(struct phys *p) {
-    close(p->fd);
-    used[p->dev] -= p->size;
+    warm_chunk_put(p->fd, p->size);
+    dev_uncharge(p->dev, p->size);
     reg_del(&physs, reg_find(&physs, p));
     free(p);
 }
@@ -1083,7 +1113,10 @@ CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const struct access_desc *
     if (mprotect((void *)(uintptr_t)ptr, size, prot)) RETURN(E_INVALID_VALUE);
     for (size_t i = 0; i < maps.n; i++) {
         struct mapping *m = maps.v[i];
-        if (overlaps(m->addr, m->size, ptr, size)) m->prot = prot;
+        if (!overlaps(m->addr, m->size, ptr, size)) continue;
+        m->prot = prot;
+        /* Warm memory is usable at once, as on a device: its page tables are filled now. */
+        if (m->p->warm && (prot & PROT_WRITE)) warm_populate(m->addr, m->size);
     }
     RETURN(OK);
 }
@@ -1128,7 +1161,10 @@ static CUresult copy_check(void *sh, struct stream **s, unsigned long long dev_a
 
 /* Runs a checked copy on `s`: captured (not run) during an active capture, else now. */
 static CUresult copy_run(struct stream *s, void *dst, const void *src, size_t n) {
-    if (s->cap_status == CAP_ACTIVE) return OK;
+    if (s->cap_status == CAP_ACTIVE) { /* runs when the graph runs */
+        capture_record(s, OP_COPY, (uintptr_t)dst, (uintptr_t)src, n);
+        return OK;
+    }
     CUresult r = legacy_during_capture(s);
     if (r) return r;
     if (n) memmove(dst, src, n);
@@ -1329,13 +1365,14 @@ int hostcuda_set(const char *key, const char *value) {
     int rc = 0;
     unsigned long long v = value ? strtoull(value, NULL, 10) : 0;
     if (!key || !value) rc = -1;
-    else if (!strcmp(key, "capacity_mb")) g.capacity = v << 20;
+    else if (!strcmp(key, "capacity_mb")) rc = set_capacity(v << 20);
     else if (!strcmp(key, "delay_us")) g.delay_ns = v * 1000;
     else if (!strcmp(key, "jitter_us")) g.jitter_ns = v * 1000;
     else if (!strcmp(key, "vmm")) g.vmm = v != 0;
     else if (!strcmp(key, "seed")) g.rng = v;
     else if (!strcmp(key, "trace")) g.trace = (int)v;
     else if (!strcmp(key, "fail")) rc = parse_rules(value);
+    else if (!strcmp(key, "warm_mb")) set_warm_limit(v << 20);
     else rc = -1;
     unlock();
     return rc;
@@ -1348,4 +1385,446 @@ long long hostcuda_used(int dev) {
     long long r = dev >= 0 && dev < g.devices ? (long long)used[dev] : -1;
     unlock();
     return r;
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* a device shared by several processes (HOSTCUDA_SHARED)
+ *
+ * With HOSTCUDA_SHARED=/dev/shm/NAME, every process naming the same file drives the same
+ * devices: one capacity and one free-memory figure across them, as processes sharing a GPU
+ * see. The file holds a process-shared robust mutex, the capacity (set by the process that
+ * created the file, from HOSTCUDA_CAPACITY_MB) and one slot per process with its bytes per
+ * device. A process's charge is counted while it lives: a slot whose process is gone (exit,
+ * crash, exec) no longer counts, as a driver frees a dead process's memory. Without the
+ * variable the accounting is this process's own, as before. */
+
+#define SHARED_MAGIC 0x68637368u
+#define SHARED_VERSION 1u
+#define SHARED_SLOTS 64
+
+struct shared_slot {
+    int pid;
+    unsigned long long used[MAX_DEVICES];
+};
+struct shared {
+    unsigned magic, version;
+    pthread_mutex_t lock;
+    unsigned long long capacity;
+    struct shared_slot slots[SHARED_SLOTS];
+};
+
+static struct shared *sh;  /* NULL: not shared */
+static int sh_slot = -1;   /* this process's slot, valid while sh_pid == getpid() */
+static int sh_pid;
+
+static void sh_lock(void) {
+    if (pthread_mutex_lock(&sh->lock) == EOWNERDEAD) pthread_mutex_consistent(&sh->lock);
+}
+static void sh_unlock(void) { pthread_mutex_unlock(&sh->lock); }
+
+static int pid_alive(int pid) { return pid > 0 && (kill(pid, 0) == 0 || errno != ESRCH); }
+
+static void shared_open(void) { /* from configure(), under the lock */
+    const char *path = getenv("HOSTCUDA_SHARED");
+    if (!path || !*path) return;
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    struct stat st;
+    if (fd < 0 || flock(fd, LOCK_EX) || fstat(fd, &st) ||
+        ((size_t)st.st_size < sizeof *sh && ftruncate(fd, sizeof *sh))) {
+        fprintf(stderr, "hostcuda: HOSTCUDA_SHARED=%s: cannot open the shared device file: %s\n", path, strerror(errno));
+        abort(); /* a test that asked for a shared device must not run on a private one */
+    }
+    struct shared *m = mmap(NULL, sizeof *m, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (m == MAP_FAILED) {
+        fprintf(stderr, "hostcuda: HOSTCUDA_SHARED=%s: mmap: %s\n", path, strerror(errno));
+        abort();
+    }
+    if (m->magic != SHARED_MAGIC || m->version != SHARED_VERSION) { /* new file (zeroed by ftruncate) */
+        memset(m, 0, sizeof *m);
+        pthread_mutexattr_t a;
+        pthread_mutexattr_init(&a);
+        pthread_mutexattr_setpshared(&a, PTHREAD_PROCESS_SHARED);
+        pthread_mutexattr_setrobust(&a, PTHREAD_MUTEX_ROBUST);
+        pthread_mutex_init(&m->lock, &a);
+        pthread_mutexattr_destroy(&a);
+        m->capacity = g.capacity;
+        m->version = SHARED_VERSION;
+        __atomic_store_n(&m->magic, SHARED_MAGIC, __ATOMIC_RELEASE);
+    }
+    flock(fd, LOCK_UN);
+    close(fd); /* the mapping stays */
+    sh = m;
+}
+
+/* This process's slot (under sh_lock), claimed at its first charge; -1 when all are taken by
+ * live processes. A slot of this pid from before an exec is stale and reused. */
+static int sh_mine(void) {
+    int pid = (int)getpid();
+    if (sh_slot >= 0 && sh_pid == pid) return sh_slot;
+    int got = -1;
+    for (int i = 0; i < SHARED_SLOTS; i++) {
+        struct shared_slot *s = &sh->slots[i];
+        if (s->pid == pid || !pid_alive(s->pid)) {
+            memset(s, 0, sizeof *s);
+            if (got < 0) { got = i; s->pid = pid; }
+        }
+    }
+    sh_slot = got;
+    sh_pid = pid;
+    return got;
+}
+
+/* Bytes in use on device d by every live process (under sh_lock); `reap` first drops the slots
+ * of processes that are gone (a syscall per slot: only when the figure matters). */
+static unsigned long long sh_used(int d, int reap) {
+    unsigned long long sum = 0;
+    for (int i = 0; i < SHARED_SLOTS; i++) {
+        struct shared_slot *s = &sh->slots[i];
+        if (!s->pid) continue;
+        if (reap && !pid_alive(s->pid)) { memset(s, 0, sizeof *s); continue; }
+        sum += s->used[d];
+    }
+    return sum;
+}
+
+static unsigned long long dev_capacity(void) { return sh ? __atomic_load_n(&sh->capacity, __ATOMIC_RELAXED) : g.capacity; }
+
+static int set_capacity(unsigned long long bytes) {
+    g.capacity = bytes;
+    if (sh) __atomic_store_n(&sh->capacity, bytes, __ATOMIC_RELAXED);
+    return 0;
+}
+
+static unsigned long long dev_free(int d) {
+    unsigned long long cap = dev_capacity(), in_use = used[d];
+    if (sh) {
+        sh_lock();
+        in_use = sh_used(d, 1);
+        sh_unlock();
+    }
+    return cap > in_use ? cap - in_use : 0;
+}
+
+static int dev_charge(int d, unsigned long long bytes) {
+    unsigned long long cap = dev_capacity();
+    if (!sh) {
+        if (bytes > cap || used[d] > cap - bytes) return -1;
+        used[d] += bytes;
+        return 0;
+    }
+    sh_lock();
+    int mine = sh_mine();
+    unsigned long long in_use = sh_used(d, 0);
+    if (mine >= 0 && (bytes > cap || in_use > cap - bytes)) in_use = sh_used(d, 1); /* reclaim the dead's first */
+    int ok = mine >= 0 && bytes <= cap && in_use <= cap - bytes;
+    if (ok) sh->slots[mine].used[d] += bytes;
+    sh_unlock();
+    if (!ok) return -1;
+    used[d] += bytes;
+    return 0;
+}
+
+static void dev_uncharge(int d, unsigned long long bytes) {
+    used[d] = used[d] > bytes ? used[d] - bytes : 0;
+    if (!sh) return;
+    sh_lock();
+    if (sh_slot >= 0 && sh_pid == (int)getpid()) {
+        unsigned long long *u = &sh->slots[sh_slot].used[d];
+        *u = *u > bytes ? *u - bytes : 0;
+    }
+    sh_unlock();
+}
+
+/* A clean exit gives its slot back at once (a crash's is reclaimed by the liveness check). */
+__attribute__((destructor)) static void shared_close(void) {
+    if (!sh || sh_slot < 0 || sh_pid != (int)getpid()) return;
+    sh_lock();
+    if (sh->slots[sh_slot].pid == sh_pid) memset(&sh->slots[sh_slot], 0, sizeof sh->slots[sh_slot]);
+    sh_unlock();
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* warm memory: memory released earlier is handed back uncleared (HOSTCUDA_WARM_MB)
+ *
+ * On a device, creating physical memory and mapping it costs a driver call and the memory is
+ * usable at once; host memory costs a page fault per 4 KiB page at first touch, which would
+ * dominate what sleep/wake benchmarks measure. So released memory (cuMemFree's linear ranges,
+ * cuMemRelease's memfd chunks) is kept, up to HOSTCUDA_WARM_MB per process (default: the
+ * capacity), and the next allocation of a size it can serve takes it back with its old
+ * contents, as a driver may hand back memory released earlier uncleared; a warm chunk's page
+ * tables are filled when cuMemSetAccess makes it writable (MADV_POPULATE_WRITE), so first
+ * touches do not fault either. The device charge is returned at release as before: kept warm
+ * memory is host memory of this process, not device memory. Fresh memory is as before
+ * (zero-filled at first touch). */
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
+
+struct warm { void *p; int fd; unsigned long long size; };
+static struct reg warm_linear, warm_chunks; /* entries: struct warm * */
+static unsigned long long warm_bytes, warm_limit;
+static int warm_configured;
+
+static unsigned long long warm_cap(void) {
+    if (!warm_configured) {
+        warm_configured = 1;
+        const char *v = getenv("HOSTCUDA_WARM_MB");
+        warm_limit = v && *v ? strtoull(v, NULL, 10) << 20 : g.capacity;
+    }
+    return warm_limit;
+}
+
+/* The entry of `pool` that serves `bytes`: the same size, else the smallest larger one. */
+static long warm_pick(struct reg *pool, unsigned long long bytes) {
+    long best = -1;
+    for (size_t i = 0; i < pool->n; i++) {
+        struct warm *w = pool->v[i];
+        if (w->size == bytes) return (long)i;
+        if (w->size > bytes && (best < 0 || w->size < ((struct warm *)pool->v[best])->size)) best = (long)i;
+    }
+    return best;
+}
+
+static void *warm_linear_take(unsigned long long bytes) {
+    long i = warm_pick(&warm_linear, bytes);
+    if (i < 0) return NULL;
+    struct warm *w = warm_linear.v[i];
+    void *p = w->p;
+    if (w->size > bytes) munmap((char *)p + bytes, w->size - bytes); /* sizes are 2 MiB multiples */
+    warm_bytes -= w->size;
+    reg_del(&warm_linear, i);
+    free(w);
+    return p;
+}
+
+static void warm_linear_put(void *p, unsigned long long bytes) {
+    struct warm *w = NULL;
+    if (warm_bytes + bytes > warm_cap() || !(w = malloc(sizeof *w)) || reg_add(&warm_linear, w)) {
+        free(w);
+        munmap(p, bytes);
+        return;
+    }
+    *w = (struct warm){p, -1, bytes};
+    warm_bytes += bytes;
+}
+
+static int warm_chunk_take(unsigned long long bytes, int *warm) {
+    long i = warm_pick(&warm_chunks, bytes);
+    if (i < 0) return -1;
+    struct warm *w = warm_chunks.v[i];
+    int fd = w->fd;
+    if (w->size > bytes && ftruncate(fd, (off_t)bytes)) return -1; /* keep it pooled */
+    warm_bytes -= w->size;
+    reg_del(&warm_chunks, i);
+    free(w);
+    *warm = 1;
+    return fd;
+}
+
+static void warm_chunk_put(int fd, unsigned long long bytes) {
+    struct warm *w = NULL;
+    if (warm_bytes + bytes > warm_cap() || !(w = malloc(sizeof *w)) || reg_add(&warm_chunks, w)) {
+        free(w);
+        close(fd);
+        return;
+    }
+    *w = (struct warm){NULL, fd, bytes};
+    warm_bytes += bytes;
+}
+
+static void warm_populate(unsigned long long ptr, unsigned long long size) {
+    madvise((void *)(uintptr_t)ptr, size, MADV_POPULATE_WRITE); /* best effort: faults later otherwise */
+}
+
+/* Sets the limit; memory kept beyond it is given back to the host now (warm_mb 0 empties it). */
+static void set_warm_limit(unsigned long long bytes) {
+    warm_cap();
+    warm_limit = bytes;
+    while (warm_bytes > warm_limit && (warm_linear.n || warm_chunks.n)) {
+        struct reg *pool = warm_linear.n ? &warm_linear : &warm_chunks;
+        struct warm *w = pool->v[pool->n - 1];
+        if (w->p) munmap(w->p, w->size);
+        else close(w->fd);
+        warm_bytes -= w->size;
+        reg_del(pool, (long)pool->n - 1);
+        free(w);
+    }
+}
+
+/* ------------------------------------------------------------------------------------------ */
+/* graphs that replay their copies
+ *
+ * Copies and memsets queued on a capturing stream are recorded (they do not run then, as on a
+ * device) and the graph that cuStreamEndCapture returns holds them; the runtime
+ * (hostcudart.c) snapshots them at instantiation and runs them, in capture order, at each
+ * launch. Each launch checks the device side of every recorded operation against the memory
+ * mapped now: a graph whose memory was unmapped (a paused tag) fails with
+ * CUDA_ERROR_INVALID_VALUE instead of touching it, where a device would fault. Kernels are not
+ * recorded (none run here); cross-stream captures record only the capturing stream's work. */
+
+struct op { int kind; unsigned long long dst, src, n; }; /* SET8/SET32: src is the value */
+struct ops { struct op *v; size_t n, cap; };
+struct capture_rec { struct stream *s; unsigned long long id; struct ops ops; };
+static struct reg captures; /* struct capture_rec *, one per capture with recorded work */
+
+static int ops_add(struct ops *o, struct op op) {
+    if (o->n == o->cap) {
+        size_t cap = o->cap ? o->cap * 2 : 16;
+        struct op *v = realloc(o->v, cap * sizeof *v);
+        if (!v) return -1;
+        o->v = v;
+        o->cap = cap;
+    }
+    o->v[o->n++] = op;
+    return 0;
+}
+
+static void capture_record(struct stream *s, int kind, unsigned long long dst, unsigned long long src,
+                           unsigned long long n) {
+    struct capture_rec *c = NULL;
+    for (size_t i = 0; i < captures.n && !c; i++) {
+        struct capture_rec *x = captures.v[i];
+        if (x->s == s && x->id == s->cap_id) c = x;
+    }
+    if (!c) {
+        if (!(c = calloc(1, sizeof *c)) || reg_add(&captures, c)) { free(c); s->cap_status = CAP_INVALIDATED; return; }
+        c->s = s;
+        c->id = s->cap_id;
+    }
+    if (ops_add(&c->ops, (struct op){kind, dst, src, n})) s->cap_status = CAP_INVALIDATED; /* out of host memory */
+}
+
+/* A graph: the recorded work of the capture that ends on `s` (dropped when !keep). */
+static void *graph_new(struct stream *s, int keep) {
+    struct ops ops = {0};
+    for (size_t i = 0; i < captures.n; i++) {
+        struct capture_rec *c = captures.v[i];
+        if (c->s != s || c->id != s->cap_id) continue;
+        ops = c->ops;
+        reg_del(&captures, (long)i);
+        free(c);
+        break;
+    }
+    if (!keep) { free(ops.v); return NULL; }
+    struct ops *gr = malloc(sizeof *gr);
+    if (!gr) { free(ops.v); return NULL; }
+    *gr = ops;
+    return gr;
+}
+
+static void graph_free(void *gr) {
+    struct ops *o = gr;
+    if (o) free(o->v);
+    free(o);
+}
+
+/* Whether `p` lies in device address space (an allocation or a reserved range). */
+static int device_space(unsigned long long p) {
+    for (size_t i = 0; i < allocs.n; i++) {
+        struct alloc *a = allocs.v[i];
+        if (p >= a->addr && p < a->addr + a->charged) return 1;
+    }
+    return reserved(p, 1);
+}
+
+/* For the runtime's cudaGraphInstantiate: a copy of graph `gr`'s recorded work, or NULL
+ * (not a live graph, or out of memory). Free with hostcuda_graph_snapshot_free. */
+void *hostcuda_graph_snapshot(void *gr) {
+    lock();
+    struct ops *copy = NULL;
+    if (reg_find(&graphs, gr) >= 0 && (copy = calloc(1, sizeof *copy))) {
+        struct ops *o = gr;
+        if (o->n && !(copy->v = malloc(o->n * sizeof *copy->v))) { free(copy); copy = NULL; }
+        else {
+            if (o->n) memcpy(copy->v, o->v, o->n * sizeof *copy->v);
+            copy->n = copy->cap = o->n;
+        }
+    }
+    unlock();
+    return copy;
+}
+
+void hostcuda_graph_snapshot_free(void *snap) { graph_free(snap); }
+
+/* For the runtime's cudaGraphGetNodes: the operations recorded in graph `gr` (-1: not a live
+ * graph); with `nodes`, up to `cap` handles (the operations' addresses, unique and stable while
+ * the graph lives). */
+long hostcuda_graph_nodes(void *gr, void **nodes, size_t cap) {
+    lock();
+    long n = -1;
+    if (reg_find(&graphs, gr) >= 0) {
+        struct ops *o = gr;
+        n = (long)o->n;
+        for (size_t i = 0; nodes && i < cap && i < o->n; i++) nodes[i] = &o->v[i];
+    }
+    unlock();
+    return n;
+}
+
+/* For the runtime's cudaGraphLaunch: runs the snapshot's work on stream `sh`, in order. */
+CUresult hostcuda_graph_launch(void *snap, void *sh) {
+    BEGIN(hostcuda_graph_launch);
+    NEED_INIT();
+    struct stream *s;
+    CUresult r = stream_of(sh, &s);
+    if (r) RETURN(r);
+    if (!snap) RETURN(E_INVALID_VALUE);
+    if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
+    if (s->cap_status == CAP_ACTIVE) RETURN(OK); /* a graph launched inside a capture: a node */
+    struct ops *o = snap;
+    for (size_t i = 0; i < o->n; i++) { /* every device side mapped now, before anything runs */
+        struct op *op = &o->v[i];
+        unsigned long long bytes = op->kind == OP_SET32 ? 4 * op->n : op->n;
+        if (!bytes) continue;
+        if (device_space(op->dst) && !device_range(op->dst, bytes, 1)) RETURN(E_INVALID_VALUE);
+        if (op->kind == OP_COPY && device_space(op->src) && !device_range(op->src, bytes, 0)) RETURN(E_INVALID_VALUE);
+    }
+    for (size_t i = 0; i < o->n; i++) {
+        struct op *op = &o->v[i];
+        if (op->kind == OP_COPY) memmove((void *)(uintptr_t)op->dst, (const void *)(uintptr_t)op->src, op->n);
+        else if (op->kind == OP_SET8) memset((void *)(uintptr_t)op->dst, (int)op->src, op->n);
+        else fill32(op->dst, (unsigned)op->src, op->n);
+    }
+    enqueue(s);
+    RETURN(OK);
+}
+
+/* pinned host memory (stepalloc's host backups, src/backend/cuda/host.rs): cuMemHostAlloc is an
+ * anonymous mmap populated at once (pinned memory is resident: its first copy must not pay page
+ * faults), counted against no device; cuMemFreeHost takes exactly a pointer cuMemHostAlloc gave.
+ * Flags: PORTABLE (1), DEVICEMAP (2), WRITECOMBINED (4); others are CUDA_ERROR_INVALID_VALUE. */
+
+struct host_alloc {
+    void *p;
+    size_t bytes;
+};
+static struct reg host_allocs;
+
+CUresult cuMemHostAlloc(void **out, size_t bytes, unsigned flags) {
+    BEGIN(cuMemHostAlloc);
+    NEED_CTX();
+    if (!out || bytes == 0 || (flags & ~7u)) RETURN(E_INVALID_VALUE);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED) RETURN(E_OUT_OF_MEMORY);
+    struct host_alloc *h = malloc(sizeof *h);
+    if (!h || reg_add(&host_allocs, h)) { free(h); munmap(p, bytes); RETURN(E_OUT_OF_MEMORY); }
+    *h = (struct host_alloc){p, bytes};
+    *out = p;
+    RETURN(OK);
+}
+
+CUresult cuMemFreeHost(void *p) {
+    BEGIN(cuMemFreeHost);
+    NEED_INIT();
+    for (size_t i = 0; i < host_allocs.n; i++) {
+        struct host_alloc *h = host_allocs.v[i];
+        if (h->p == p) {
+            munmap(h->p, h->bytes);
+            reg_del(&host_allocs, (long)i);
+            free(h);
+            RETURN(OK);
+        }
+    }
+    RETURN(E_INVALID_VALUE);
 }

@@ -708,18 +708,29 @@ cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b) {
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* graphs: a captured graph has no nodes here (no kernels run); instantiating and launching it
- * succeed so that PyTorch's CUDAGraph capture / replay / reset paths run. */
+/* graphs: a captured graph holds the copies and memsets captured into it (no kernels run);
+ * an executable graph is a snapshot of them (the driver's hostcuda_graph_snapshot), run at
+ * each launch, so that PyTorch's CUDAGraph capture / replay / reset paths run and a replay
+ * moves the bytes it captured. */
 
-struct graph_exec { unsigned magic; };
+void *hostcuda_graph_snapshot(void *graph);
+void hostcuda_graph_snapshot_free(void *snap);
+CUresult hostcuda_graph_launch(void *snap, void *stream);
+long hostcuda_graph_nodes(void *graph, void **nodes, size_t cap);
+
+struct graph_exec { unsigned magic; void *ops; };
 #define EXEC_MAGIC 0x67726170u
 
 cudaError_t cudaGraphInstantiateWithFlags(void **exec, void *graph, unsigned long long flags) {
     (void)flags;
     if (!exec || !graph) return ret(cudaErrorInvalidValue);
+    CTX();
+    void *ops = hostcuda_graph_snapshot(graph);
+    if (!ops) return ret(cudaErrorInvalidValue);
     struct graph_exec *x = malloc(sizeof *x);
-    if (!x) return ret(cudaErrorMemoryAllocation);
+    if (!x) { hostcuda_graph_snapshot_free(ops); return ret(cudaErrorMemoryAllocation); }
     x->magic = EXEC_MAGIC;
+    x->ops = ops;
     *exec = x;
     return cudaSuccess;
 }
@@ -732,14 +743,14 @@ cudaError_t cudaGraphLaunch(void *exec, cudaStream_t s) {
     CTX();
     struct graph_exec *x = exec;
     if (!x || x->magic != EXEC_MAGIC) return ret(cudaErrorInvalidResourceHandle);
-    int status = 0;
-    return ret(cuStreamIsCapturing(s, &status)); /* validates the stream */
+    return ret(hostcuda_graph_launch(x->ops, s));
 }
 
 cudaError_t cudaGraphExecDestroy(void *exec) {
     struct graph_exec *x = exec;
     if (!x || x->magic != EXEC_MAGIC) return ret(cudaErrorInvalidResourceHandle);
     x->magic = 0;
+    hostcuda_graph_snapshot_free(x->ops);
     free(x);
     return cudaSuccess;
 }
@@ -747,9 +758,10 @@ cudaError_t cudaGraphExecDestroy(void *exec) {
 cudaError_t cudaGraphDestroy(void *graph) { CTX(); return ret(cuGraphDestroy(graph)); }
 
 cudaError_t cudaGraphGetNodes(void *graph, void **nodes, size_t *n) {
-    (void)graph, (void)nodes;
     if (!n) return ret(cudaErrorInvalidValue);
-    *n = 0;
+    long count = hostcuda_graph_nodes(graph, nodes, nodes ? *n : 0);
+    if (count < 0) return ret(cudaErrorInvalidValue);
+    if (!nodes || (size_t)count < *n) *n = (size_t)count; /* with nodes: how many were written */
     return cudaSuccess;
 }
 

@@ -20,8 +20,10 @@ Layer map: ``_lib`` (the ctypes handle, errors), ``steps`` (step hooks), ``stats
 (Prometheus), ``ranks`` (torchrun: the rank's device, Prometheus targets, gathering every
 rank's figures), ``torch`` (install / mempool / patch_torch), ``pools`` (``MemPool``, which
 ``patch_torch`` puts in place of ``torch.cuda.MemPool`` under ``install``), ``parity`` (what
-each torch.cuda memory API does under stepalloc, and the wrappers that say so), ``integrations`` (framework
-callbacks, agent loops). Importing this package loads no library and imports neither torch
+each torch.cuda memory API does under stepalloc, and the wrappers that say so), ``integrations``
+(framework callbacks, agent loops), ``sleep`` (tagged regions, pause / resume with addresses
+kept), ``memory_saver`` (a torch_memory_saver-shaped object over ``sleep``). Importing this
+package loads no library and imports neither torch
 nor any framework: everything happens on first use.
 """
 
@@ -30,6 +32,7 @@ from __future__ import annotations
 from ._lib import (
     ConfigError,
     LibraryNotFoundError,
+    PausedError,
     StepallocError,
     config_help,
     configure,
@@ -44,6 +47,7 @@ from .integrations import AgentLoop, PhaseRecord, hf_callback, lightning_callbac
 from .metrics import StepallocCollector, metrics_text, register_prometheus, serve_metrics
 from .pools import MemPool
 from .ranks import RankInfo, prometheus_target, rank_device, rank_info, write_prometheus_targets
+from .sleep import SleepReport, pause, paused_tags, region, release_backup, resume, tags
 from .snapshot import dump_snapshot, dump_trace, memory_snapshot, trace_jsonl
 from .stats import (
     gather_stats,
@@ -77,14 +81,16 @@ def empty_cache() -> None:
 
 
 __all__ = [
-    "RECOMMENDED",
     "AgentLoop",
     "ConfigError",
     "Installation",
     "LibraryNotFoundError",
     "MemPool",
+    "PausedError",
     "PhaseRecord",
+    "RECOMMENDED",
     "RankInfo",
+    "SleepReport",
     "StepallocCollector",
     "StepallocError",
     "config_help",
@@ -112,19 +118,25 @@ __all__ = [
     "mempool",
     "metrics_text",
     "patch_torch",
+    "pause",
+    "paused_tags",
     "prometheus_target",
     "rank_device",
     "rank_info",
     "raw_alloc",
     "raw_free",
+    "region",
     "register_prometheus",
+    "release_backup",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
+    "resume",
     "serve_metrics",
     "step",
     "step_begin",
     "step_end",
     "stepalloc_stats",
+    "tags",
     "trace_jsonl",
     "unpatch_torch",
     "version",

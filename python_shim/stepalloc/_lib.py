@@ -38,6 +38,7 @@ CONFIG = 4
 DRIVER = 5
 UNAVAILABLE = 6
 PANIC = 7
+PAUSED = 8  # the operation needs a tag that is paused (stepalloc.pause)
 
 STATUS_NAMES = {
     OK: "OK",
@@ -48,6 +49,7 @@ STATUS_NAMES = {
     DRIVER: "DRIVER",
     UNAVAILABLE: "UNAVAILABLE",
     PANIC: "PANIC",
+    PAUSED: "PAUSED",
 }
 
 
@@ -75,6 +77,11 @@ class UnsupportedError(StepallocError):
 def unsupported_message(name: str, note: str, instead: str) -> str:
     """The text of the ``UnsupportedError`` that entry point ``name`` raises."""
     return f"stepalloc: {name} is not available under stepalloc's process-wide allocator ({note}). Instead: {instead}."
+
+
+class PausedError(StepallocError):
+    """The operation needs memory of a tag that is paused (``stepalloc.pause``): allocating
+    inside a paused tag's region, sharing a paused tensor. ``stepalloc.resume(tag)`` first."""
 
 
 class LibraryNotFoundError(ImportError):
@@ -239,6 +246,8 @@ def error_for(status: int, message: str | None = None) -> Exception:
         return ConfigError(text, status)
     if status == OUT_OF_MEMORY:
         return out_of_memory_error(text)
+    if status == PAUSED:
+        return PausedError(text, status)
     return StepallocError(text, status)
 
 

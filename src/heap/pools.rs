@@ -110,6 +110,6 @@ impl Heap {
             .filter(|&i| self.private_pools[i].as_ref().is_some_and(|p| p.use_on_oom))
             .map(|i| i as u32 + 1)
             .collect();
-        numbers.into_iter().find_map(|n| self.find_free(n, small, stream, rounded, false))
+        numbers.into_iter().find_map(|n| self.find_free(n, small, stream, rounded, false, 0))
     }
 }

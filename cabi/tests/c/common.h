@@ -33,7 +33,9 @@
     X(stepalloc_set_mempool_mode) X(stepalloc_configure_len) X(stepalloc_step_begin_len)    \
     X(stepalloc_check_phase) X(stepalloc_is_initialised)                                   \
     X(stepalloc_pool_create) X(stepalloc_pool_use_count)                                   \
-    X(stepalloc_pool_set_segment_allocator) X(stepalloc_pool_set_use_on_oom)
+    X(stepalloc_pool_set_segment_allocator) X(stepalloc_pool_set_use_on_oom) \
+    X(stepalloc_region_enter) X(stepalloc_region_exit) X(stepalloc_pause) X(stepalloc_resume) \
+    X(stepalloc_sleep_report_json) X(stepalloc_release_backup) X(stepalloc_tags_json)
 
 #define DECLARE_POINTER(name) static __typeof__(name) *p_##name;
 STEPALLOC_C_FUNCTIONS(DECLARE_POINTER)

@@ -1,0 +1,217 @@
+"""Layer: sleep and wake — tagged regions, ``pause`` / ``resume`` of a tag's memory with its
+addresses kept, and the host backup — over the library's C ABI (``stepalloc_region_enter``,
+``stepalloc_pause``, ...).
+
+Invariants:
+- The tag of an allocation is the library's: the innermost region of the allocating thread (a
+  thread-local stack in the library), else ``"default"``. Python keeps no second copy of it, so
+  allocations made by PyTorch on this thread inside ``with region(...)`` carry the tag whatever
+  path they take into the library.
+- ``pause`` / ``resume`` return what the library reports for this call (read on the same thread
+  right after it, from a thread-local), never figures computed here.
+- A failed call raises the exception for its status with the library's message; an
+  out-of-memory resume is ``torch.cuda.OutOfMemoryError`` (also a ``MemoryError``) and leaves the
+  tag paused with its backup, so it can be retried.
+- The symbols are declared on first use, so a library without them fails with a message that
+  says so, not at import.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import threading
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from . import _lib
+
+DEFAULT_TAG = "default"
+
+_declared = False
+_declare_lock = threading.Lock()
+
+
+def _c() -> ctypes.CDLL:
+    """The library with the sleep/wake symbols declared (once)."""
+    global _declared
+    cdll = _lib.lib()
+    if _declared:
+        return cdll
+    with _declare_lock:
+        if not _declared:
+            c_int, c_char_p, c_size_t = ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t
+            table: dict[str, tuple[list, object]] = {
+                "stepalloc_region_enter": ([c_char_p, c_int], c_int),
+                "stepalloc_region_exit": ([], c_int),
+                "stepalloc_pause": ([c_char_p, c_int], c_int),
+                "stepalloc_resume": ([c_char_p], c_int),
+                "stepalloc_sleep_report_json": ([c_char_p, c_size_t], c_size_t),
+                "stepalloc_release_backup": ([], c_int),
+                "stepalloc_tags_json": ([c_char_p, c_size_t], c_size_t),
+            }
+            try:
+                for name, (argtypes, restype) in table.items():
+                    fn = getattr(cdll, name)
+                    fn.argtypes = argtypes
+                    fn.restype = restype
+            except AttributeError as e:
+                raise _lib.LibraryNotFoundError(
+                    f"{_lib.library_path()} has no sleep/wake calls ({e}); it is older than this package, rebuild it"
+                ) from e
+            _declared = True
+    return cdll
+
+
+def _tag_arg(tag: object, what: str) -> bytes:
+    """A tag as the library takes it; the library checks its form (1..=64 bytes of
+    ``[A-Za-z0-9_.:-]``) and names it in its error."""
+    return _lib.c_string(tag, what)
+
+
+@dataclass(frozen=True)
+class SleepReport:
+    """What one ``pause`` or ``resume`` did (the library's report of the call).
+
+    ``released_bytes``: physical memory given back to the device (pause); ``mapped_bytes``:
+    physical memory mapped again (resume); ``copied_bytes``: bytes copied to the host backup
+    (pause) or back from it (resume); ``discarded_bytes``: live bytes of tags without backup,
+    whose contents are gone (pause); ``seconds`` and ``gib_per_s`` (copied bytes per second, 0
+    when nothing was copied); ``tags``: the tags it acted on; ``skipped``: tags it left alone
+    (already paused on pause, not paused on resume).
+    """
+
+    op: str
+    tags: tuple[str, ...] = ()
+    skipped: tuple[str, ...] = ()
+    released_bytes: int = 0
+    mapped_bytes: int = 0
+    copied_bytes: int = 0
+    discarded_bytes: int = 0
+    seconds: float = 0.0
+    gib_per_s: float = 0.0
+    raw: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @classmethod
+    def from_json(cls, text: str) -> SleepReport:
+        d = json.loads(text)
+        return cls(
+            op=str(d.get("op", "")),
+            tags=tuple(d.get("tags", ())),
+            skipped=tuple(d.get("skipped", ())),
+            released_bytes=int(d.get("released_bytes", 0)),
+            mapped_bytes=int(d.get("mapped_bytes", 0)),
+            copied_bytes=int(d.get("copied_bytes", 0)),
+            discarded_bytes=int(d.get("discarded_bytes", 0)),
+            seconds=float(d.get("seconds", 0.0)),
+            gib_per_s=float(d.get("gib_per_s", 0.0)),
+            raw=d,
+        )
+
+    def __str__(self) -> str:
+        gib = 1 << 30
+        moved = self.released_bytes if self.op == "pause" else self.mapped_bytes
+        return (
+            f"{self.op} {', '.join(self.tags) or '(nothing)'}: "
+            f"{moved / gib:.3f} GiB {'released' if self.op == 'pause' else 'mapped'}, "
+            f"{self.copied_bytes / gib:.3f} GiB copied, {self.discarded_bytes / gib:.3f} GiB discarded, "
+            f"{self.seconds * 1e3:.1f} ms ({self.gib_per_s:.2f} GiB/s)"
+            + (f"; skipped {', '.join(self.skipped)}" if self.skipped else "")
+        )
+
+
+def _report() -> SleepReport:
+    return SleepReport.from_json(_lib.read_text(_c().stepalloc_sleep_report_json))
+
+
+class region:
+    """``with stepalloc.region(tag, backup=False):`` — what this thread allocates inside carries
+    ``tag`` (the innermost region wins; outside every region, ``"default"``).
+
+    ``backup`` sets the tag's policy for ``pause``: True copies its live bytes to host memory
+    before the memory is released, False discards them (the latest region entered for a tag
+    sets it). Regions nest and are per thread; other threads are not affected. A bad tag (empty,
+    over 64 bytes, characters outside ``[A-Za-z0-9_.:-]``, the 33rd distinct tag) raises
+    ``ValueError`` with the library's message. Allocating inside the region of a paused tag
+    raises ``stepalloc.PausedError``: resume it first.
+    """
+
+    def __init__(self, tag: str = DEFAULT_TAG, backup: bool = False) -> None:
+        self.tag = tag
+        self.backup = bool(backup)
+        self._data = _tag_arg(tag, "region: tag")
+
+    def __enter__(self) -> region:
+        _lib.check(int(_c().stepalloc_region_enter(self._data, 1 if self.backup else 0)))
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        _lib.check(int(_c().stepalloc_region_exit()))
+
+    def __repr__(self) -> str:
+        return f"stepalloc.region({self.tag!r}, backup={self.backup})"
+
+
+def pause(tag: str | None = None, backup: bool | None = None) -> SleepReport:
+    """Releases the physical memory of ``tag`` (None: every tag that has had a region) to the
+    device, keeping every address: tensors keep their ``data_ptr()`` and CUDA graphs captured
+    before stay valid once ``resume`` ran. Live bytes are copied to host memory first when the
+    tag's policy (or ``backup``) says so, else discarded. Waits, stream-ordered, for the work that
+    used the memory; when it returns, another process sees the memory free.
+
+    A tag never seen raises ``ValueError``; a tag already paused is skipped (``.skipped``);
+    during a CUDA graph capture, ``ValueError``.
+    """
+    data = None if tag is None else _tag_arg(tag, "pause: tag")
+    mode = -1 if backup is None else (1 if backup else 0)
+    _lib.check(int(_c().stepalloc_pause(data, mode)))
+    return _report()
+
+
+def resume(tag: str | None = None) -> SleepReport:
+    """Maps physical memory at the addresses ``tag`` (None: every paused tag) had and restores
+    its backed-up bytes. When the device cannot give the memory back, raises
+    ``torch.cuda.OutOfMemoryError`` naming the tag and the shortfall; the tag stays paused with
+    its backup and ``resume`` can be called again once memory is free. A tag that is not paused
+    is skipped (``.skipped``)."""
+    data = None if tag is None else _tag_arg(tag, "resume: tag")
+    _lib.check(int(_c().stepalloc_resume(data)))
+    return _report()
+
+
+def release_backup() -> None:
+    """Gives back the host backup buffers that hold no paused bytes (the buffers are otherwise
+    kept across pauses: allocating pinned memory costs more than the copy)."""
+    _lib.check(int(_c().stepalloc_release_backup()))
+
+
+def tags() -> dict[str, dict[str, Any]]:
+    """Every tag with its figures: ``live_bytes``, ``paused``, ``paused_bytes``, ``backup``,
+    ``backup_bytes``, ``pauses``, ``resumes``, ``pause_seconds``, ``resume_seconds``."""
+    return json.loads(_lib.read_text(_c().stepalloc_tags_json) or "{}")
+
+
+def has_backup_pointer() -> bool:
+    """Whether the library can tell where a paused range's backup lies (``backup_pointer``)."""
+    return hasattr(_c(), "stepalloc_backup_pointer")
+
+
+def backup_pointer(ptr: int, nbytes: int) -> int:
+    """The host address holding the backed-up bytes ``[ptr, ptr + nbytes)`` of a paused tag, or
+    0 when those bytes are not paused with a backup (``stepalloc_backup_pointer``)."""
+    ptr = _lib.c_pointer_arg(ptr, "backup_pointer: ptr")
+    nbytes = _lib.c_size_arg(nbytes, "backup_pointer: nbytes")
+    fn = getattr(_c(), "stepalloc_backup_pointer", None)
+    if fn is None:
+        raise NotImplementedError(
+            f"{_lib.library_path()} has no stepalloc_backup_pointer: reading a paused tensor's backup needs it"
+        )
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    fn.restype = ctypes.c_void_p
+    return int(fn(ptr or None, nbytes) or 0)
+
+
+def paused_tags() -> list[str]:
+    """The tags that are paused now."""
+    return [t for t, v in tags().items() if v.get("paused")]
