@@ -38,6 +38,7 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 mod expandable;
+mod ipc;
 mod release;
 
 /// Exclusive upper bounds of the free-block size ranges of `Heap::free_block_ranges`:
@@ -104,6 +105,8 @@ pub struct Heap {
     pub(crate) step_clock: u64,
     /// `param_lane`: rounded sizes of the blocks live when the first step began.
     param_sizes: rustc_hash::FxHashSet<u64>,
+    /// Ranges mapped from other processes (CUDA IPC, `ipc.rs`).
+    ipc: ipc::IpcState,
 }
 
 impl Heap {
@@ -131,6 +134,7 @@ impl Heap {
             idle_pages: Vec::new(),
             step_clock: 0,
             param_sizes: Default::default(),
+            ipc: Default::default(),
             deferred_frees: Vec::new(),
             deferred_work: false,
             deferred_empty_cache: false,
@@ -895,14 +899,23 @@ impl Heap {
         }
     }
 
-    /// The block holding `ptr` (anywhere inside it), for `set_base_alloc_fn`: the segment's base
-    /// address and size.
+    /// For `set_base_alloc_fn` (PyTorch's `getBaseAllocation`), the allocation holding `ptr`
+    /// (anywhere inside it): a plain segment's base address and size; in an expandable segment,
+    /// whose range is mostly unmapped address space (PyTorch refuses those), the block itself.
     pub fn base_allocation(&self, ptr: u64) -> Option<(u64, u64)> {
+        let seg_id = self.arena.live_segment_ids().find(|&s| {
+            let s = self.arena.segment(s);
+            s.addr <= ptr && ptr < s.addr + s.size
+        })?;
+        let seg = self.arena.segment(seg_id);
+        if !seg.expandable() {
+            return Some((seg.addr, seg.size));
+        }
         self.arena
-            .live_segment_ids()
-            .map(|s| self.arena.segment(s))
-            .find(|s| s.addr <= ptr && ptr < s.addr + s.size)
-            .map(|s| (s.addr, s.size))
+            .segment_blocks(seg_id)
+            .map(|id| self.arena.block(id))
+            .find(|b| b.addr <= ptr && ptr < b.addr + b.size)
+            .map(|b| (b.addr, b.size))
     }
 
     /// Whether `ptr` is the start of a live allocation of this heap.

@@ -29,6 +29,7 @@ pub mod config;
 pub mod error;
 pub mod freelist;
 pub mod heap;
+pub mod ipc;
 mod live;
 pub mod metrics;
 pub mod segment;

@@ -5,6 +5,7 @@
 //! - `torch.rs`: the entry points PyTorch calls (malloc, free and hooks), hot path;
 //! - `trampoline.cpp`: the C++ part: `stepalloc_torch_malloc`, which throws a C++ exception on
 //!   out-of-memory, and the CUDA-graph pool hooks, which take C++ types by value;
+//! - `ipc.rs`: CUDA IPC of blocks in PyTorch's handle format;
 //! - `control.rs`: configuration, steps, statistics, snapshots, traces, metrics, last error;
 //! - `guard.rs`, `last_error.rs`, `status.rs`: the panic guard, the thread-local last error,
 //!   the stable status codes.
@@ -21,11 +22,13 @@
 
 mod control;
 mod guard;
+mod ipc;
 mod last_error;
 mod status;
 mod torch;
 
 pub use control::*;
+pub use ipc::*;
 pub use status::*;
 pub use torch::*;
 
