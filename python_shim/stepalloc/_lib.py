@@ -164,6 +164,9 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_set_memory_fraction": ([c_double, c_int], None),
         "stepalloc_set_mempool_mode": ([c_int], c_int),
         "stepalloc_record_history": ([ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)], c_int),
+        "stepalloc_ipc_share": ([c_void_p, c_char_p, c_size_t, ctypes.POINTER(ctypes.c_uint64)], c_size_t),
+        "stepalloc_ipc_open": ([c_int, c_char_p, c_size_t, ctypes.POINTER(c_void_p)], c_int),
+        "stepalloc_ipc_close": ([c_int, c_void_p], c_int),
     }
     for name, (argtypes, restype) in table.items():
         fn = getattr(cdll, name)  # AttributeError names a missing symbol: an outdated library.

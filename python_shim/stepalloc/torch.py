@@ -25,7 +25,7 @@ import threading
 import warnings
 from typing import Any, Callable
 
-from . import _lib, _oom, ranks, snapshot, stats
+from . import _lib, _oom, ipc, ranks, snapshot, stats
 from .metrics import served_address
 
 # PyTorch's optional hooks: the setter on the pluggable allocator -> the library's symbol.
@@ -361,8 +361,10 @@ def patch_torch() -> list[str]:
     ``memory_summary`` and ``memory_snapshot`` raise; after this they answer from stepalloc
     (in ``torch.cuda`` and ``torch.cuda.memory``), so HF Trainer's memory metrics, Lightning's
     ``DeviceStatsMonitor``, ``torch.cuda.memory._record_memory_history`` and
-    ``torch.cuda.memory._dump_snapshot`` keep working.
-    Idempotent; ``unpatch_torch()`` restores the originals.
+    ``torch.cuda.memory._dump_snapshot`` keep working. Under process-wide stepalloc it also
+    makes CUDA IPC work (``torch.multiprocessing`` queues, ``reduce_tensor``,
+    ``torch.cuda.ipc_collect``; see ``stepalloc.ipc``), with stock PyTorch or stepalloc on the
+    other side. Idempotent; ``unpatch_torch()`` restores the originals.
     """
     global _patched
     torch = _import_torch()
@@ -374,6 +376,7 @@ def patch_torch() -> list[str]:
                     if hasattr(module, name):
                         saved[(module, name)] = getattr(module, name)
                         setattr(module, name, fn)
+            ipc.patch(torch, is_installed)
             _patched = saved
         return sorted({name for _, name in _patched})
 
@@ -385,4 +388,7 @@ def unpatch_torch() -> None:
         if _patched is not None:
             for (module, name), fn in _patched.items():
                 setattr(module, name, fn)
+            import torch
+
+            ipc.unpatch(torch)
             _patched = None
