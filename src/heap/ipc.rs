@@ -206,4 +206,19 @@ mod tests {
         assert_eq!(fb[0], fa[1], "the page both touch is one chunk");
         assert!(h.open_shared(&Shareable::Expandable { pid: 1, page: 2 * MIB, fds: fa }.encode()).is_err());
     }
+
+    /// `set_base_alloc_fn`: a plain segment's base and size (PyTorch's getBaseAllocation); in an
+    /// expandable segment (a range of 1.125 x the device, mostly unmapped) the block itself.
+    #[test]
+    fn base_allocation_is_the_segment_or_the_expandable_block() {
+        let mut h = heap("backend:sim");
+        let a = h.malloc(1000, Stream::DEFAULT, None).unwrap();
+        let b = h.malloc(1000, Stream::DEFAULT, None).unwrap();
+        assert_eq!(h.base_allocation(b + 10), Some((a, 2 * MIB)));
+        let mut h = heap("backend:sim,expandable_segments:True,large_segment_size_mb:2");
+        let _a = h.malloc(3 * MIB, Stream::DEFAULT, None).unwrap();
+        let b = h.malloc(3 * MIB, Stream::DEFAULT, None).unwrap();
+        assert_eq!(h.base_allocation(b + 10), Some((b, 3 * MIB)));
+        assert_eq!(h.base_allocation(1), None);
+    }
 }

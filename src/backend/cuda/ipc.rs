@@ -146,3 +146,58 @@ pub(super) fn import(dev: &mut CudaDevice, pid: i32, fd: i32) -> Result<PhysHand
     unsafe { libc::close(mine) };
     imported
 }
+
+#[cfg(test)]
+mod tests {
+    use super::super::{driver_present, open_devices};
+    use crate::backend::Backend;
+    use std::ffi::c_void;
+
+    /// Exports a page, takes its descriptor back through pidfd_getfd (from this process, the
+    /// receiver's path), imports and maps it at a second address: data written through one
+    /// mapping is read through the other; the descriptor closes with the chunk. A legacy handle
+    /// of this process is refused when opened here, as the driver documents.
+    #[test]
+    fn gpu_shared_pages_map_twice_and_own_handles_do_not_open() {
+        let on = |name: &str| std::env::var(name).as_deref() == Ok("1");
+        if !(on("STEPALLOC_GPU_TESTS") || on("STEPALLOC_HOSTCUDA")) || !driver_present() {
+            eprintln!("skipped: set STEPALLOC_GPU_TESTS=1 or STEPALLOC_HOSTCUDA=1 with a driver");
+            return;
+        }
+        let mut devices = open_devices().expect("devices");
+        let dev = &mut devices[0];
+        let page = dev.vm_granularity().expect("virtual memory");
+        let chunk = dev.create_physical(page).expect("create");
+        let fd = dev.export_physical(chunk).expect("export");
+        assert_eq!(dev.export_physical(chunk).expect("export again"), fd, "exported once");
+        let range = dev.reserve_address(2 * page).expect("reserve");
+        dev.map(range, page, chunk).expect("map");
+        let imported = dev.import_physical(std::process::id() as i32, fd).expect("import");
+        dev.map(range + page, page, imported).expect("map the import");
+        let written: Vec<u8> = (0..4096u32).map(|i| (i * 7 + 3) as u8).collect();
+        let mut read = vec![0u8; written.len()];
+        {
+            let _current = dev.enter().expect("enter");
+            // Safety: both ranges are mapped device memory of at least 4096 bytes; the host
+            // buffers live for the calls.
+            unsafe {
+                assert_eq!((dev.api.memcpy_htod)(range, written.as_ptr().cast::<c_void>(), written.len()), 0);
+                assert_eq!((dev.api.memcpy_dtoh)(read.as_mut_ptr().cast::<c_void>(), range + page, read.len()), 0);
+            }
+        }
+        assert_eq!(read, written, "one memory behind both mappings");
+        dev.unmap(range + page, page).expect("unmap the import");
+        dev.unmap(range, page).expect("unmap");
+        dev.release_physical(imported).expect("release the import");
+        dev.release_physical(chunk).expect("release");
+        // Safety: fcntl on a descriptor number only reads its flags.
+        assert_eq!(unsafe { libc::fcntl(fd, libc::F_GETFD) }, -1, "the exported descriptor closes with its chunk");
+        dev.free_address(range, 2 * page).expect("free");
+
+        let base = dev.reserve(2 << 20).expect("cuMemAlloc");
+        let handle = dev.ipc_handle(base).expect("legacy handle");
+        let refused = dev.ipc_open(&handle).expect_err("a handle of this process");
+        assert!(refused.to_string().contains("cuIpcOpenMemHandle"), "{refused}");
+        dev.release(base, 2 << 20).expect("free");
+    }
+}
