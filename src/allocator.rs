@@ -14,7 +14,7 @@ use std::sync::{Arc, OnceLock};
 
 pub struct Allocator {
     config: Config,
-    devices: Vec<Mutex<Heap>>,
+    pub(crate) devices: Vec<Mutex<Heap>>,
 }
 
 impl Allocator {
@@ -63,13 +63,14 @@ impl Allocator {
 
     #[inline]
     pub fn malloc(&self, device: usize, size: u64, stream: Stream) -> Result<u64> {
-        self.heap(device)?.malloc(size, stream, None)
+        // The calling thread's region tags the block (`tags`; one thread-local load).
+        self.heap(device)?.malloc_tagged(size, stream, None, crate::tags::current())
     }
 
     /// Allocates into a CUDA graph's private pool (`None`: the general pool).
     #[inline]
     pub fn malloc_in_pool(&self, device: usize, size: u64, stream: Stream, pool: Option<PoolId>) -> Result<u64> {
-        self.heap(device)?.malloc(size, stream, pool)
+        self.heap(device)?.malloc_tagged(size, stream, pool, crate::tags::current())
     }
 
     /// Frees `ptr`; `size` is the size asked for at malloc, or 0 when unknown.

@@ -89,6 +89,9 @@ pub enum Error {
     Driver { call: &'static str, code: String },
     /// No usable backend: no driver, no device, or an unsupported request.
     Unavailable(String),
+    /// The operation needs memory of a tag that is paused (`Allocator::pause`): an allocation
+    /// in a paused tag's region. Resume the tag first.
+    Paused(String),
 }
 
 impl Error {
@@ -114,6 +117,7 @@ impl fmt::Display for Error {
             Error::Config { key, message } => write!(f, "configuration key `{key}`: {message}"),
             Error::Driver { call, code } => write!(f, "CUDA driver call {call} failed: {code}"),
             Error::Unavailable(message) => write!(f, "stepalloc unavailable: {message}"),
+            Error::Paused(message) => write!(f, "tag paused: {message}"),
         }
     }
 }

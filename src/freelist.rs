@@ -12,8 +12,8 @@ use crate::segment::{Block, BlockClass, BlockId, NIL};
 use crate::sizeclass::{bin_down, bin_up, BIN_COUNT};
 use std::collections::BTreeSet;
 
-/// Which list a free block belongs in: its pool, size class (small or large pool) and lane
-/// (`param_lane`'s blocks are listed apart), packed as a `BlockClass` with the expandable bit
+/// Which list a free block belongs in: its pool, size class (small or large pool), lane
+/// (`param_lane`'s blocks are listed apart) and tag (each tag's blocks are listed apart), packed as a `BlockClass` with the expandable bit
 /// clear, and the stream that may reuse it. Two words, so the heap's one-entry cache of the
 /// last list found compares in two instructions.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -23,8 +23,8 @@ pub struct ListKey {
 }
 
 impl ListKey {
-    pub fn new(pool: u32, small: bool, stream: Stream, lane: bool) -> ListKey {
-        ListKey { class: BlockClass::new(pool, small, false).in_lane(lane), stream }
+    pub fn new(pool: u32, small: bool, stream: Stream, lane: bool, tag: u8) -> ListKey {
+        ListKey { class: BlockClass::new(pool, small, false).in_lane(lane).with_tag(tag), stream }
     }
 
     /// The key of the list a free block with `class` and `stream` belongs in.

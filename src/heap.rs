@@ -40,6 +40,9 @@ use std::time::Instant;
 mod expandable;
 mod ipc;
 mod release;
+mod sleep;
+
+pub use sleep::{SleepOutcome, TagFigures};
 
 /// Exclusive upper bounds of the free-block size ranges of `Heap::free_block_ranges`:
 /// < 1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, and >= 1 GiB.
@@ -107,6 +110,11 @@ pub struct Heap {
     param_sizes: rustc_hash::FxHashSet<u64>,
     /// Ranges mapped from other processes (CUDA IPC, `ipc.rs`).
     ipc: ipc::IpcState,
+    /// The tag of the request growing the heap now (`sleep`): the segments `find_expandable`
+    /// may use or create. 0 between calls.
+    request_tag: u8,
+    /// Paused tags, their backups and per-tag figures (`heap/sleep.rs`).
+    pub(crate) sleep: sleep::SleepState,
 }
 
 impl Heap {
@@ -135,6 +143,8 @@ impl Heap {
             step_clock: 0,
             param_sizes: Default::default(),
             ipc: Default::default(),
+            request_tag: 0,
+            sleep: Default::default(),
             deferred_frees: Vec::new(),
             deferred_work: false,
             deferred_empty_cache: false,
@@ -164,6 +174,14 @@ impl Heap {
     /// Allocates `size` bytes for `stream`, in the private pool `pool` when given.
     /// Size 0 gets a unique block of one granule (PyTorch calls alloc for size 0 too).
     pub fn malloc(&mut self, size: u64, stream: Stream, pool: Option<PoolId>) -> Result<u64> {
+        self.malloc_tagged(size, stream, pool, 0)
+    }
+
+    /// `malloc` for tag `tag` (`crate::tags`; 0 is "default"). A tagged request in the general
+    /// pool is served from its tag's own segments (`heap/sleep.rs`); CUDA-graph pools are
+    /// untagged.
+    #[inline]
+    pub fn malloc_tagged(&mut self, size: u64, stream: Stream, pool: Option<PoolId>, tag: u8) -> Result<u64> {
         if size > MAX_REQUEST || size > self.device_total {
             return Err(self.out_of_memory(size, size, size));
         }
@@ -181,19 +199,24 @@ impl Heap {
         };
         let rounded = sizeclass::round_size(size, &self.config);
         let small = sizeclass::is_small(rounded);
-        let lane = self.config.param_lane && pool_index == 0 && self.in_param_lane(rounded);
-        let mut found = self.find_free(pool_index, small, stream, rounded, lane);
+        let tag = if pool_index == 0 { tag } else { 0 };
+        if tag != 0 && self.sleep.is_paused(tag) {
+            return Err(self.paused_error(tag, size));
+        }
+        let lane = tag == 0 && self.config.param_lane && pool_index == 0 && self.in_param_lane(rounded);
+        let mut found = self.find_free(pool_index, small, stream, rounded, lane, tag);
         if found.is_none() && small && pool_index == 0 && self.config.pack_small {
             // `pack_small`: free space in the large pool's mapped pages (the partly used pages
             // at the ends of its free blocks, which page reuse cannot move) before a new
             // small-pool page.
-            found = self.find_free(pool_index, false, stream, rounded, lane);
+            found = self.find_free(pool_index, false, stream, rounded, lane, tag);
         }
         let id = match found {
             Some(id) => {
                 self.stats.num_cache_hits += 1;
                 id
             }
+            None if tag != 0 => self.grow_tagged(small, stream, rounded, size, tag)?,
             None if self.config.expandable_segments && pool_index == 0 => {
                 // As PyTorch: CUDA-graph pools keep plain segments.
                 self.grow_expandable(small, stream, rounded, size, lane)?
@@ -204,11 +227,19 @@ impl Heap {
     }
 
     /// A cached block for the request: this stream's list first, then blocks any stream may use;
-    /// `lane`: the parameter lane's lists (`param_lane`).
+    /// `lane`: the parameter lane's lists (`param_lane`); `tag`: the tag's own lists.
     #[inline(always)]
-    fn find_free(&mut self, pool: u32, small: bool, stream: Stream, rounded: u64, lane: bool) -> Option<BlockId> {
+    fn find_free(
+        &mut self,
+        pool: u32,
+        small: bool,
+        stream: Stream,
+        rounded: u64,
+        lane: bool,
+        tag: u8,
+    ) -> Option<BlockId> {
         for s in [stream, ANY_STREAM] {
-            let Some(li) = self.list_index(ListKey::new(pool, small, s, lane)) else { continue };
+            let Some(li) = self.list_index(ListKey::new(pool, small, s, lane, tag)) else { continue };
             let oversize_request = rounded >= self.config.max_split_size;
             let found = if oversize_request {
                 self.lists[li].find_oversize(rounded, self.config.max_non_split_rounding)
@@ -383,6 +414,7 @@ impl Heap {
                 page: 0,
                 mapped: size,
                 lane: false,
+                tag: 0,
             },
             self.step.step,
         );
@@ -458,6 +490,9 @@ impl Heap {
             Err(None) => return Err(Error::UnknownPointer { device: self.device, ptr }),
             Err(Some(id)) => return Err(self.wrong_free_size(id, ptr, size)),
         };
+        if self.sleep.any_paused() && self.sleep.is_paused(self.arena.block(id).class.tag()) {
+            return self.free_paused(id);
+        }
         let (block_size, stream, small, requested) = {
             let b = self.arena.block(id);
             (b.size, b.stream, b.class.small(), b.requested)
@@ -896,6 +931,8 @@ impl Heap {
             last_step: self.step.last.clone(),
             driver_time: self.backend.driver_time(),
             mapped_bytes: self.mapped_bytes(),
+            tags: if crate::tags::registered().is_empty() { Vec::new() } else { self.tag_figures() },
+            backup_host_bytes: self.backup_host_bytes(),
         }
     }
 
@@ -987,7 +1024,9 @@ impl Heap {
         for seg_id in self.arena.live_segment_ids() {
             let seg = self.arena.segment(seg_id);
             let p = if seg.small { 0 } else { 1 };
-            reserved[p] += seg.mapped;
+            // A paused tag's segments hold no memory and count in no statistic (`heap/sleep.rs`).
+            let paused = self.sleep.is_paused(seg.tag);
+            reserved[p] += if paused { 0 } else { seg.mapped };
             let mut mapped = 0;
             let mut expect = seg.addr;
             let mut prev = NIL;
@@ -1012,6 +1051,7 @@ impl Heap {
                     return Err(format!("block {:#x}: class {:?} differs from its segment's", b.addr, b.class));
                 }
                 match state {
+                    BlockState::Allocated if paused => {}
                     BlockState::Allocated => {
                         allocated[p] += b.size;
                         requested[p] += b.requested;
@@ -1056,7 +1096,7 @@ impl Heap {
             }
             if seg.expandable() {
                 let pages = self.pages.get(&seg_id).map_or(0, |p| p.iter().filter(|h| h.is_some()).count()) as u64;
-                if pages * seg.page != seg.mapped {
+                if pages * seg.page != if paused { 0 } else { seg.mapped } {
                     return Err(format!("segment {:#x}: {pages} pages mapped for {} bytes", seg.addr, seg.mapped));
                 }
             }

@@ -34,9 +34,11 @@ mod live;
 pub mod metrics;
 pub mod segment;
 pub mod sizeclass;
+pub mod sleep;
 pub mod snapshot;
 pub mod stats;
 pub mod step;
+pub mod tags;
 pub mod trace;
 pub mod units;
 

@@ -44,22 +44,36 @@ pub enum BlockState {
 }
 
 /// What a block inherits from its segment and the free path needs: the pool, the size class,
-/// whether the segment is expandable and its lane (`param_lane`), packed in one word
-/// (`pool << 3 | lane << 2 | expandable << 1 | small`), so that `free` never loads the segment
-/// record.
+/// whether the segment is expandable, its lane (`param_lane`) and its tag (`tags`), packed in
+/// one word (`pool << 9 | tag << 3 | lane << 2 | expandable << 1 | small`), so that `free`
+/// never loads the segment record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BlockClass(u32);
 
 impl BlockClass {
-    /// Pool numbers are indices into the heap's private pools plus one; 2^29 of them would take
+    /// Pool numbers are indices into the heap's private pools plus one; 2^23 of them would take
     /// far more memory than any process has.
-    pub const MAX_POOL: u32 = u32::MAX >> 3;
+    pub const MAX_POOL: u32 = u32::MAX >> 9;
     const LANE: u32 = 1 << 2;
     const EXPANDABLE: u32 = 1 << 1;
+    const TAG_SHIFT: u32 = 3;
+    const TAG_MASK: u32 = 0x3f << Self::TAG_SHIFT;
 
     pub fn new(pool: u32, small: bool, expandable: bool) -> BlockClass {
         debug_assert!(pool <= Self::MAX_POOL);
-        BlockClass((pool.min(Self::MAX_POOL) << 3) | (u32::from(expandable) << 1) | u32::from(small))
+        BlockClass((pool.min(Self::MAX_POOL) << 9) | (u32::from(expandable) << 1) | u32::from(small))
+    }
+
+    /// The class with tag `tag` (`crate::tags`; 0 is "default", at most 63).
+    pub fn with_tag(self, tag: u8) -> BlockClass {
+        debug_assert!(u32::from(tag) <= Self::TAG_MASK >> Self::TAG_SHIFT);
+        BlockClass((self.0 & !Self::TAG_MASK) | ((u32::from(tag) << Self::TAG_SHIFT) & Self::TAG_MASK))
+    }
+
+    /// The tag of the block's segment.
+    #[inline]
+    pub fn tag(self) -> u8 {
+        ((self.0 & Self::TAG_MASK) >> Self::TAG_SHIFT) as u8
     }
 
     /// The class of a block in the parameter lane (`param_lane`) when `lane`.
@@ -74,11 +88,11 @@ impl BlockClass {
     }
 
     pub fn of(segment: &Segment) -> BlockClass {
-        BlockClass::new(segment.pool, segment.small, segment.expandable()).in_lane(segment.lane)
+        BlockClass::new(segment.pool, segment.small, segment.expandable()).in_lane(segment.lane).with_tag(segment.tag)
     }
 
     pub fn pool(self) -> u32 {
-        self.0 >> 3
+        self.0 >> 9
     }
 
     /// Whether the block is in the parameter lane's segments (`param_lane`).
@@ -172,6 +186,9 @@ pub struct Segment {
     /// An expandable segment of the parameter lane (`param_lane`): its free blocks serve only
     /// requests of the lane, and the lane's requests only its free blocks.
     pub lane: bool,
+    /// The tag of every block in it (`crate::tags`; 0: "default"). A tagged segment is always
+    /// expandable (a virtual range), so that `pause` can unmap its pages and keep its addresses.
+    pub tag: u8,
 }
 
 impl Segment {
@@ -554,6 +571,11 @@ impl Arena {
         if !streams.contains(&stream) {
             streams.push(stream);
         }
+    }
+
+    /// The streams `record_stream` added to block `id` (empty when none).
+    pub fn extra_streams(&self, id: BlockId) -> &[Stream] {
+        self.extra_streams.get(&id).map_or(&[], Vec::as_slice)
     }
 
     pub fn take_extra_streams(&mut self, id: BlockId) -> Option<Vec<Stream>> {

@@ -36,6 +36,14 @@ pub struct SnapshotSegment {
     pub is_expandable: bool,
     pub frames: Frames,
     pub blocks: Vec<SnapshotBlock>,
+    /// stepalloc's: the tag of a tagged segment (`crate::tags`); absent for "default".
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tag: Option<String>,
+    /// stepalloc's: the run belongs to a paused tag: its addresses are reserved and its blocks
+    /// kept, but no memory is behind them (`Allocator::pause`). Absent when false; the memory
+    /// viewer ignores the key and shows the run as a segment.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
 }
 
 /// One event of `device_traces[device]`.
@@ -78,6 +86,8 @@ impl Heap {
         let mut segments: Vec<SnapshotSegment> = Vec::new();
         for seg_id in self.arena.live_segment_ids() {
             let seg = self.arena.segment(seg_id);
+            let tag = (seg.tag != 0).then(|| crate::tags::name(seg.tag));
+            let paused = self.tag_paused(seg.tag);
             let mut run: Vec<SnapshotBlock> = Vec::new();
             let (mut start, mut total, mut allocated, mut active, mut requested) = (0u64, 0u64, 0u64, 0u64, 0u64);
             let mut close = |run: &mut Vec<SnapshotBlock>, start: u64, total: u64, figures: (u64, u64, u64)| {
@@ -97,6 +107,8 @@ impl Heap {
                     is_expandable: seg.expandable(),
                     frames: [],
                     blocks: std::mem::take(run),
+                    tag: tag.clone(),
+                    paused,
                 });
             };
             for id in self.arena.segment_blocks(seg_id) {

@@ -262,15 +262,18 @@ pub enum ReleaseReason {
     Limit = 2,
     EmptyCache = 3,
     Oom = 4,
+    /// `Allocator::pause`: a paused tag's pages, and idle pages of other tags.
+    Pause = 5,
 }
 
 impl ReleaseReason {
-    pub const ALL: [ReleaseReason; 5] = [
+    pub const ALL: [ReleaseReason; 6] = [
         ReleaseReason::Step,
         ReleaseReason::PhaseSwitch,
         ReleaseReason::Limit,
         ReleaseReason::EmptyCache,
         ReleaseReason::Oom,
+        ReleaseReason::Pause,
     ];
 
     pub fn label(self) -> &'static str {
@@ -280,6 +283,7 @@ impl ReleaseReason {
             ReleaseReason::Limit => "limit",
             ReleaseReason::EmptyCache => "empty_cache",
             ReleaseReason::Oom => "oom",
+            ReleaseReason::Pause => "pause",
         }
     }
 }
@@ -324,7 +328,7 @@ pub struct HeapStats<P = PoolStat, A = P> {
     pub num_unmap: u64,
     pub moved_bytes: u64,
     /// Bytes released to the device, by `ReleaseReason`.
-    pub released_bytes: [u64; 5],
+    pub released_bytes: [u64; 6],
     /// Device reserve latencies: counts per bucket of `DEVICE_ALLOC_BUCKETS_S` (last = +Inf).
     pub device_alloc_latency_buckets: [u64; 12],
     pub device_alloc_latency_sum_ns: u64,
@@ -489,6 +493,16 @@ pub struct DeviceStats {
     pub driver_time: DriverTime,
     /// Bytes mapped in expandable segments.
     pub mapped_bytes: u64,
+    /// Per-tag figures (`tags`), once a region was entered in the process; empty before.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub tags: Vec<crate::heap::TagFigures>,
+    /// Pinned host memory kept for backups of paused tags (`Allocator::pause`).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub backup_host_bytes: u64,
+}
+
+fn is_zero(x: &u64) -> bool {
+    *x == 0
 }
 
 impl DeviceStats {
@@ -570,6 +584,17 @@ impl DeviceStats {
         m.insert(format!("{s}num_release_physical"), json!(h.num_release_physical));
         m.insert(format!("{s}num_map"), json!(h.num_map));
         m.insert(format!("{s}num_unmap"), json!(h.num_unmap));
+        m.insert(format!("{s}backup_host_bytes"), json!(self.backup_host_bytes));
+        for f in &self.tags {
+            let t = format!("{s}tag.{}", f.tag);
+            m.insert(format!("{t}.live_bytes"), json!(f.live_bytes));
+            m.insert(format!("{t}.paused_bytes"), json!(f.paused_bytes));
+            m.insert(format!("{t}.backup_bytes"), json!(f.backup_bytes));
+            m.insert(format!("{t}.pauses"), json!(f.pauses));
+            m.insert(format!("{t}.resumes"), json!(f.resumes));
+            m.insert(format!("{t}.pause_seconds"), json!(f.pause_seconds));
+            m.insert(format!("{t}.resume_seconds"), json!(f.resume_seconds));
+        }
         m
     }
 }

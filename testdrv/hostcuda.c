@@ -1639,3 +1639,43 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *out, void 
     *out = (uintptr_t)p;
     RETURN(OK);
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* pinned host memory (stepalloc's host backups, src/backend/cuda/host.rs): cuMemHostAlloc is an
+ * anonymous mmap populated at once (pinned memory is resident: its first copy must not pay page
+ * faults), counted against no device; cuMemFreeHost takes exactly a pointer cuMemHostAlloc gave.
+ * Flags: PORTABLE (1), DEVICEMAP (2), WRITECOMBINED (4); others are CUDA_ERROR_INVALID_VALUE. */
+
+struct host_alloc {
+    void *p;
+    size_t bytes;
+};
+static struct reg host_allocs;
+
+CUresult cuMemHostAlloc(void **out, size_t bytes, unsigned flags) {
+    BEGIN(cuMemHostAlloc);
+    NEED_CTX();
+    if (!out || bytes == 0 || (flags & ~7u)) RETURN(E_INVALID_VALUE);
+    void *p = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED) RETURN(E_OUT_OF_MEMORY);
+    struct host_alloc *h = malloc(sizeof *h);
+    if (!h || reg_add(&host_allocs, h)) { free(h); munmap(p, bytes); RETURN(E_OUT_OF_MEMORY); }
+    *h = (struct host_alloc){p, bytes};
+    *out = p;
+    RETURN(OK);
+}
+
+CUresult cuMemFreeHost(void *p) {
+    BEGIN(cuMemFreeHost);
+    NEED_INIT();
+    for (size_t i = 0; i < host_allocs.n; i++) {
+        struct host_alloc *h = host_allocs.v[i];
+        if (h->p == p) {
+            munmap(h->p, h->bytes);
+            reg_del(&host_allocs, (long)i);
+            free(h);
+            RETURN(OK);
+        }
+    }
+    RETURN(E_INVALID_VALUE);
+}

@@ -9,13 +9,19 @@
 //!   `record_stream` (then only after its events completed, which the heap enforces);
 //! - freeing everything and calling `empty_cache` returns reserved memory to 0 (with expandable
 //!   segments: nothing left mapped); with virtual memory, every live block lies in mapped
-//!   memory and the heap's pages match the device's mappings (`check_invariants`).
+//!   memory and the heap's pages match the device's mappings (`check_invariants`);
+//! - tags (sleep and wake): every block lies in a segment of its own tag, so pages never hold
+//!   blocks of two tags; a pause reports the live bytes it backed up or discarded, gives the
+//!   tag's blocks up from the statistics and keeps their addresses (they never overlap new
+//!   blocks); an allocation in a paused tag's region is refused; frees while paused drop
+//!   blocks; a resume either maps everything back or fails out of memory with the tag still
+//!   paused.
 //!
 //! proptest shrinks a failing program to a minimal one.
 
 use proptest::prelude::*;
 use std::collections::{BTreeMap, HashMap};
-use stepalloc::{Allocator, Config, Error, Stream};
+use stepalloc::{tags, Allocator, Config, Error, Stream};
 
 #[derive(Clone, Debug)]
 enum Op {
@@ -23,6 +29,8 @@ enum Op {
         device: usize,
         size: u64,
         stream: u64,
+        /// 0: "default"; 1 and 2: the regions of `TAGS`.
+        tag: usize,
     },
     /// Frees the live allocation at this index (modulo the number live).
     Free {
@@ -39,7 +47,18 @@ enum Op {
     Step {
         phase: u8,
     },
+    Pause {
+        tag: usize,
+        /// None: the tag's policy (`TAGS`).
+        backup: Option<bool>,
+    },
+    Resume {
+        tag: usize,
+    },
 }
+
+/// The regions the programs allocate in, with their backup policy (index 0 is "default").
+const TAGS: [(&str, bool); 3] = [("default", false), ("oracle_weights", true), ("oracle_kv", false)];
 
 fn size_strategy() -> impl Strategy<Value = u64> {
     prop_oneof![
@@ -53,12 +72,16 @@ fn size_strategy() -> impl Strategy<Value = u64> {
 
 fn op_strategy() -> impl Strategy<Value = Op> {
     prop_oneof![
-        10 => (0usize..2, size_strategy(), 0u64..3).prop_map(|(device, size, stream)| Op::Malloc { device, size, stream }),
+        10 => (0usize..2, size_strategy(), 0u64..3, prop_oneof![3 => Just(0usize), 1 => 1usize..3])
+            .prop_map(|(device, size, stream, tag)| Op::Malloc { device, size, stream, tag }),
         8 => any::<usize>().prop_map(|pick| Op::Free { pick }),
         1 => (any::<usize>(), 0u64..3).prop_map(|(pick, stream)| Op::RecordStream { pick, stream }),
         1 => Just(Op::EmptyCache),
         1 => (0u64..50).prop_map(|us| Op::Advance { us }),
         1 => (0u8..3).prop_map(|phase| Op::Step { phase }),
+        1 => (1usize..3, prop_oneof![Just(None), Just(Some(false)), Just(Some(true))])
+            .prop_map(|(tag, backup)| Op::Pause { tag, backup }),
+        1 => (1usize..3).prop_map(|tag| Op::Resume { tag }),
     ]
 }
 
@@ -85,6 +108,7 @@ struct Live {
     requested: u64,
     stream: u64,
     multi_stream: bool,
+    tag: usize,
 }
 
 /// Freed ranges and the stream that may reuse them (`None`: any stream, after events).
@@ -96,6 +120,8 @@ struct Shadow {
     /// Device-wide synchronizations seen per device: after one, any stream may reuse anything.
     syncs: Vec<u64>,
     ops: u64,
+    /// Whether each tag of `TAGS` is paused.
+    paused: [bool; 3],
 }
 
 impl Shadow {
@@ -103,7 +129,9 @@ impl Shadow {
         a.check_invariants()?;
         for device in 0..a.device_count() {
             let stats = a.stats(device).map_err(|e| e.to_string())?;
-            let mine: Vec<&Live> = self.live.iter().filter(|l| l.device == device).collect();
+            // A paused tag's blocks count in no statistic; they keep their addresses.
+            let all: Vec<&Live> = self.live.iter().filter(|l| l.device == device).collect();
+            let mine: Vec<&Live> = all.iter().copied().filter(|l| !self.paused[l.tag]).collect();
             let h = &stats.heap;
             if h.allocation.all.current != mine.len() as u64 {
                 return Err(format!(
@@ -122,8 +150,9 @@ impl Shadow {
             let (blocks, segments) =
                 a.with_heap(device, |h| (h.live_blocks(), h.segments())).map_err(|e| e.to_string())?;
             let sizes: HashMap<u64, u64> = blocks.iter().map(|b| (b.0, b.1)).collect();
+            let records = a.with_heap(device, |h| h.snapshot_segment_records()).map_err(|e| e.to_string())?;
             let mut spans: Vec<(u64, u64)> = Vec::new();
-            for l in &mine {
+            for l in &all {
                 let Some(&size) = sizes.get(&l.addr) else {
                     return Err(format!("live block {:#x} unknown to the heap", l.addr));
                 };
@@ -132,6 +161,17 @@ impl Shadow {
                 }
                 if !segments.iter().any(|&(s, n, _)| s <= l.addr && l.addr + size <= s + n) {
                     return Err(format!("block {:#x} lies outside every segment", l.addr));
+                }
+                let Some(record) = records.iter().find(|r| r.address <= l.addr && l.addr < r.address + r.total_size)
+                else {
+                    return Err(format!("block {:#x} is in no snapshot segment", l.addr));
+                };
+                let want = (l.tag != 0).then(|| TAGS[l.tag].0.to_string());
+                if record.tag != want || record.paused != self.paused[l.tag] {
+                    return Err(format!(
+                        "block {:#x} of tag {} lies in a segment of tag {:?} (paused {})",
+                        l.addr, TAGS[l.tag].0, record.tag, record.paused
+                    ));
                 }
                 spans.push((l.addr, l.addr + size));
             }
@@ -192,14 +232,25 @@ fn unmapping<T>(a: &Allocator, device: usize, f: impl FnOnce(&Allocator) -> T) -
 fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
     let a = Allocator::new(Config::parse(config).map_err(|e| e.to_string())?).map_err(|e| e.to_string())?;
     let devices = a.device_count();
-    let mut shadow =
-        Shadow { live: Vec::new(), freed: vec![BTreeMap::new(); devices], syncs: vec![0; devices], ops: 0 };
+    let mut shadow = Shadow {
+        live: Vec::new(),
+        freed: vec![BTreeMap::new(); devices],
+        syncs: vec![0; devices],
+        ops: 0,
+        paused: [false; 3],
+    };
     let mut in_step = false;
     for (i, op) in ops.iter().enumerate() {
         let context = |e: String| format!("op {i} {op:?}: {e}");
         match *op {
-            Op::Malloc { device, size, stream } => {
+            Op::Malloc { device, size, stream, tag } => {
+                if tag != 0 {
+                    tags::enter(TAGS[tag].0, TAGS[tag].1).map_err(|e| context(e.to_string()))?;
+                }
                 let (unmapped, result) = unmapping(&a, device, |a| a.malloc(device, size, Stream(stream)));
+                if tag != 0 {
+                    tags::exit().map_err(|e| context(e.to_string()))?;
+                }
                 if unmapped {
                     // Pages were unmapped after synchronizing the streams that used them, or the
                     // device was synchronized: what was freed before is anyone's.
@@ -211,9 +262,13 @@ fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
                             .with_heap(device, |h| h.live_blocks().into_iter().find(|b| b.0 == addr))
                             .map_err(|e| e.to_string())?
                             .ok_or_else(|| context("returned address is not live".into()))?;
+                        if shadow.paused[tag] {
+                            return Err(context("allocated in a paused tag's region".into()));
+                        }
                         shadow.check_reuse(device, addr, block.1, stream).map_err(context)?;
-                        shadow.live.push(Live { device, addr, requested: size, stream, multi_stream: false });
+                        shadow.live.push(Live { device, addr, requested: size, stream, multi_stream: false, tag });
                     }
+                    Err(Error::Paused(m)) if shadow.paused[tag] && m.contains(TAGS[tag].0) => {}
                     Err(Error::OutOfMemory(report)) => {
                         if report.requested != size || report.device != device {
                             return Err(context(format!("OOM report for the wrong request: {report:?}")));
@@ -250,8 +305,10 @@ fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
             }
             Op::EmptyCache => {
                 a.empty_cache().map_err(|e| context(e.to_string()))?;
-                // Every segment left holds a live or pending block.
-                for device in 0..a.device_count() {
+                // Every segment left holds a live or pending block (a paused tag's free pieces
+                // beside its blocks count as split but hold no memory: not checked then).
+                let any_paused = shadow.paused.iter().any(|&p| p);
+                for device in (0..a.device_count()).filter(|_| !any_paused) {
                     let s = a.stats(device).map_err(|e| e.to_string())?;
                     if s.cached_free != s.heap.inactive_split_bytes.all.current {
                         let segments = a.with_heap(device, |h| h.snapshot_segments()).unwrap_or_default();
@@ -264,6 +321,50 @@ fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
                 }
             }
             Op::Advance { us } => a.advance_time(us * 1000),
+            Op::Pause { tag, backup } => {
+                let name = TAGS[tag].0;
+                let live: u64 = shadow.live.iter().filter(|l| l.tag == tag).map(|l| l.requested).sum();
+                let r = a.pause(Some(name), backup).map_err(|e| context(e.to_string()));
+                // Pages went back after the streams' work completed: freed memory is anyone's.
+                shadow.freed.iter_mut().for_each(|f| f.values_mut().for_each(|(_, owner)| *owner = None));
+                let r = match r {
+                    Err(e) if !shadow.paused[tag] && tags::lookup(name).is_none() => {
+                        // No region of the tag yet: the pause names it.
+                        if !e.contains(name) {
+                            return Err(context(format!("unknown tag not named: {e}")));
+                        }
+                        shadow.ops += 1;
+                        continue;
+                    }
+                    r => r?,
+                };
+                if shadow.paused[tag] {
+                    if r.skipped != [name] || r.copied_bytes + r.discarded_bytes != 0 {
+                        return Err(context(format!("pause of a paused tag: {r:?}")));
+                    }
+                } else {
+                    let (copied, discarded) = if backup.unwrap_or(TAGS[tag].1) { (live, 0) } else { (0, live) };
+                    if r.tags != [name] || r.copied_bytes != copied || r.discarded_bytes != discarded {
+                        return Err(context(format!("pause of {live} live bytes reported {r:?}")));
+                    }
+                }
+                shadow.paused[tag] = true;
+            }
+            Op::Resume { tag } => {
+                let name = TAGS[tag].0;
+                match a.resume(Some(name)) {
+                    Ok(r) => {
+                        let want_skip = !shadow.paused[tag];
+                        if (r.skipped == [name]) != want_skip {
+                            return Err(context(format!("resume: {r:?}, paused {}", shadow.paused[tag])));
+                        }
+                        shadow.paused[tag] = false;
+                    }
+                    Err(Error::OutOfMemory(report)) if shadow.paused[tag] && report.hint.contains(name) => {}
+                    Err(Error::InvalidArgument(m)) if tags::lookup(name).is_none() && m.contains(name) => {}
+                    Err(e) => return Err(context(format!("resume: {e}"))),
+                }
+            }
             Op::Step { phase } => {
                 if in_step {
                     a.step_end().map_err(|e| context(e.to_string()))?;
@@ -277,10 +378,13 @@ fn run_program(config: &str, ops: &[Op]) -> Result<u64, String> {
         shadow.check(&a).map_err(context)?;
         shadow.ops += 1;
     }
-    // Free everything; the cache then empties completely.
+    // Free everything (blocks of paused tags are dropped); resuming then needs no memory; the
+    // cache then empties completely.
     for l in std::mem::take(&mut shadow.live) {
         a.free(l.device, l.addr, l.requested).map_err(|e| e.to_string())?;
     }
+    a.resume(None).map_err(|e| format!("resume with nothing live: {e}"))?;
+    shadow.paused = [false; 3];
     a.empty_cache().map_err(|e| e.to_string())?;
     for device in 0..a.device_count() {
         let s = a.stats(device).map_err(|e| e.to_string())?;
@@ -323,8 +427,8 @@ fn random_programs_match_the_shadow() {
     assert!(checked.get() >= MIN_CHECKED_OPS, "only {} operations checked", checked.get());
 }
 
-/// Replays a program written one op a line (`M device.size.stream`, `F pick`, `R pick.stream`,
-/// `E`, `A us`, `S phase`) from the file in `ORACLE_PROGRAM`, under `ORACLE_CONFIG`: for
+/// Replays a program written one op a line (`M device.size.stream[.tag]`, `F pick`,
+/// `R pick.stream`, `E`, `A us`, `S phase`, `P tag[.backup]`, `W tag`) from the file in `ORACLE_PROGRAM`, under `ORACLE_CONFIG`: for
 /// investigating a failure proptest reported.
 #[test]
 #[ignore]
@@ -337,11 +441,18 @@ fn replay_program_from_file() {
         .map(|l| {
             let n: Vec<u64> = l[1..].split('.').filter(|s| !s.is_empty()).map(|s| s.parse().unwrap()).collect();
             match &l[..1] {
-                "M" => Op::Malloc { device: n[0] as usize, size: n[1], stream: n[2] },
+                "M" => Op::Malloc {
+                    device: n[0] as usize,
+                    size: n[1],
+                    stream: n[2],
+                    tag: n.get(3).map_or(0, |&t| t as usize),
+                },
                 "F" => Op::Free { pick: n[0] as usize },
                 "R" => Op::RecordStream { pick: n[0] as usize, stream: n[1] },
                 "E" => Op::EmptyCache,
                 "A" => Op::Advance { us: n[0] },
+                "P" => Op::Pause { tag: n[0] as usize, backup: n.get(1).map(|&b| b != 0) },
+                "W" => Op::Resume { tag: n[0] as usize },
                 _ => Op::Step { phase: n[0] as u8 },
             }
         })

@@ -48,6 +48,10 @@ typedef struct CUstream_st *cudaStream_t;
 // unknown partial effect on statistics; allocations stay valid.
 #define STEPALLOC_PANIC 7
 
+// The operation needs memory of a tag that is paused (`stepalloc_pause`): an allocation in a
+// paused tag's region. Resume the tag first.
+#define STEPALLOC_PAUSED 8
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -199,6 +203,64 @@ int stepalloc_ipc_open(int device, const char *handle, size_t len, void **out);
 // Closes one `stepalloc_ipc_open` of the range at `base` on `device`; the last close unmaps
 // it. Returns a status.
 int stepalloc_ipc_close(int device, void *base);
+
+// Enters a region of `tag` on the calling thread: until the matching
+// `stepalloc_region_exit`, what this thread allocates carries `tag` and lives in pages of its
+// own, which `stepalloc_pause` can give back. `tag` is 1 to 64 characters of letters, digits,
+// `_`, `.`, `:` and `-`; "default" is the tag outside any region. At most 32 tags besides
+// "default" per process (the 33rd is `STEPALLOC_INVALID_ARGUMENT`); regions nest up to 64
+// deep. `backup` (0 or 1) sets the tag's backup policy: whether a pause copies its live bytes
+// to host memory (the latest region entered for the tag wins). Returns a status.
+//
+// # Safety
+// `tag` must be NULL or a NUL-terminated string.
+int stepalloc_region_enter(const char *tag, int backup);
+
+// Exits the calling thread's innermost region (`STEPALLOC_INVALID_ARGUMENT` when it has
+// none). Returns a status.
+int stepalloc_region_exit(void);
+
+// Pauses `tag` (NULL: every tag a region has used) on every device: the physical memory of
+// its live blocks and cached pages goes back to the device, every address stays reserved
+// (tensors keep their pointers; CUDA graphs captured before stay valid), after a
+// stream-ordered wait for the work that used it. `backup` -1 follows the tag's policy; 0
+// discards the live bytes; 1 copies them to pinned host memory first. Idle cached pages of
+// other tags are released too, so the device shows the memory free when this returns.
+// Returns a status; `stepalloc_sleep_report_json` tells what it did.
+//
+// # Safety
+// `tag` must be NULL or a NUL-terminated string.
+int stepalloc_pause(const char *tag, int backup);
+
+// Resumes `tag` (NULL: every paused tag) on every device: physical memory is mapped at the
+// same addresses and backed-up bytes are copied back. All or nothing: when the device cannot
+// give the memory, `STEPALLOC_OUT_OF_MEMORY` names the tag and the shortfall and the tag stays
+// paused with its backup. Returns a status.
+//
+// # Safety
+// `tag` must be NULL or a NUL-terminated string.
+int stepalloc_resume(const char *tag);
+
+// The calling thread's last successful pause or resume, as JSON: {"op":"pause"|"resume",
+// "tags":[..],"skipped":[..],"released_bytes":N,"mapped_bytes":N,"copied_bytes":N,
+// "discarded_bytes":N,"seconds":F,"gib_per_s":F}; empty before the first. Text convention.
+//
+// # Safety
+// `buf` must be NULL or point to `cap` writable bytes.
+size_t stepalloc_sleep_report_json(char *buf, size_t cap);
+
+// Frees the pinned host buffers kept for backups that hold no paused bytes now (they are
+// otherwise kept across pauses: a new pinned allocation costs far more than the copy).
+// Returns a status.
+int stepalloc_release_backup(void);
+
+// Per-tag figures summed over devices, as JSON: {"default":{...},"weights":{"live_bytes":N,
+// "paused":bool,"paused_bytes":N,"backup":bool,"backup_bytes":N,"host_bytes":N,"pauses":N,
+// "resumes":N,"pause_seconds":F,"resume_seconds":F},...}. Text convention.
+//
+// # Safety
+// `buf` must be NULL or point to `cap` writable bytes.
+size_t stepalloc_tags_json(char *buf, size_t cap);
 
 // Allocates `size` bytes on `device` for use on `stream`; returns NULL when it fails (out of
 // memory after the whole out-of-memory path, or a bad argument) and sets the last error.

@@ -22,7 +22,7 @@ use stepalloc::{Allocator, BackendKind, Config};
 ///
 /// # Safety
 /// `buf` must be NULL or point to `cap` writable bytes.
-unsafe fn write_text(text: &str, buf: *mut c_char, cap: usize) -> usize {
+pub(crate) unsafe fn write_text(text: &str, buf: *mut c_char, cap: usize) -> usize {
     if !buf.is_null() && cap > 0 {
         let n = text.len().min(cap - 1);
         // Safety: the caller guarantees `cap` writable bytes at `buf`; n + 1 <= cap.
@@ -38,7 +38,7 @@ unsafe fn write_text(text: &str, buf: *mut c_char, cap: usize) -> usize {
 ///
 /// # Safety
 /// `s` must be NULL or a NUL-terminated string.
-unsafe fn c_str<'a>(s: *const c_char, what: &str) -> Result<&'a str, AbiError> {
+pub(crate) unsafe fn c_str<'a>(s: *const c_char, what: &str) -> Result<&'a str, AbiError> {
     if s.is_null() {
         return Err(AbiError::invalid(format!("{what} is NULL")));
     }

@@ -7,6 +7,7 @@
 //!   out-of-memory, and the CUDA-graph pool hooks, which take C++ types by value;
 //! - `ipc.rs`: CUDA IPC of blocks in PyTorch's handle format;
 //! - `control.rs`: configuration, steps, statistics, snapshots, traces, metrics, last error;
+//! - `sleep.rs`: regions (tags), pause and resume, their report and per-tag figures;
 //! - `guard.rs`, `last_error.rs`, `status.rs`: the panic guard, the thread-local last error,
 //!   the stable status codes.
 //!
@@ -24,11 +25,13 @@ mod control;
 mod guard;
 mod ipc;
 mod last_error;
+mod sleep;
 mod status;
 mod torch;
 
 pub use control::*;
 pub use ipc::*;
+pub use sleep::*;
 pub use status::*;
 pub use torch::*;
 

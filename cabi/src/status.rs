@@ -23,6 +23,9 @@ pub const STEPALLOC_UNAVAILABLE: c_int = 6;
 /// A bug: a panic inside stepalloc was caught at the boundary. The call had no effect or an
 /// unknown partial effect on statistics; allocations stay valid.
 pub const STEPALLOC_PANIC: c_int = 7;
+/// The operation needs memory of a tag that is paused (`stepalloc_pause`): an allocation in a
+/// paused tag's region. Resume the tag first.
+pub const STEPALLOC_PAUSED: c_int = 8;
 
 /// A failure at the boundary: a core error, or a pointer no device knows (the core's
 /// `UnknownPointer` names a device, which callers such as `record_stream` do not give).
@@ -71,6 +74,7 @@ pub fn code_of(error: &Error) -> c_int {
         Error::Config { .. } => STEPALLOC_CONFIG,
         Error::Driver { .. } => STEPALLOC_DRIVER,
         Error::Unavailable(_) => STEPALLOC_UNAVAILABLE,
+        Error::Paused(_) => STEPALLOC_PAUSED,
     }
 }
 
@@ -88,6 +92,7 @@ mod tests {
             (Error::config("k", "m"), 4),
             (Error::Driver { call: "cuMemAlloc", code: "X".into() }, 5),
             (Error::Unavailable("x".into()), 6),
+            (Error::Paused("x".into()), 8),
         ];
         for (error, code) in cases {
             assert_eq!(code_of(&error), code, "{error}");

@@ -67,6 +67,11 @@ fn mempool_mode_gives_freed_segments_back_and_a_fraction_of_zero_is_accepted() {
 }
 
 #[test]
+fn sleep_and_wake_regions_pause_resume_and_their_outcomes() {
+    scenario("sleep", &[]);
+}
+
+#[test]
 fn out_of_memory_through_torch_malloc_is_a_cpp_exception_and_pools_work() {
     let program = common::compile("torch_caller.cpp");
     let library = common::library().to_str().expect("UTF-8 path");

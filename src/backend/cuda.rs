@@ -39,6 +39,7 @@
 
 mod codes;
 mod ipc;
+mod host;
 pub mod tools;
 
 use super::{Backend, DeviceInfo, DriverTime, Event, PhysHandle, Stream};
@@ -302,6 +303,8 @@ pub struct CudaDevice {
     /// Descriptors exported for other processes (`ipc.rs`), by physical handle.
     exported: FxHashMap<u64, c_int>,
     time: DriverTime,
+    /// The stream host backups are copied on (`host.rs`), once created.
+    copy_stream: Option<CuStream>,
 }
 
 // Safety: driver handles (contexts, events) may be used from any thread; the allocator uses a
@@ -354,6 +357,7 @@ impl CudaDevice {
             posix_fd: false,
             exported: FxHashMap::default(),
             time: DriverTime::default(),
+            copy_stream: None,
         })
     }
 
@@ -750,6 +754,27 @@ impl Backend for CudaDevice {
             // CU_STREAM_CAPTURE_STATUS_NONE is 0; ACTIVE and INVALIDATED both mean "capturing".
             Ok(status != 0)
         })
+    }
+
+    // Host backups: `host.rs`.
+    fn host_alloc(&mut self, bytes: u64) -> Result<u64> {
+        self.host_alloc_pinned(bytes)
+    }
+
+    fn host_free(&mut self, ptr: u64, _bytes: u64) -> Result<()> {
+        self.host_free_pinned(ptr)
+    }
+
+    fn copy_to_host(&mut self, dst: u64, src: u64, bytes: u64) -> Result<()> {
+        self.queue_copy(src, dst, bytes, true)
+    }
+
+    fn copy_to_device(&mut self, dst: u64, src: u64, bytes: u64) -> Result<()> {
+        self.queue_copy(dst, src, bytes, false)
+    }
+
+    fn record_copy_event(&mut self) -> Result<Event> {
+        self.record_on_copy_stream()
     }
 }
 

@@ -129,6 +129,37 @@ pub trait Backend: Send {
         Ok(false)
     }
 
+    // ----- host backups (`pause` / `resume`) -------------------------------------------------
+    // Pinned host buffers and asynchronous copies on a copy stream the backend creates and owns
+    // (one per device). Copies on it run in the order queued; `record_copy_event` orders the
+    // caller after them. The defaults say the backend cannot back memory up.
+
+    /// Allocates `bytes` of pinned host memory (`cuMemHostAlloc`); returns its address.
+    fn host_alloc(&mut self, _bytes: u64) -> Result<u64> {
+        Err(crate::error::Error::Unavailable("this device cannot back memory up to the host".into()))
+    }
+
+    /// Frees a buffer from `host_alloc`. Precondition: no queued copy still uses it.
+    fn host_free(&mut self, _ptr: u64, _bytes: u64) -> Result<()> {
+        Err(crate::error::Error::Unavailable("this device cannot back memory up to the host".into()))
+    }
+
+    /// Queues a copy of `bytes` from device address `src` (mapped) to host address `dst`
+    /// (inside a `host_alloc` buffer) on the copy stream.
+    fn copy_to_host(&mut self, _dst: u64, _src: u64, _bytes: u64) -> Result<()> {
+        Err(crate::error::Error::Unavailable("this device cannot back memory up to the host".into()))
+    }
+
+    /// Queues a copy of `bytes` from host address `src` to device address `dst` (mapped) on
+    /// the copy stream.
+    fn copy_to_device(&mut self, _dst: u64, _src: u64, _bytes: u64) -> Result<()> {
+        Err(crate::error::Error::Unavailable("this device cannot back memory up to the host".into()))
+    }
+
+    /// Records an event on the copy stream: it completes when the copies queued so far do.
+    fn record_copy_event(&mut self) -> Result<Event> {
+        Err(crate::error::Error::Unavailable("this device cannot back memory up to the host".into()))
+    }
     // ----- sharing memory with other processes (CUDA IPC; the formats are `crate::ipc`'s) -----
     // The defaults say the device cannot; the simulated device names what it would share (so
     // the heap's side is tested) but opens nothing, having no other processes.

@@ -34,6 +34,16 @@ const COST_RELEASE_PHYSICAL_NS: u64 = 10_000;
 const COST_MAP_NS: u64 = 10_000;
 const COST_UNMAP_NS: u64 = 10_000;
 const COST_SYNC_NS: u64 = 5_000;
+/// Host backups: a copy over the host link at 25 GiB/s (PCIe 5 x16 in practice, about what a
+/// pinned `copy_()` reaches on an H100), plus a per-call cost like an async memcpy's launch.
+const COPY_BYTES_PER_S: u64 = 25 << 30;
+const COST_COPY_CALL_NS: u64 = 3_000;
+/// A pinned host allocation: about 1 ms per GiB (page pinning), the cost the backup buffers
+/// are kept to avoid.
+const COST_HOST_ALLOC_NS: u64 = 50_000;
+const COST_HOST_ALLOC_PER_GIB_NS: u64 = 1_000_000;
+/// Host buffers get addresses in a window of their own, apart from every device's.
+const HOST_WINDOW: u64 = 1 << 62;
 /// Virtual-memory granularity, as `cuMemGetAllocationGranularity` reports on current GPUs.
 pub const GRANULARITY: u64 = 2 * MIB;
 
@@ -78,6 +88,14 @@ pub struct SimDevice {
     mappings: BTreeMap<u64, Mapping>,
     physical: BTreeMap<u64, Physical>,
     next_handle: u64,
+    /// Pinned host buffers: address -> size (the simulated device holds no bytes, so neither
+    /// do they: copies are checked and timed, not performed).
+    host: BTreeMap<u64, u64>,
+    next_host: u64,
+    /// When the copy stream's queued copies complete (virtual time).
+    copy_done_ns: u64,
+    /// Bytes copied each way (device to host, host to device), for tests and reports.
+    pub copied: [u64; 2],
 }
 
 impl SimDevice {
@@ -99,7 +117,59 @@ impl SimDevice {
             mappings: BTreeMap::new(),
             physical: BTreeMap::new(),
             next_handle: 0,
+            host: BTreeMap::new(),
+            next_host: HOST_WINDOW + (index as u64) * ADDRESS_WINDOW,
+            copy_done_ns: 0,
+            copied: [0; 2],
         }
+    }
+
+    /// Bytes of pinned host memory allocated now.
+    pub fn host_bytes(&self) -> u64 {
+        self.host.values().sum()
+    }
+
+    /// Whether `[addr, addr + bytes)` is wholly mapped device memory.
+    fn mapped(&self, addr: u64, bytes: u64) -> bool {
+        let offset = addr.wrapping_sub(self.base());
+        let Some(end) = offset.checked_add(bytes) else { return false };
+        let mut cursor = match self.mappings.range(..=offset).next_back() {
+            Some((&start, m)) if start + m.bytes > offset => start + m.bytes,
+            _ => return false,
+        };
+        if cursor >= end {
+            return true;
+        }
+        for (&start, m) in self.mappings.range(cursor..end) {
+            if start != cursor {
+                return false;
+            }
+            cursor = start + m.bytes;
+        }
+        cursor >= end
+    }
+
+    /// Whether `[addr, addr + bytes)` lies in one host buffer.
+    fn in_host_buffer(&self, addr: u64, bytes: u64) -> bool {
+        self.host
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(&start, &size)| addr.checked_add(bytes).is_some_and(|end| end <= start + size))
+    }
+
+    /// Queues a checked copy on the copy stream: `way` 0 to the host, 1 to the device.
+    fn queue_copy(&mut self, device: u64, host: u64, bytes: u64, way: usize, call: &'static str) -> Result<()> {
+        let cost = self.charge(COST_COPY_CALL_NS);
+        self.time.event_ns = self.time.event_ns.saturating_add(cost);
+        if bytes == 0 || !self.mapped(device, bytes) || !self.in_host_buffer(host, bytes) {
+            return Err(invalid(call));
+        }
+        if self.config.cost_model {
+            let ns = (u128::from(bytes) * 1_000_000_000 / u128::from(COPY_BYTES_PER_S)) as u64;
+            self.copy_done_ns = self.copy_done_ns.max(self.now_ns).saturating_add(ns);
+        }
+        self.copied[way] = self.copied[way].saturating_add(bytes);
+        Ok(())
     }
 
     fn base(&self) -> u64 {
@@ -402,6 +472,47 @@ impl Backend for SimDevice {
 
     fn advance_time(&mut self, ns: u64) {
         self.now_ns = self.now_ns.saturating_add(ns);
+    }
+
+    fn host_alloc(&mut self, bytes: u64) -> Result<u64> {
+        let cost = self.charge(COST_HOST_ALLOC_NS + COST_HOST_ALLOC_PER_GIB_NS * (bytes >> 30));
+        self.time.create_ns = self.time.create_ns.saturating_add(cost);
+        if bytes == 0 {
+            return Err(invalid("cuMemHostAlloc"));
+        }
+        let addr = self.next_host;
+        self.next_host = addr.saturating_add(bytes.div_ceil(ALIGNMENT) * ALIGNMENT);
+        self.host.insert(addr, bytes);
+        Ok(addr)
+    }
+
+    fn host_free(&mut self, ptr: u64, bytes: u64) -> Result<()> {
+        match self.host.get(&ptr) {
+            Some(&size) if size == bytes => {
+                self.host.remove(&ptr);
+                Ok(())
+            }
+            _ => Err(invalid("cuMemFreeHost")),
+        }
+    }
+
+    fn copy_to_host(&mut self, dst: u64, src: u64, bytes: u64) -> Result<()> {
+        self.queue_copy(src, dst, bytes, 0, "cuMemcpyDtoHAsync")
+    }
+
+    fn copy_to_device(&mut self, dst: u64, src: u64, bytes: u64) -> Result<()> {
+        self.queue_copy(dst, src, bytes, 1, "cuMemcpyHtoDAsync")
+    }
+
+    fn record_copy_event(&mut self) -> Result<Event> {
+        let event = self.record_event(Stream::DEFAULT)?;
+        // The copy stream's event completes with its copies (and no earlier than an event on
+        // any stream would).
+        if let Some(Some(done)) = self.events.get_mut(event.0 as usize) {
+            *done = (*done).max(self.copy_done_ns);
+            self.last_completion_ns = self.last_completion_ns.max(*done);
+        }
+        Ok(event)
     }
 }
 

@@ -206,6 +206,7 @@ impl Heap {
                     && seg.stream == stream
                     && seg.page == page
                     && seg.lane == lane
+                    && seg.tag == self.request_tag
             })
             .map(|s| (self.arena.segment(s).addr, s))
             .collect();
@@ -264,10 +265,11 @@ impl Heap {
                 page,
                 mapped: 0,
                 lane,
+                tag: self.request_tag,
             },
             self.step.step,
         );
-        let class = BlockClass::new(0, small, true).in_lane(lane);
+        let class = BlockClass::new(0, small, true).in_lane(lane).with_tag(self.request_tag);
         let block = Block::unlinked(addr, bytes, seg, class, stream, self.alloc_clock);
         let id = self.arena.new_block(block, BlockState::Unmapped);
         self.arena.segment_mut(seg).first = id;
@@ -691,8 +693,9 @@ impl Heap {
         self.release_free_pages(ReleaseReason::Step, |b| b.freed_at < since, |_| false)
     }
 
-    /// Bytes mapped in expandable segments.
+    /// Bytes mapped in expandable segments (a paused tag's hold none).
     pub fn mapped_bytes(&self) -> u64 {
-        self.arena.live_segment_ids().map(|s| self.arena.segment(s)).filter(|s| s.expandable()).map(|s| s.mapped).sum()
+        let segments = self.arena.live_segment_ids().map(|s| self.arena.segment(s));
+        segments.filter(|s| s.expandable() && !self.sleep.is_paused(s.tag)).map(|s| s.mapped).sum()
     }
 }

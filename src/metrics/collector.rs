@@ -6,8 +6,8 @@
 //! (`Heap::free_block_ranges`) out, and builds the families after releasing the lock. Every
 //! family emitted is listed in [`METRICS`] with its type, labels and HELP text, and registered
 //! with the `prometheus` crate through one `Desc` each. Label sets are small and bounded:
-//! `device` (≤ 64), `pool` (2), `reason` (5), `phase` (≤ `step::MAX_PHASES`), `call` (4),
-//! `range` (5), plus a constant `rank` under torchrun.
+//! `device` (≤ 64), `pool` (2), `reason` (6), `phase` (≤ `step::MAX_PHASES`), `call` (4),
+//! `range` (5), `tag` (≤ `tags::MAX_TAGS` + 1), plus a constant `rank` under torchrun.
 
 use crate::allocator::Allocator;
 use crate::heap::FREE_BLOCK_RANGES;
@@ -36,6 +36,7 @@ pub struct MetricSpec {
 
 const D: &[&str] = &["device"];
 const DP: &[&str] = &["device", "pool"];
+const DT: &[&str] = &["device", "tag"];
 
 /// Every metric family stepalloc exports, in the order they are built.
 pub const METRICS: &[MetricSpec] = &[
@@ -262,13 +263,62 @@ pub const METRICS: &[MetricSpec] = &[
         name: "stepalloc_released_bytes_total",
         kind: Kind::Counter,
         labels: &["device", "reason"],
-        help: "Bytes of cached segments returned to the driver, by reason (step, phase_switch, limit, empty_cache, oom).",
+        help: "Bytes of cached segments returned to the driver, by reason (step, phase_switch, limit, empty_cache, oom, pause).",
     },
     MetricSpec {
         name: "stepalloc_driver_seconds_total",
         kind: Kind::Counter,
         labels: &["device", "call"],
         help: "Time spent in driver calls, by call (reserve, release, event, sync, create, map); modelled on the simulated device.",
+    },
+    // Sleep and wake (`pause` / `resume`), by tag: "default" and the names regions used.
+    MetricSpec {
+        name: "stepalloc_tag_live_bytes",
+        kind: Kind::Gauge,
+        labels: DT,
+        help: "Bytes of the tag's allocated blocks that hold device memory (not paused).",
+    },
+    MetricSpec {
+        name: "stepalloc_tag_paused_bytes",
+        kind: Kind::Gauge,
+        labels: DT,
+        help: "Bytes of the tag's allocated blocks while it is paused (addresses kept, no memory behind them).",
+    },
+    MetricSpec {
+        name: "stepalloc_tag_backup_bytes",
+        kind: Kind::Gauge,
+        labels: DT,
+        help: "Bytes of the paused tag's blocks held in pinned host memory.",
+    },
+    MetricSpec {
+        name: "stepalloc_tag_paused",
+        kind: Kind::Gauge,
+        labels: DT,
+        help: "1 while the tag is paused, else 0.",
+    },
+    MetricSpec {
+        name: "stepalloc_tag_pauses_total",
+        kind: Kind::Counter,
+        labels: DT,
+        help: "Pauses of the tag.",
+    },
+    MetricSpec {
+        name: "stepalloc_tag_resumes_total",
+        kind: Kind::Counter,
+        labels: DT,
+        help: "Resumes of the tag.",
+    },
+    MetricSpec {
+        name: "stepalloc_tag_sleep_seconds_total",
+        kind: Kind::Counter,
+        labels: &["device", "tag", "op"],
+        help: "Time spent pausing and resuming the tag, by op (pause, resume).",
+    },
+    MetricSpec {
+        name: "stepalloc_backup_host_bytes",
+        kind: Kind::Gauge,
+        labels: D,
+        help: "Pinned host memory kept for backups of paused tags (freed by release_backup).",
     },
     MetricSpec {
         name: "stepalloc_device_alloc_duration_seconds",
@@ -466,6 +516,19 @@ fn add_device(out: &mut [MetricFamily], r: &DeviceReading) {
     {
         w.counter("stepalloc_vm_operations_total", &[("op", op)], count as f64);
     }
+    for f in &s.tags {
+        let tag = [("tag", f.tag.as_str())];
+        w.gauge("stepalloc_tag_live_bytes", &tag, f.live_bytes as f64);
+        w.gauge("stepalloc_tag_paused_bytes", &tag, f.paused_bytes as f64);
+        w.gauge("stepalloc_tag_backup_bytes", &tag, f.backup_bytes as f64);
+        w.gauge("stepalloc_tag_paused", &tag, f64::from(u8::from(f.paused)));
+        w.counter("stepalloc_tag_pauses_total", &tag, f.pauses as f64);
+        w.counter("stepalloc_tag_resumes_total", &tag, f.resumes as f64);
+        for (op, seconds) in [("pause", f.pause_seconds), ("resume", f.resume_seconds)] {
+            w.counter("stepalloc_tag_sleep_seconds_total", &[("tag", f.tag.as_str()), ("op", op)], seconds);
+        }
+    }
+    w.gauge("stepalloc_backup_host_bytes", &[], s.backup_host_bytes as f64);
 
     // Buckets hold counts per bucket (the last one above every bound); Prometheus wants
     // cumulative counts per upper bound, +Inf being the total (the encoder writes it).

@@ -390,6 +390,104 @@ static void scenario_mempool(void) {
     check_roundtrip(0);
 }
 
+/* ----- sleep and wake: regions, pause, resume, their outcomes ---------------------------- */
+
+/* The last pause/resume report (static buffer). */
+static const char *report(void) {
+    static char buf[4096];
+    size_t n = p_stepalloc_sleep_report_json(buf, sizeof buf);
+    CHECK(n > 0 && n < sizeof buf, "report of %zu bytes", n);
+    return buf;
+}
+
+static const char *tags_json(void) {
+    static char buf[1 << 16];
+    size_t n = p_stepalloc_tags_json(buf, sizeof buf);
+    CHECK(n > 0 && n < sizeof buf, "tags json of %zu bytes: %s", n, last_error());
+    return buf;
+}
+
+static void scenario_sleep(void) {
+    CHECK(p_stepalloc_configure("backend:sim,sim_capacity_mb:1024,sim_devices:2") == STEPALLOC_OK, "%s",
+          last_error());
+    CHECK(p_stepalloc_region_enter("weights", 1) == STEPALLOC_OK, "%s", last_error());
+    void *w0 = p_stepalloc_malloc(100 * MIB, 0, NULL);
+    void *w1 = p_stepalloc_malloc(10 * MIB, 1, NULL);
+    CHECK(p_stepalloc_region_enter("kv_cache", 0) == STEPALLOC_OK, "nested: %s", last_error());
+    void *kv = p_stepalloc_malloc(300 * MIB, 0, NULL);
+    CHECK(p_stepalloc_region_exit() == STEPALLOC_OK && p_stepalloc_region_exit() == STEPALLOC_OK, "exits");
+    void *plain = p_stepalloc_malloc(50 * MIB, 0, NULL);
+    CHECK(w0 && w1 && kv && plain, "tagged mallocs: %s", last_error());
+    /* Misuse: no region left, bad names and flags, a tag never seen, "default". */
+    CHECK(p_stepalloc_region_exit() == STEPALLOC_INVALID_ARGUMENT, "exit without a region");
+    CHECK(p_stepalloc_region_enter("bad tag", 0) == STEPALLOC_INVALID_ARGUMENT, "a space in a tag");
+    CHECK(p_stepalloc_region_enter(NULL, 0) == STEPALLOC_INVALID_ARGUMENT, "NULL tag");
+    CHECK(p_stepalloc_region_enter("weights", 2) == STEPALLOC_INVALID_ARGUMENT, "backup 2");
+    CHECK(p_stepalloc_pause("never_seen", -1) == STEPALLOC_INVALID_ARGUMENT && strstr(last_error(), "never_seen"),
+          "unknown tag: %s", last_error());
+    CHECK(p_stepalloc_pause("default", -1) == STEPALLOC_INVALID_ARGUMENT, "pause of default");
+    CHECK(p_stepalloc_pause("weights", 3) == STEPALLOC_INVALID_ARGUMENT, "backup 3");
+    double reserved0 = stat(0, "reserved_bytes.all.current");
+    /* Pause every tag: weights backed up (policy), kv discarded. */
+    CHECK(p_stepalloc_pause(NULL, -1) == STEPALLOC_OK, "pause: %s", last_error());
+    const char *r = report();
+    CHECK(strstr(r, "\"op\":\"pause\"") && strstr(r, "\"tags\":[\"weights\",\"kv_cache\"]"), "%s", r);
+    CHECK(strstr(r, "\"copied_bytes\":115343360,") && strstr(r, "\"discarded_bytes\":314572800,"), "%s", r);
+    double reserved1 = stat(0, "reserved_bytes.all.current");
+    CHECK(reserved0 - reserved1 >= 400.0 * MIB, "pause released %.0f bytes", reserved0 - reserved1);
+    CHECK(stat(1, "reserved_bytes.all.current") == 0, "device 1 keeps %.0f", stat(1, "reserved_bytes.all.current"));
+    CHECK(stat(0, "stepalloc.tag.weights.paused_bytes") == 100.0 * MIB, "paused bytes");
+    CHECK(stat(0, "stepalloc.backup_host_bytes") >= 100.0 * MIB, "host backup bytes");
+    check_stats(0, 1, 50.0 * MIB);
+    /* Pause again: skipped. An allocation in a paused tag's region: STEPALLOC_PAUSED. */
+    CHECK(p_stepalloc_pause("weights", -1) == STEPALLOC_OK && strstr(report(), "\"skipped\":[\"weights\"]"), "%s",
+          report());
+    CHECK(p_stepalloc_region_enter("kv_cache", 0) == STEPALLOC_OK, "enter");
+    CHECK(p_stepalloc_malloc(MIB, 0, NULL) == NULL && status() == STEPALLOC_PAUSED && strstr(last_error(), "kv_cache"),
+          "malloc in a paused region: %d %s", status(), last_error());
+    CHECK(p_stepalloc_region_exit() == STEPALLOC_OK, "exit");
+    /* A free while paused drops the block; empty_cache touches nothing paused. */
+    p_stepalloc_free(kv, 300 * MIB, 0, NULL);
+    CHECK(status() == STEPALLOC_OK, "free while paused: %s", last_error());
+    p_stepalloc_free(kv, 300 * MIB, 0, NULL);
+    CHECK(status() == STEPALLOC_UNKNOWN_POINTER, "double free while paused: %d", status());
+    p_stepalloc_empty_cache();
+    CHECK(status() == STEPALLOC_OK, "empty_cache while paused: %s", last_error());
+    const char *t = tags_json();
+    CHECK(strstr(t, "\"weights\":{") && strstr(t, "\"paused\":true") && strstr(t, "\"default\":{"), "%s", t);
+    /* Resume under memory pressure: out of memory naming the tag; retry after a free. */
+    void *hog = p_stepalloc_malloc(900 * MIB, 0, NULL);
+    CHECK(hog != NULL, "hog: %s", last_error());
+    CHECK(p_stepalloc_resume(NULL) == STEPALLOC_OUT_OF_MEMORY && strstr(last_error(), "weights"), "resume: %d %s",
+          status(), last_error());
+    CHECK(stat(0, "stepalloc.tag.weights.paused_bytes") == 100.0 * MIB, "still paused after the failure");
+    p_stepalloc_free(hog, 900 * MIB, 0, NULL);
+    CHECK(p_stepalloc_resume(NULL) == STEPALLOC_OK, "resume: %s", last_error());
+    r = report();
+    CHECK(strstr(r, "\"op\":\"resume\"") && strstr(r, "\"copied_bytes\":115343360,"), "%s", r);
+    CHECK(p_stepalloc_resume("weights") == STEPALLOC_OK && strstr(report(), "\"skipped\":[\"weights\"]"), "%s",
+          report());
+    check_stats(0, 2, 150.0 * MIB);
+    p_stepalloc_free(w0, 100 * MIB, 0, NULL);
+    p_stepalloc_free(w1, 10 * MIB, 1, NULL);
+    p_stepalloc_free(plain, 50 * MIB, 0, NULL);
+    CHECK(p_stepalloc_release_backup() == STEPALLOC_OK, "%s", last_error());
+    CHECK(stat(0, "stepalloc.backup_host_bytes") == 0, "backup kept after release_backup");
+    /* At most 32 tags besides "default": two so far, 30 more, then the next is refused. */
+    for (int i = 0; i < 31; i++) {
+        char name[32];
+        snprintf(name, sizeof name, "tag_%d", i);
+        int rc = p_stepalloc_region_enter(name, 0);
+        if (i < 30) {
+            CHECK(rc == STEPALLOC_OK && p_stepalloc_region_exit() == STEPALLOC_OK, "tag %d: %s", i, last_error());
+        } else {
+            CHECK(rc == STEPALLOC_INVALID_ARGUMENT, "the 33rd tag was accepted");
+        }
+    }
+    check_stats(0, 0, 0);
+    check_roundtrip(0);
+}
+
 int main(int argc, char **argv) {
     CHECK(argc == 3, "usage: %s LIBRARY SCENARIO", argv[0]);
     load_library(argv[1]);
@@ -403,6 +501,7 @@ int main(int argc, char **argv) {
     else if (strcmp(scenario, "no_backend") == 0) scenario_no_backend();
     else if (strcmp(scenario, "oom") == 0) scenario_oom();
     else if (strcmp(scenario, "mempool") == 0) scenario_mempool();
+    else if (strcmp(scenario, "sleep") == 0) scenario_sleep();
     else CHECK(0, "unknown scenario %s", scenario);
     printf("ok %s\n", scenario);
     return 0;

@@ -30,7 +30,9 @@
     X(stepalloc_last_error) X(stepalloc_last_status) X(stepalloc_version)                  \
     X(stepalloc_malloc) X(stepalloc_free) X(stepalloc_init) X(stepalloc_empty_cache)       \
     X(stepalloc_set_memory_fraction) X(stepalloc_base_alloc) X(stepalloc_record_stream)    \
-    X(stepalloc_set_mempool_mode) X(stepalloc_configure_len) X(stepalloc_step_begin_len)
+    X(stepalloc_set_mempool_mode) X(stepalloc_configure_len) X(stepalloc_step_begin_len)   \
+    X(stepalloc_region_enter) X(stepalloc_region_exit) X(stepalloc_pause) X(stepalloc_resume) \
+    X(stepalloc_sleep_report_json) X(stepalloc_release_backup) X(stepalloc_tags_json)
 
 #define DECLARE_POINTER(name) static __typeof__(name) *p_##name;
 STEPALLOC_C_FUNCTIONS(DECLARE_POINTER)

@@ -1,0 +1,148 @@
+//! Sleep and wake: regions that tag allocations, `pause` and `resume` by tag, the last report
+//! and the per-tag figures. Layer: the boundary; off the hot path (a region's tag is one
+//! thread-local byte that `malloc` reads in the core).
+//!
+//! Outcomes: pausing a tag no region ever used, pausing or resuming "default", and either call
+//! during a CUDA-graph capture are `STEPALLOC_INVALID_ARGUMENT` naming the tag; pausing a
+//! paused tag and resuming one that is not paused succeed and list the tag in the report's
+//! "skipped"; a resume that cannot get the memory is `STEPALLOC_OUT_OF_MEMORY` naming the tag
+//! and the shortfall (the tag stays paused with its backup; a retry works); an allocation in a
+//! paused tag's region is `STEPALLOC_PAUSED`; freeing a block of a paused tag drops it and its
+//! backup.
+
+use crate::allocator;
+use crate::control::{c_str, write_text};
+use crate::guard::{guard, guard_status};
+use crate::status::AbiError;
+use std::cell::RefCell;
+use std::ffi::{c_char, c_int};
+
+thread_local! {
+    /// The calling thread's last pause or resume, as JSON ("" before the first).
+    static LAST_REPORT: RefCell<String> = const { RefCell::new(String::new()) };
+}
+
+/// An optional tag argument: NULL means every tag.
+///
+/// # Safety
+/// `tag` must be NULL or a NUL-terminated string.
+unsafe fn optional_tag<'a>(tag: *const c_char) -> Result<Option<&'a str>, AbiError> {
+    if tag.is_null() {
+        return Ok(None);
+    }
+    // Safety: forwarded caller contract.
+    Ok(Some(unsafe { c_str(tag, "tag") }?))
+}
+
+/// Enters a region of `tag` on the calling thread: until the matching
+/// `stepalloc_region_exit`, what this thread allocates carries `tag` and lives in pages of its
+/// own, which `stepalloc_pause` can give back. `tag` is 1 to 64 characters of letters, digits,
+/// `_`, `.`, `:` and `-`; "default" is the tag outside any region. At most 32 tags besides
+/// "default" per process (the 33rd is `STEPALLOC_INVALID_ARGUMENT`); regions nest up to 64
+/// deep. `backup` (0 or 1) sets the tag's backup policy: whether a pause copies its live bytes
+/// to host memory (the latest region entered for the tag wins). Returns a status.
+///
+/// # Safety
+/// `tag` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_region_enter(tag: *const c_char, backup: c_int) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let tag = unsafe { c_str(tag, "tag") }?;
+        if !matches!(backup, 0 | 1) {
+            return Err(AbiError::invalid(format!("region {tag:?}: backup must be 0 or 1, not {backup}")));
+        }
+        stepalloc::tags::enter(tag, backup == 1)?;
+        Ok(())
+    })
+}
+
+/// Exits the calling thread's innermost region (`STEPALLOC_INVALID_ARGUMENT` when it has
+/// none). Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_region_exit() -> c_int {
+    guard_status(|| {
+        stepalloc::tags::exit()?;
+        Ok(())
+    })
+}
+
+/// Pauses `tag` (NULL: every tag a region has used) on every device: the physical memory of
+/// its live blocks and cached pages goes back to the device, every address stays reserved
+/// (tensors keep their pointers; CUDA graphs captured before stay valid), after a
+/// stream-ordered wait for the work that used it. `backup` -1 follows the tag's policy; 0
+/// discards the live bytes; 1 copies them to pinned host memory first. Idle cached pages of
+/// other tags are released too, so the device shows the memory free when this returns.
+/// Returns a status; `stepalloc_sleep_report_json` tells what it did.
+///
+/// # Safety
+/// `tag` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_pause(tag: *const c_char, backup: c_int) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let tag = unsafe { optional_tag(tag) }?;
+        let backup = match backup {
+            -1 => None,
+            0 => Some(false),
+            1 => Some(true),
+            other => return Err(AbiError::invalid(format!("pause: backup must be -1, 0 or 1, not {other}"))),
+        };
+        let report = allocator()?.pause(tag, backup)?;
+        LAST_REPORT.with(|r| *r.borrow_mut() = report.to_json());
+        Ok(())
+    })
+}
+
+/// Resumes `tag` (NULL: every paused tag) on every device: physical memory is mapped at the
+/// same addresses and backed-up bytes are copied back. All or nothing: when the device cannot
+/// give the memory, `STEPALLOC_OUT_OF_MEMORY` names the tag and the shortfall and the tag stays
+/// paused with its backup. Returns a status.
+///
+/// # Safety
+/// `tag` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_resume(tag: *const c_char) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let tag = unsafe { optional_tag(tag) }?;
+        let report = allocator()?.resume(tag)?;
+        LAST_REPORT.with(|r| *r.borrow_mut() = report.to_json());
+        Ok(())
+    })
+}
+
+/// The calling thread's last successful pause or resume, as JSON: {"op":"pause"|"resume",
+/// "tags":[..],"skipped":[..],"released_bytes":N,"mapped_bytes":N,"copied_bytes":N,
+/// "discarded_bytes":N,"seconds":F,"gib_per_s":F}; empty before the first. Text convention.
+///
+/// # Safety
+/// `buf` must be NULL or point to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_sleep_report_json(buf: *mut c_char, cap: usize) -> usize {
+    // Safety: forwarded caller contract.
+    guard(|| Ok(LAST_REPORT.with(|r| unsafe { write_text(&r.borrow(), buf, cap) })))
+}
+
+/// Frees the pinned host buffers kept for backups that hold no paused bytes now (they are
+/// otherwise kept across pauses: a new pinned allocation costs far more than the copy).
+/// Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_release_backup() -> c_int {
+    guard_status(|| {
+        allocator()?.release_backup()?;
+        Ok(())
+    })
+}
+
+/// Per-tag figures summed over devices, as JSON: {"default":{...},"weights":{"live_bytes":N,
+/// "paused":bool,"paused_bytes":N,"backup":bool,"backup_bytes":N,"host_bytes":N,"pauses":N,
+/// "resumes":N,"pause_seconds":F,"resume_seconds":F},...}. Text convention.
+///
+/// # Safety
+/// `buf` must be NULL or point to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_tags_json(buf: *mut c_char, cap: usize) -> usize {
+    // Safety: forwarded caller contract.
+    guard(|| Ok(unsafe { write_text(&allocator()?.tags_json(), buf, cap) }))
+}

@@ -1,0 +1,203 @@
+//! Host backups on CUDA (`pause` / `resume`): pinned host buffers (`cuMemHostAlloc`, portable),
+//! asynchronous copies between them and device memory on a copy stream of the device's own
+//! (created on first use with `CU_STREAM_NON_BLOCKING`, in the primary context, never
+//! destroyed, like the context), and events recorded on it. Part of the CUDA backend: the same
+//! rules as `cuda.rs` (plain-integer results, our context made current for each call).
+
+use super::{check, elapsed_ns, symbol, CuStream, CudaDevice};
+use crate::backend::{Event, Stream};
+use crate::error::{Error, Result};
+use std::ffi::{c_uint, c_void};
+use std::sync::OnceLock;
+use std::time::Instant;
+
+const CU_MEMHOSTALLOC_PORTABLE: c_uint = 1;
+const CU_STREAM_NON_BLOCKING: c_uint = 1;
+
+/// The driver functions of the copy path, resolved by exact name like `Api`'s.
+struct HostApi {
+    mem_host_alloc: unsafe extern "C" fn(*mut *mut c_void, usize, c_uint) -> i32,
+    mem_free_host: unsafe extern "C" fn(*mut c_void) -> i32,
+    memcpy_dtoh_async: unsafe extern "C" fn(*mut c_void, u64, usize, CuStream) -> i32,
+    memcpy_htod_async: unsafe extern "C" fn(u64, *const c_void, usize, CuStream) -> i32,
+}
+
+/// Loaded once, on the first backup. Precondition: a `CudaDevice` exists (the library is open).
+fn host_api() -> Result<&'static HostApi> {
+    static API: OnceLock<std::result::Result<HostApi, String>> = OnceLock::new();
+    API.get_or_init(|| {
+        Ok(HostApi {
+            mem_host_alloc: symbol("cuMemHostAlloc")?,
+            mem_free_host: symbol("cuMemFreeHost")?,
+            memcpy_dtoh_async: symbol("cuMemcpyDtoHAsync_v2")?,
+            memcpy_htod_async: symbol("cuMemcpyHtoDAsync_v2")?,
+        })
+    })
+    .as_ref()
+    .map_err(|e| Error::Unavailable(e.clone()))
+}
+
+fn to_size(bytes: u64) -> Result<usize> {
+    usize::try_from(bytes).map_err(|_| Error::InvalidArgument(format!("{bytes} bytes do not fit this platform")))
+}
+
+impl CudaDevice {
+    /// The device's copy stream, created on first use. Precondition: our context is current.
+    fn copy_stream(&mut self) -> Result<CuStream> {
+        if let Some(stream) = self.copy_stream {
+            return Ok(stream);
+        }
+        let mut stream: CuStream = std::ptr::null_mut();
+        // Safety: one out-pointer to a local; our context is current (the caller entered it).
+        check("cuStreamCreate", unsafe { (self.api.stream_create)(&mut stream, CU_STREAM_NON_BLOCKING) })?;
+        self.copy_stream = Some(stream);
+        Ok(stream)
+    }
+
+    pub(super) fn host_alloc_pinned(&mut self, bytes: u64) -> Result<u64> {
+        let api = host_api()?;
+        let _current = self.enter()?;
+        let size = to_size(bytes)?;
+        let start = Instant::now();
+        let mut ptr: *mut c_void = std::ptr::null_mut();
+        // Safety: one out-pointer to a local; our context is current.
+        let done = check("cuMemHostAlloc", unsafe { (api.mem_host_alloc)(&mut ptr, size, CU_MEMHOSTALLOC_PORTABLE) });
+        self.time.create_ns += elapsed_ns(start);
+        done.map(|()| ptr as usize as u64)
+    }
+
+    pub(super) fn host_free_pinned(&mut self, ptr: u64) -> Result<()> {
+        let api = host_api()?;
+        let _current = self.enter()?;
+        // Safety: the caller's precondition: a buffer from `host_alloc_pinned` that no queued
+        // copy uses, freed once.
+        check("cuMemFreeHost", unsafe { (api.mem_free_host)(ptr as usize as *mut c_void) })
+    }
+
+    /// Queues one copy on the copy stream: to the host when `to_host`.
+    pub(super) fn queue_copy(&mut self, device: u64, host: u64, bytes: u64, to_host: bool) -> Result<()> {
+        let api = host_api()?;
+        let _current = self.enter()?;
+        let stream = self.copy_stream()?;
+        let size = to_size(bytes)?;
+        let start = Instant::now();
+        let host_ptr = host as usize as *mut c_void;
+        // Safety: the heap copies only between mapped pages of its own blocks and its own pinned
+        // buffers, sized by it; both stay valid until it waited for the copy stream's event.
+        let done = if to_host {
+            check("cuMemcpyDtoHAsync", unsafe { (api.memcpy_dtoh_async)(host_ptr, device, size, stream) })
+        } else {
+            check("cuMemcpyHtoDAsync", unsafe { (api.memcpy_htod_async)(device, host_ptr, size, stream) })
+        };
+        self.time.event_ns += elapsed_ns(start);
+        done
+    }
+
+    /// An event on the copy stream, after the copies queued so far.
+    pub(super) fn record_on_copy_stream(&mut self) -> Result<Event> {
+        let _current = self.enter()?;
+        let stream = self.copy_stream()?;
+        let own = self.context()?;
+        let start = Instant::now();
+        let recorded = self.record_in(own, true, Stream(stream as usize as u64));
+        self.time.event_ns += elapsed_ns(start);
+        recorded
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! Over a CUDA driver (testdrv's host-memory one with `STEPALLOC_HOSTCUDA=1`, or a device with
+    //! `STEPALLOC_GPU_TESTS=1`), like the backend's other tests: bytes written into tagged
+    //! tensors survive a pause with backup and a resume at the same addresses, and the memory is
+    //! back in `cuMemGetInfo` when pause returns.
+    use super::super::{open_devices, Api};
+    use super::*;
+    use crate::allocator::Allocator;
+    use crate::backend::Backend;
+    use crate::config::Config;
+    use crate::units::MIB;
+
+    fn devices(test: &str) -> Option<Vec<CudaDevice>> {
+        let on = |name: &str| std::env::var(name).as_deref() == Ok("1");
+        if !on("STEPALLOC_GPU_TESTS") && !on("STEPALLOC_HOSTCUDA") {
+            eprintln!("skipped {test}: set STEPALLOC_GPU_TESTS=1 or STEPALLOC_HOSTCUDA=1 to run it");
+            return None;
+        }
+        match open_devices() {
+            Ok(d) => Some(d),
+            Err(e) => {
+                assert!(!on("STEPALLOC_HOSTCUDA"), "STEPALLOC_HOSTCUDA=1 but no usable driver: {e}");
+                eprintln!("skipped {test}: {e}");
+                None
+            }
+        }
+    }
+
+    /// Fills `[ptr, ptr + bytes)` with a pattern of `seed` (synchronous copy from the host).
+    fn write(api: &Api, ptr: u64, bytes: u64, seed: u64) {
+        let data: Vec<u8> = (0..bytes).map(|i| (i.wrapping_mul(31) ^ seed) as u8).collect();
+        // Safety: the source lives for the call; the destination is a live allocation.
+        check("cuMemcpyHtoD", unsafe { (api.memcpy_htod)(ptr, data.as_ptr().cast(), data.len()) }).unwrap();
+    }
+
+    fn matches(api: &Api, ptr: u64, bytes: u64, seed: u64) -> bool {
+        let mut data = vec![0u8; bytes as usize];
+        // Safety: the destination lives for the call; the source is a live allocation.
+        check("cuMemcpyDtoH", unsafe { (api.memcpy_dtoh)(data.as_mut_ptr().cast(), ptr, data.len()) }).unwrap();
+        data.iter().enumerate().all(|(i, &b)| b == ((i as u64).wrapping_mul(31) ^ seed) as u8)
+    }
+
+    #[test]
+    fn host_backed_up_bytes_survive_pause_and_resume_at_the_same_addresses() {
+        let test = "host_backed_up_bytes_survive_pause_and_resume_at_the_same_addresses";
+        for conf in ["", ",expandable_segments:True"] {
+            let Some(devs) = devices(test) else { return };
+            let api = devs[0].api;
+            let config = Config::parse(&format!("backend:cuda{conf}")).unwrap();
+            let a =
+                Allocator::with_backends(config, devs.into_iter().map(|d| Box::new(d) as Box<dyn Backend>).collect());
+            crate::tags::enter("cuda_host_weights", true).unwrap();
+            let sizes = [3 * MIB + 100, 4096, 40 * MIB, 1000];
+            let weights: Vec<(u64, u64)> = sizes.iter().map(|&s| (a.malloc(0, s, Stream(0)).unwrap(), s)).collect();
+            crate::tags::exit().unwrap();
+            crate::tags::enter("cuda_host_kv", false).unwrap();
+            let kv = a.malloc(0, 64 * MIB, Stream(0)).unwrap();
+            crate::tags::exit().unwrap();
+            for (i, &(p, s)) in weights.iter().enumerate() {
+                write(api, p, s, i as u64);
+            }
+            let (free_before, _) = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap();
+            let r = a.pause(None, None).unwrap();
+            let (free_after, _) = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap();
+            assert!(free_after >= free_before + 100 * MIB, "{conf}: {free_before} -> {free_after}: {r:?}");
+            assert_eq!(r.copied_bytes, sizes.iter().sum::<u64>());
+            let r = a.resume(None).unwrap();
+            assert_eq!(r.copied_bytes, sizes.iter().sum::<u64>());
+            a.check_invariants().unwrap();
+            for (i, &(p, s)) in weights.iter().enumerate() {
+                assert!(matches(api, p, s, i as u64), "{conf}: block {i} at {p:#x} lost its bytes");
+                a.free(0, p, s).unwrap();
+            }
+            a.free(0, kv, 64 * MIB).unwrap();
+            a.release_backup().unwrap();
+            a.empty_cache().unwrap();
+            assert_eq!(a.with_heap(0, |h| h.backup_host_bytes()).unwrap(), 0);
+        }
+    }
+
+    #[test]
+    fn host_pinned_buffers_and_copy_events() {
+        let Some(mut devs) = devices("host_pinned_buffers_and_copy_events") else { return };
+        let dev = &mut devs[0];
+        let host = dev.host_alloc(4 * MIB).unwrap();
+        let ptr = dev.reserve(4 * MIB).unwrap();
+        dev.copy_to_device(ptr, host, 4 * MIB).unwrap();
+        dev.copy_to_host(host, ptr, 4 * MIB).unwrap();
+        let event = dev.record_copy_event().unwrap();
+        dev.wait_event(event).unwrap();
+        dev.free_event(event);
+        dev.release(ptr, 4 * MIB).unwrap();
+        dev.host_free(host, 4 * MIB).unwrap();
+    }
+}

@@ -1,0 +1,840 @@
+//! Sleep and wake: tagged memory (`crate::tags`) that `pause_tag` gives back to the device with
+//! its addresses kept, and `resume_tag` maps again. Part of the heap: runs under the device lock,
+//! `&mut self` throughout.
+//!
+//! Layout: a non-default tag's allocations live in segments of their own (the tag is in the
+//! segment, the block class and the free-list key, like the stream and the lane), and those are
+//! always virtual ranges with pages mapped on demand, as expandable segments are — even when
+//! the configuration uses plain segments (vLLM's sleep mode reserves one virtual range per
+//! allocation for the same reason). So pages never hold blocks of two tags, and a pause unmaps
+//! exactly its tag's pages. The default tag is untouched: its memory is laid out as before.
+//!
+//! A pause, in order: wait for the pending frees' events; record an event on every stream that
+//! used the tag's blocks and wait for those (no device-wide synchronize); queue the live bytes'
+//! copies to the tag's pinned host buffers (kept across pauses, grown when short) on the
+//! backend's copy stream, in pieces, with an event every `COPY_BATCH` bytes; meanwhile unmap and
+//! release the whole pages of the tag's free blocks; then unmap and release the live pages in
+//! address order, each once the copies that read it completed. Idle cached pages of other tags
+//! go too (`empty_cache`), so the device shows the memory free when `pause_tag` returns.
+//! A resume creates every physical page first (all or none: on failure the tag stays paused
+//! with its backup, and the error names the tag and the shortfall), maps them in address order
+//! and queues each block's copy as soon as its pages are mapped, then waits for the copies.
+//!
+//! Invariants while a tag is paused: its segments keep their blocks (allocated blocks stay
+//! allocated, so `free` finds them) but none of their pages is mapped (`pages` holds `None`);
+//! its free blocks hold no whole page (they are unmapped blocks); its allocated blocks count in
+//! no statistic of the heap (not allocated, not reserved) but in the tag's paused bytes; a free
+//! of one drops it and its backup; nothing maps, unmaps or hands out its pages: `malloc` with
+//! the tag fails with `Error::Paused`, and `empty_cache`, the cache limit and page reuse only
+//! take whole pages of free blocks, which it has none of.
+
+use super::Heap;
+use crate::backend::{Event, PhysHandle, Stream};
+use crate::error::{Error, OomReport, Result};
+use crate::segment::{BlockId, BlockState, SegmentId, ANY_STREAM, NIL};
+use crate::stats::ReleaseReason;
+use crate::tags::{self, TagId};
+use crate::trace::TraceAction;
+use crate::units::{format_bytes, MIB};
+use std::collections::BTreeMap;
+use std::time::Instant;
+
+/// One asynchronous copy at most: large enough for a copy engine's full speed.
+const COPY_PIECE: u64 = 64 * MIB;
+/// Bytes queued between two events of the copy stream: the unit in which unmaps follow copies.
+const COPY_BATCH: u64 = 256 * MIB;
+/// The least a tag's host buffers grow by (a pinned allocation costs far more than its bytes'
+/// copy, so few and large).
+const HOST_GROWTH: u64 = 64 * MIB;
+
+/// Paused tags and what each tag keeps across pauses.
+#[derive(Default)]
+pub(crate) struct SleepState {
+    /// Bit `t` set while tag `t` is paused on this device.
+    paused: u64,
+    /// Per tag number (grown on demand).
+    tags: Vec<TagState>,
+}
+
+#[derive(Default)]
+struct TagState {
+    /// Pinned host buffers (address, bytes), kept across pauses: a backup fills them from the
+    /// start, in the order of the tag's blocks.
+    host: Vec<(u64, u64)>,
+    /// While paused with a backup: each backed-up block's address -> (offset into the buffers,
+    /// bytes). A block freed while paused leaves.
+    backup: BTreeMap<u64, (u64, u64)>,
+    pauses: u64,
+    resumes: u64,
+    pause_ns: u64,
+    resume_ns: u64,
+}
+
+impl SleepState {
+    #[inline]
+    pub(crate) fn any_paused(&self) -> bool {
+        self.paused != 0
+    }
+
+    #[inline]
+    pub(crate) fn is_paused(&self, tag: TagId) -> bool {
+        tag != 0 && self.paused & (1u64 << (tag & 63)) != 0
+    }
+
+    fn tag(&mut self, tag: TagId) -> &mut TagState {
+        let i = usize::from(tag);
+        if self.tags.len() <= i {
+            self.tags.resize_with(i + 1, TagState::default);
+        }
+        &mut self.tags[i]
+    }
+
+    /// Bytes of pinned host memory held for backups on this device.
+    pub(crate) fn host_bytes(&self) -> u64 {
+        self.tags.iter().flat_map(|t| t.host.iter()).map(|&(_, bytes)| bytes).sum()
+    }
+}
+
+/// What one pause or resume of one tag on one device did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, serde::Serialize)]
+pub struct SleepOutcome {
+    /// The tag was paused already (pause) or not paused (resume): nothing was done.
+    pub skipped: bool,
+    /// Bytes of physical memory given back to the device (the tag's and other tags' idle pages).
+    pub released_bytes: u64,
+    /// Bytes of physical memory mapped again (resume).
+    pub mapped_bytes: u64,
+    /// Bytes copied to the host (pause) or back (resume).
+    pub copied_bytes: u64,
+    /// Bytes of live blocks whose contents were discarded (pause without backup).
+    pub discarded_bytes: u64,
+}
+
+/// One tag's figures on one device (`Heap::tag_figures`).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct TagFigures {
+    pub tag: String,
+    /// Bytes of the tag's allocated blocks that hold memory (not paused).
+    pub live_bytes: u64,
+    pub paused: bool,
+    /// Bytes of the tag's allocated blocks while paused.
+    pub paused_bytes: u64,
+    /// The tag's backup policy (the latest region entered for it).
+    pub backup: bool,
+    /// Bytes of paused blocks held in host memory.
+    pub backup_bytes: u64,
+    /// Pinned host memory kept for the tag's backups.
+    pub host_bytes: u64,
+    pub pauses: u64,
+    pub resumes: u64,
+    pub pause_seconds: f64,
+    pub resume_seconds: f64,
+}
+
+impl Heap {
+    /// A tagged request no free block could serve: the tag's own virtual ranges grow.
+    pub(super) fn grow_tagged(
+        &mut self,
+        small: bool,
+        stream: Stream,
+        rounded: u64,
+        requested: u64,
+        tag: TagId,
+    ) -> Result<BlockId> {
+        self.request_tag = tag;
+        let grown = self.grow_expandable(small, stream, rounded, requested, false);
+        self.request_tag = 0;
+        grown
+    }
+
+    #[cold]
+    pub(super) fn paused_error(&self, tag: TagId, size: u64) -> Error {
+        Error::Paused(format!(
+            "allocation of {} on device {} in a region of tag {:?}, which is paused; resume it first",
+            format_bytes(size),
+            self.device,
+            tags::name(tag)
+        ))
+    }
+
+    /// The live segments of `tag`, in address order.
+    fn tag_segments(&self, tag: TagId) -> Vec<SegmentId> {
+        let mut segments: Vec<(u64, SegmentId)> = self
+            .arena
+            .live_segment_ids()
+            .filter(|&s| self.arena.segment(s).tag == tag)
+            .map(|s| (self.arena.segment(s).addr, s))
+            .collect();
+        segments.sort_unstable();
+        segments.into_iter().map(|(_, s)| s).collect()
+    }
+
+    /// Whether `tag` is paused on this device.
+    pub fn tag_paused(&self, tag: TagId) -> bool {
+        self.sleep.is_paused(tag)
+    }
+
+    /// Gives back the physical memory of `tag`'s pages, keeping every address: with `backup`,
+    /// the live blocks' bytes are copied to host memory first; without, they are discarded.
+    /// A tag paused already is skipped. Refused during a CUDA-graph capture.
+    pub fn pause_tag(&mut self, tag: TagId, backup: bool) -> Result<SleepOutcome> {
+        self.check_sleep_call(tag, "pause")?;
+        if self.sleep.is_paused(tag) {
+            return Ok(SleepOutcome { skipped: true, ..Default::default() });
+        }
+        let started = Instant::now();
+        if !self.pending.is_empty() {
+            self.synchronize_pending()?;
+        }
+        let segments = self.tag_segments(tag);
+        self.wait_for_streams(&segments)?;
+        let mut out = SleepOutcome::default();
+        // The live blocks, in address order: (address, bytes to keep, block size).
+        let live: Vec<(u64, u64, u64)> = segments
+            .iter()
+            .flat_map(|&s| self.arena.segment_blocks(s))
+            .filter(|&id| self.arena.state(id) == BlockState::Allocated)
+            .map(|id| {
+                let b = self.arena.block(id);
+                (b.addr, b.requested, b.size)
+            })
+            .collect();
+        let (batches, backups) = if backup {
+            self.queue_backup(tag, &live)?
+        } else {
+            out.discarded_bytes = live.iter().map(|&(_, bytes, _)| bytes).sum();
+            (Vec::new(), BTreeMap::new())
+        };
+        out.copied_bytes = backups.values().map(|&(_, bytes)| bytes).sum();
+        // Free pages need no copy: they go while the copies run.
+        for &seg in &segments {
+            let free: Vec<BlockId> =
+                self.arena.segment_blocks(seg).filter(|&id| self.arena.state(id) == BlockState::Free).collect();
+            for id in free {
+                out.released_bytes += self.unmap_free_pages(id, ReleaseReason::Pause)?;
+            }
+        }
+        // From here on the tag is paused: its live blocks leave the heap's statistics.
+        self.sleep.paused |= 1u64 << tag;
+        for &seg in &segments {
+            let ids: Vec<BlockId> = self.arena.segment_blocks(seg).collect();
+            for id in ids.into_iter().filter(|&id| self.arena.state(id) == BlockState::Allocated) {
+                let (small, size, requested) = {
+                    let b = self.arena.block(id);
+                    (b.class.small(), b.size, b.requested)
+                };
+                let s = &mut self.stats;
+                s.allocation.decrease(small, 1);
+                s.allocated_bytes.decrease(small, size);
+                s.requested_bytes.decrease(small, requested);
+            }
+        }
+        let state = self.sleep.tag(tag);
+        state.backup = backups;
+        out.released_bytes += self.release_live_pages(&segments, batches)?;
+        // Idle pages of other tags are not needed now: the other side of the loop needs them.
+        out.released_bytes += self.release_all_cached(ReleaseReason::Pause)?;
+        let state = self.sleep.tag(tag);
+        state.pauses += 1;
+        state.pause_ns = state.pause_ns.saturating_add(started.elapsed().as_nanos() as u64);
+        Ok(out)
+    }
+
+    /// Maps physical memory again at every address of `tag`'s live blocks and restores the
+    /// backed-up bytes. All or nothing: when the device cannot give the memory, the tag stays
+    /// paused with its backup and the error names the tag and the shortfall.
+    pub fn resume_tag(&mut self, tag: TagId) -> Result<SleepOutcome> {
+        self.check_sleep_call(tag, "resume")?;
+        if !self.sleep.is_paused(tag) {
+            return Ok(SleepOutcome { skipped: true, ..Default::default() });
+        }
+        let started = Instant::now();
+        let segments = self.tag_segments(tag);
+        // Every unmapped page under a block that is not an unmapped one: (address, segment, index).
+        let mut wanted: Vec<(u64, SegmentId, usize)> = Vec::new();
+        for &seg in &segments {
+            let (seg_addr, page) = (self.arena.segment(seg).addr, self.arena.segment(seg).page);
+            for id in self.arena.segment_blocks(seg) {
+                if self.arena.state(id) == BlockState::Unmapped {
+                    continue;
+                }
+                let b = self.arena.block(id);
+                let first = ((b.addr - seg_addr) / page) as usize;
+                let last = ((b.addr + b.size - seg_addr).div_ceil(page)) as usize;
+                for index in first..last {
+                    let mapped = self.pages.get(&seg).is_some_and(|p| p[index].is_some());
+                    if !mapped && wanted.last().is_none_or(|w| (w.1, w.2) != (seg, index)) {
+                        wanted.push((seg_addr + index as u64 * page, seg, index));
+                    }
+                }
+            }
+        }
+        let handles = self.create_pages_for(tag, &wanted)?;
+        let mut out = SleepOutcome::default();
+        let backups: Vec<(u64, (u64, u64))> = self.sleep.tag(tag).backup.iter().map(|(&a, &v)| (a, v)).collect();
+        let host = self.sleep.tag(tag).host.clone();
+        let mut next = 0;
+        let mut result = Ok(());
+        'blocks: for &(addr, (offset, bytes)) in &backups {
+            // Map up to the block's end, then queue its copy while later pages are mapped.
+            while next < wanted.len() && wanted[next].0 < addr + bytes {
+                if let Err(e) = self.map_resumed(&wanted[next], handles[next]) {
+                    result = Err(e);
+                    break 'blocks;
+                }
+                next += 1;
+            }
+            if let Err(e) =
+                copy_pieces(&host, offset, bytes, addr, |dev, host, n| self.backend.copy_to_device(dev, host, n))
+            {
+                result = Err(e);
+                break;
+            }
+            out.copied_bytes += bytes;
+        }
+        while result.is_ok() && next < wanted.len() {
+            result = self.map_resumed(&wanted[next], handles[next]);
+            next += usize::from(result.is_ok());
+        }
+        let copied = self.backend.record_copy_event().and_then(|event| {
+            let waited = self.backend.wait_event(event);
+            self.backend.free_event(event);
+            waited
+        });
+        if let Err(e) = result.and(copied) {
+            // Nothing is lost: back to paused, every page given back, the backup kept.
+            for (i, w) in wanted.iter().enumerate() {
+                if i < next {
+                    self.unmap_resumed(w)?;
+                } else {
+                    self.backend.release_physical(handles[i])?;
+                    self.stats.num_release_physical += 1;
+                }
+            }
+            if e.is_out_of_memory() {
+                let need = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
+                return Err(self.resume_out_of_memory(tag, need));
+            }
+            return Err(e);
+        }
+        out.mapped_bytes = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
+        self.sleep.paused &= !(1u64 << tag);
+        for &seg in &segments {
+            let ids: Vec<BlockId> = self.arena.segment_blocks(seg).collect();
+            for id in ids.into_iter().filter(|&id| self.arena.state(id) == BlockState::Allocated) {
+                let (small, size, requested) = {
+                    let b = self.arena.block(id);
+                    (b.class.small(), b.size, b.requested)
+                };
+                let s = &mut self.stats;
+                s.allocation.increase(small, 1);
+                s.allocated_bytes.increase(small, size);
+                s.requested_bytes.increase(small, requested);
+            }
+        }
+        self.step.note_reserved(self.stats.reserved_bytes.current());
+        let state = self.sleep.tag(tag);
+        state.backup.clear();
+        state.resumes += 1;
+        state.resume_ns = state.resume_ns.saturating_add(started.elapsed().as_nanos() as u64);
+        Ok(out)
+    }
+
+    /// Frees the pinned host buffers of every tag that holds no paused bytes in them. Returns
+    /// the bytes freed.
+    pub fn release_backup(&mut self) -> Result<u64> {
+        let mut freed = 0;
+        for i in 0..self.sleep.tags.len() {
+            if !self.sleep.tags[i].backup.is_empty() {
+                continue;
+            }
+            while let Some((addr, bytes)) = self.sleep.tags[i].host.pop() {
+                self.backend.host_free(addr, bytes)?;
+                freed += bytes;
+            }
+        }
+        Ok(freed)
+    }
+
+    /// Bytes of pinned host memory held for backups.
+    pub fn backup_host_bytes(&self) -> u64 {
+        self.sleep.host_bytes()
+    }
+
+    /// Figures of "default" and of every tag with memory, state or a registered name.
+    pub fn tag_figures(&self) -> Vec<TagFigures> {
+        let mut figures: BTreeMap<TagId, TagFigures> = BTreeMap::new();
+        let mut tagged_live = 0;
+        for seg_id in self.arena.live_segment_ids() {
+            let seg = self.arena.segment(seg_id);
+            if seg.tag == 0 {
+                continue;
+            }
+            let paused = self.sleep.is_paused(seg.tag);
+            let f = figures.entry(seg.tag).or_default();
+            for id in self.arena.segment_blocks(seg_id) {
+                if self.arena.state(id) == BlockState::Allocated {
+                    let size = self.arena.block(id).size;
+                    if paused {
+                        f.paused_bytes += size;
+                    } else {
+                        f.live_bytes += size;
+                        tagged_live += size;
+                    }
+                }
+            }
+        }
+        for (tag, _) in tags::registered() {
+            figures.entry(tag).or_default();
+        }
+        for (i, state) in self.sleep.tags.iter().enumerate() {
+            let f = figures.entry(i as TagId).or_default();
+            f.backup_bytes = state.backup.values().map(|&(_, bytes)| bytes).sum();
+            f.host_bytes = state.host.iter().map(|&(_, bytes)| bytes).sum();
+            f.pauses = state.pauses;
+            f.resumes = state.resumes;
+            f.pause_seconds = state.pause_ns as f64 / 1e9;
+            f.resume_seconds = state.resume_ns as f64 / 1e9;
+        }
+        let default = figures.entry(0).or_default();
+        default.live_bytes = self.stats.allocated_bytes.current().saturating_sub(tagged_live);
+        figures
+            .into_iter()
+            .map(|(tag, mut f)| {
+                f.tag = tags::name(tag);
+                f.paused = self.sleep.is_paused(tag);
+                f.backup = tags::backup(tag);
+                f
+            })
+            .collect()
+    }
+
+    // ----- the steps ------------------------------------------------------------------------
+
+    fn check_sleep_call(&self, tag: TagId, what: &str) -> Result<()> {
+        if tag == 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{what} of tag \"default\": memory allocated outside any region has no tag of its own and \
+                 cannot be paused; allocate it in a region"
+            )));
+        }
+        if self.captures_underway > 0 {
+            return Err(Error::InvalidArgument(format!(
+                "{what} of tag {:?} on device {} during a CUDA graph capture: unmapping or mapping memory \
+                 would invalidate the capture; {what} after it ends",
+                tags::name(tag),
+                self.device
+            )));
+        }
+        Ok(())
+    }
+
+    /// Waits, stream-ordered, for the work queued on every stream that used the blocks of
+    /// `segments`: one event per stream, recorded now and waited for.
+    fn wait_for_streams(&mut self, segments: &[SegmentId]) -> Result<()> {
+        let mut streams: Vec<Stream> = Vec::new();
+        for &seg in segments {
+            for id in self.arena.segment_blocks(seg) {
+                let state = self.arena.state(id);
+                if state == BlockState::Unmapped {
+                    continue;
+                }
+                let b = self.arena.block(id);
+                let extra = if state == BlockState::Allocated { self.arena.extra_streams(id) } else { &[] };
+                for &s in std::iter::once(&b.stream).chain(extra) {
+                    if s != ANY_STREAM && !streams.contains(&s) {
+                        streams.push(s);
+                    }
+                }
+            }
+        }
+        let mut events: Vec<Event> = Vec::with_capacity(streams.len());
+        let mut result = Ok(());
+        for s in streams {
+            match self.backend.record_event(s) {
+                Ok(e) => events.push(e),
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
+            }
+        }
+        for event in events {
+            if result.is_ok() {
+                result = self.backend.wait_event(event);
+            }
+            self.backend.free_event(event);
+        }
+        result
+    }
+
+    /// Queues the copies of `live` blocks (address, bytes, size) into `tag`'s host buffers
+    /// (grown when short). Returns the batches' events with the end address each covers, and
+    /// the backup records.
+    #[allow(clippy::type_complexity)]
+    fn queue_backup(
+        &mut self,
+        tag: TagId,
+        live: &[(u64, u64, u64)],
+    ) -> Result<(Vec<(u64, Event)>, BTreeMap<u64, (u64, u64)>)> {
+        let need: u64 = live.iter().map(|&(_, bytes, _)| bytes).sum();
+        self.grow_host(tag, need)?;
+        let host = self.sleep.tag(tag).host.clone();
+        let (mut batches, mut backups) = (Vec::new(), BTreeMap::new());
+        let (mut offset, mut in_batch) = (0u64, 0u64);
+        let mut queued = Ok(());
+        for &(addr, bytes, size) in live {
+            if bytes == 0 {
+                continue;
+            }
+            queued = copy_pieces(&host, offset, bytes, addr, |dev, host, n| self.backend.copy_to_host(host, dev, n));
+            if queued.is_err() {
+                break;
+            }
+            backups.insert(addr, (offset, bytes));
+            offset += bytes;
+            in_batch += bytes;
+            if in_batch >= COPY_BATCH {
+                match self.backend.record_copy_event() {
+                    Ok(event) => batches.push((addr + size, event)),
+                    Err(e) => {
+                        queued = Err(e);
+                        break;
+                    }
+                }
+                in_batch = 0;
+            }
+        }
+        if queued.is_ok() && in_batch > 0 {
+            match self.backend.record_copy_event() {
+                Ok(event) => batches.push((u64::MAX, event)),
+                Err(e) => queued = Err(e),
+            }
+        }
+        if let Err(e) = queued {
+            // Nothing was unmapped yet: wait for what was queued and leave the tag as it was.
+            let drained = self.backend.record_copy_event().and_then(|event| {
+                let waited = self.backend.wait_event(event);
+                self.backend.free_event(event);
+                waited
+            });
+            for (_, event) in batches {
+                self.backend.free_event(event);
+            }
+            drained?;
+            return Err(e);
+        }
+        Ok((batches, backups))
+    }
+
+    /// Grows `tag`'s pinned host buffers to hold `need` bytes.
+    fn grow_host(&mut self, tag: TagId, need: u64) -> Result<()> {
+        let have: u64 = self.sleep.tag(tag).host.iter().map(|&(_, bytes)| bytes).sum();
+        if have >= need {
+            return Ok(());
+        }
+        let bytes = (need - have).max(HOST_GROWTH).div_ceil(2 * MIB).saturating_mul(2 * MIB);
+        let addr = self.backend.host_alloc(bytes)?;
+        self.sleep.tag(tag).host.push((addr, bytes));
+        Ok(())
+    }
+
+    /// Unmaps and releases the remaining pages of paused `segments` in address order, each once
+    /// the copy batch that reads it completed (`batches`: end address covered, event).
+    fn release_live_pages(&mut self, segments: &[SegmentId], batches: Vec<(u64, Event)>) -> Result<u64> {
+        let mut waiting = batches.into_iter().peekable();
+        let mut covered = 0u64;
+        let mut released = 0;
+        let mut result = Ok(());
+        'segments: for &seg in segments {
+            let (seg_addr, page, small, stream) = {
+                let s = self.arena.segment(seg);
+                (s.addr, s.page, s.small, s.stream)
+            };
+            let count = self.pages.get(&seg).map_or(0, Vec::len);
+            for index in 0..count {
+                let Some(handle) = self.pages.get(&seg).and_then(|p| p[index]) else { continue };
+                let addr = seg_addr + index as u64 * page;
+                while covered < addr + page {
+                    let Some((end, event)) = waiting.next() else { break };
+                    let waited = self.backend.wait_event(event);
+                    self.backend.free_event(event);
+                    if let Err(e) = waited {
+                        result = Err(e);
+                        break 'segments;
+                    }
+                    covered = end;
+                }
+                if let Err(e) = self.backend.unmap(addr, page).and_then(|()| self.backend.release_physical(handle)) {
+                    result = Err(e);
+                    break 'segments;
+                }
+                self.sleep_page(seg, index).take();
+                let s = &mut self.stats;
+                s.num_unmap += 1;
+                s.num_release_physical += 1;
+                s.reserved_bytes.decrease(small, page);
+                let reason = ReleaseReason::Pause as usize;
+                s.released_bytes[reason] = s.released_bytes[reason].saturating_add(page);
+                released += page;
+                self.trace.record(TraceAction::SegmentUnmap, addr, page, 0, stream.0, 0);
+            }
+        }
+        for (_, event) in waiting {
+            if result.is_ok() {
+                result = self.backend.wait_event(event);
+            }
+            self.backend.free_event(event);
+        }
+        if released > 0 {
+            self.stats.num_device_free += 1;
+        }
+        result.map(|()| released)
+    }
+
+    /// Creates a physical page for each of `wanted`, all or none. When the device is short,
+    /// idle cached pages of other tags go first; then the error names the tag and the shortfall.
+    fn create_pages_for(&mut self, tag: TagId, wanted: &[(u64, SegmentId, usize)]) -> Result<Vec<PhysHandle>> {
+        let mut handles = Vec::with_capacity(wanted.len());
+        let need: u64 = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
+        let mut retried = false;
+        let mut failure = None;
+        while handles.len() < wanted.len() {
+            let page = self.arena.segment(wanted[handles.len()].1).page;
+            let over_limit = self.stats.reserved_bytes.current().saturating_add(need) > self.allowed;
+            let created =
+                if over_limit { Err(Error::OutOfMemory(Box::default())) } else { self.backend.create_physical(page) };
+            match created {
+                Ok(handle) => {
+                    handles.push(handle);
+                    self.stats.num_create += 1;
+                }
+                Err(e) if e.is_out_of_memory() && !retried && self.captures_underway == 0 => {
+                    retried = true;
+                    self.stats.num_alloc_retries += 1;
+                    self.release_all_cached(ReleaseReason::Oom)?;
+                }
+                Err(e) => {
+                    failure = Some(e);
+                    break;
+                }
+            }
+        }
+        let Some(e) = failure else { return Ok(handles) };
+        for handle in handles {
+            self.backend.release_physical(handle)?;
+            self.stats.num_release_physical += 1;
+        }
+        if !e.is_out_of_memory() {
+            return Err(e);
+        }
+        Err(self.resume_out_of_memory(tag, need))
+    }
+
+    /// The out-of-memory error of a resume that could not get `need` bytes for `tag`.
+    fn resume_out_of_memory(&mut self, tag: TagId, need: u64) -> Error {
+        self.stats.num_ooms += 1;
+        let (device_free, device_total) = self.backend.mem_info().unwrap_or((0, self.device_total));
+        let mut short = need.saturating_sub(device_free);
+        if self.fraction_set {
+            short = short.max(self.stats.reserved_bytes.current().saturating_add(need).saturating_sub(self.allowed));
+        }
+        Error::OutOfMemory(Box::new(OomReport {
+            device: self.device,
+            requested: need,
+            rounded: need,
+            segment_size: need,
+            device_total,
+            device_free,
+            reserved: self.stats.reserved_bytes.current(),
+            allocated: self.stats.allocated_bytes.current(),
+            allowed: self.fraction_set.then_some(self.allowed),
+            largest_free_block: self.largest_free_block(),
+            hint: format!(
+                "Resuming tag {:?} needs {} of device memory: {}. The tag stays paused with its backup; free \
+                 memory (or pause another tag) and resume it again.",
+                tags::name(tag),
+                format_bytes(need),
+                if short > 0 {
+                    format!("{} more than the device has free or the memory fraction allows", format_bytes(short))
+                } else {
+                    format!("the device refused it with {} free", format_bytes(device_free))
+                },
+            ),
+            unmapped: None,
+        }))
+    }
+
+    /// Maps one page of a resuming tag (`wanted` entry) with `handle`.
+    fn map_resumed(&mut self, w: &(u64, SegmentId, usize), handle: PhysHandle) -> Result<()> {
+        let (addr, seg, index) = *w;
+        let (page, small, stream) = {
+            let s = self.arena.segment(seg);
+            (s.page, s.small, s.stream)
+        };
+        self.backend.map(addr, page, handle)?;
+        self.sleep_page(seg, index).replace(handle);
+        let s = &mut self.stats;
+        s.num_map += 1;
+        s.num_device_alloc += 1;
+        s.reserved_bytes.increase(small, page);
+        self.trace.record(TraceAction::SegmentMap, addr, page, 0, stream.0, 0);
+        Ok(())
+    }
+
+    /// Undoes `map_resumed` after a failed resume: the page is unmapped and released.
+    fn unmap_resumed(&mut self, w: &(u64, SegmentId, usize)) -> Result<()> {
+        let (addr, seg, index) = *w;
+        let (page, small) = (self.arena.segment(seg).page, self.arena.segment(seg).small);
+        if let Some(handle) = self.sleep_page(seg, index).take() {
+            self.backend.unmap(addr, page)?;
+            self.backend.release_physical(handle)?;
+            self.stats.reserved_bytes.decrease(small, page);
+            self.stats.num_unmap += 1;
+            self.stats.num_release_physical += 1;
+        }
+        Ok(())
+    }
+
+    /// The handle slot of page `index` of a tagged segment.
+    fn sleep_page(&mut self, seg: SegmentId, index: usize) -> &mut Option<PhysHandle> {
+        &mut self.pages.entry(seg).or_default()[index]
+    }
+
+    /// A free of an allocated block of a paused tag: the block is dropped with its backup. It
+    /// merges with free neighbours and its whole pages become unmapped (nothing is mapped
+    /// there, so no driver call); the heap's statistics left it at the pause.
+    pub(super) fn free_paused(&mut self, id: BlockId) -> Result<()> {
+        let (addr, size, requested, stream, tag) = {
+            let b = self.arena.block(id);
+            (b.addr, b.size, b.requested, b.stream, b.class.tag())
+        };
+        self.stats.num_frees += 1;
+        self.trace.record(TraceAction::FreeRequested, addr, size, requested, stream.0, 0);
+        self.sleep.tag(tag).backup.remove(&addr);
+        self.arena.take_extra_streams(id);
+        self.arena.set_state(id, BlockState::Free);
+        let clock = self.alloc_clock;
+        let b = self.arena.block_mut(id);
+        b.requested = 0;
+        b.freed_at = clock;
+        self.trace.record(TraceAction::FreeCompleted, addr, size, requested, stream.0, 0);
+        let (merged, absorbed, absorbed_bytes) = self.merge_neighbours(id);
+        self.enlist(merged);
+        self.count_merged_free(merged, absorbed, absorbed_bytes);
+        self.unmap_free_pages(merged, ReleaseReason::Pause)?;
+        Ok(())
+    }
+
+    /// Turns the whole pages inside the free block `id` (in its list) of a tagged segment into
+    /// an unmapped block, unmapping and releasing those still mapped. The caller waited for the
+    /// work that used them. Returns the bytes released to the device.
+    fn unmap_free_pages(&mut self, id: BlockId, reason: ReleaseReason) -> Result<u64> {
+        let (addr, size, seg_id) = {
+            let b = self.arena.block(id);
+            (b.addr, b.size, b.segment)
+        };
+        let (seg_addr, page, small, stream) = {
+            let s = self.arena.segment(seg_id);
+            (s.addr, s.page, s.small, s.stream)
+        };
+        let lo = seg_addr + (addr - seg_addr).div_ceil(page) * page;
+        let hi = seg_addr + (addr + size - seg_addr) / page * page;
+        if hi <= lo {
+            return Ok(0);
+        }
+        let mut released = 0;
+        for p in (lo..hi).step_by(page as usize) {
+            let index = ((p - seg_addr) / page) as usize;
+            let Some(handle) = self.sleep_page(seg_id, index).take() else { continue };
+            self.backend.unmap(p, page)?;
+            self.backend.release_physical(handle)?;
+            let s = &mut self.stats;
+            s.num_unmap += 1;
+            s.num_release_physical += 1;
+            s.reserved_bytes.decrease(small, page);
+            s.released_bytes[reason as usize] = s.released_bytes[reason as usize].saturating_add(page);
+            released += page;
+        }
+        self.unlist(id);
+        self.split_stat_out(id);
+        let mut middle = id;
+        if lo > addr {
+            middle = self.split_block(id, lo - addr);
+            self.enlist(id);
+            self.split_stat_in(id);
+        }
+        if hi < addr + size {
+            let after = self.split_block(middle, hi - lo);
+            self.enlist(after);
+            self.split_stat_in(after);
+        }
+        self.arena.set_state(middle, BlockState::Unmapped);
+        self.arena.segment_mut(seg_id).mapped -= hi - lo;
+        if released > 0 {
+            self.stats.num_device_free += 1;
+            self.trace.record(TraceAction::SegmentUnmap, lo, hi - lo, 0, stream.0, 0);
+        }
+        for forward in [false, true] {
+            let b = self.arena.block(middle);
+            let other = if forward { b.next } else { b.prev };
+            if other != NIL && self.arena.state(other) == BlockState::Unmapped {
+                let stream = b.stream;
+                self.absorb(middle, other, forward, stream);
+            }
+        }
+        Ok(released)
+    }
+}
+
+/// Runs `copy(device address, host address, bytes)` over `bytes` at `device`, backed at
+/// `offset` of the concatenated host `buffers`, in pieces of at most `COPY_PIECE` that never
+/// cross a buffer's end.
+fn copy_pieces(
+    buffers: &[(u64, u64)],
+    offset: u64,
+    bytes: u64,
+    device: u64,
+    mut copy: impl FnMut(u64, u64, u64) -> Result<()>,
+) -> Result<()> {
+    let (mut offset, mut done) = (offset, 0u64);
+    let mut base = 0u64;
+    for &(host, size) in buffers {
+        while done < bytes && offset < base + size {
+            let n = (bytes - done).min(base + size - offset).min(COPY_PIECE);
+            copy(device + done, host + (offset - base), n)?;
+            done += n;
+            offset += n;
+        }
+        base += size;
+        if done == bytes {
+            return Ok(());
+        }
+    }
+    Err(Error::InvalidArgument(format!("backup of {bytes} bytes does not fit the host buffers")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copies_are_cut_at_buffer_ends_and_piece_size() {
+        let buffers = [(1000, 100 * MIB), (9_000_000_000, 200 * MIB)];
+        let mut calls = Vec::new();
+        copy_pieces(&buffers, 90 * MIB, 80 * MIB, 1 << 40, |d, h, n| {
+            calls.push((d, h, n));
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(
+            calls,
+            vec![
+                (1 << 40, 1000 + 90 * MIB, 10 * MIB),
+                ((1 << 40) + 10 * MIB, 9_000_000_000, 64 * MIB),
+                ((1 << 40) + 74 * MIB, 9_000_000_000 + 64 * MIB, 6 * MIB)
+            ]
+        );
+        assert!(copy_pieces(&buffers, 250 * MIB, 100 * MIB, 0, |_, _, _| Ok(())).is_err());
+    }
+}

@@ -1,0 +1,175 @@
+//! Tags: which memory a `pause` gives back. Every allocation carries a tag, the innermost region
+//! of the allocating thread (`stepalloc_region_enter`), else "default" (tag 0). Layer: beside
+//! the allocator; the heap only sees the small number (`TagId`).
+//!
+//! Invariants:
+//! - the registry is process-wide and only grows: a name keeps its number for the life of the
+//!   process, so every device's heap and every statistic agree on it; at most `MAX_TAGS` names
+//!   besides "default" (a bounded label set, like phases);
+//! - the current tag is one thread-local byte, read by `malloc` without allocating or locking;
+//!   the region stack behind it is only touched by `enter` and `exit`.
+
+use crate::error::{Error, Result};
+use parking_lot::Mutex;
+use std::cell::{Cell, RefCell};
+
+/// A tag's number: 0 is "default", 1..=`MAX_TAGS` are registered names.
+pub type TagId = u8;
+
+/// The tag outside any region.
+pub const DEFAULT: TagId = 0;
+pub const DEFAULT_NAME: &str = "default";
+/// Tags a process may name besides "default".
+pub const MAX_TAGS: usize = 32;
+/// Regions one thread may have entered and not exited.
+pub const MAX_DEPTH: usize = 64;
+/// Longest tag name, in bytes.
+pub const MAX_NAME: usize = 64;
+
+struct Entry {
+    name: String,
+    /// Whether a pause copies the tag's live bytes to host memory (the latest region wins).
+    backup: bool,
+}
+
+static REGISTRY: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+
+thread_local! {
+    static CURRENT: Cell<TagId> = const { Cell::new(DEFAULT) };
+    static STACK: RefCell<Vec<TagId>> = const { RefCell::new(Vec::new()) };
+}
+
+/// Checks a tag name: 1..=64 bytes of `[A-Za-z0-9_.:-]`.
+pub fn check_name(name: &str) -> Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= MAX_NAME
+        && name.bytes().all(|c| c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b':' | b'-'));
+    if ok {
+        Ok(())
+    } else {
+        let shown: String = name.chars().take(MAX_NAME + 8).collect();
+        Err(Error::InvalidArgument(format!(
+            "tag {shown:?} is not 1 to {MAX_NAME} characters of letters, digits, '_', '.', ':' or '-'"
+        )))
+    }
+}
+
+/// The number of a registered tag (or of "default"), without registering it.
+pub fn lookup(name: &str) -> Option<TagId> {
+    if name == DEFAULT_NAME {
+        return Some(DEFAULT);
+    }
+    REGISTRY.lock().iter().position(|e| e.name == name).map(|i| (i + 1) as TagId)
+}
+
+/// Registers `name` (or finds it) and sets its backup policy. The 33rd name is refused.
+pub fn register(name: &str, backup: bool) -> Result<TagId> {
+    check_name(name)?;
+    if name == DEFAULT_NAME {
+        return Ok(DEFAULT);
+    }
+    let mut registry = REGISTRY.lock();
+    if let Some(i) = registry.iter().position(|e| e.name == name) {
+        registry[i].backup = backup;
+        return Ok((i + 1) as TagId);
+    }
+    if registry.len() >= MAX_TAGS {
+        return Err(Error::InvalidArgument(format!(
+            "tag {name:?}: a process may name at most {MAX_TAGS} tags besides \"default\" (a bounded label \
+             set); reuse one"
+        )));
+    }
+    registry.push(Entry { name: name.to_string(), backup });
+    Ok(registry.len() as TagId)
+}
+
+/// A tag's name ("default" for 0; "tag<N>" for a number never registered).
+pub fn name(tag: TagId) -> String {
+    if tag == DEFAULT {
+        return DEFAULT_NAME.to_string();
+    }
+    REGISTRY.lock().get(tag as usize - 1).map_or_else(|| format!("tag{tag}"), |e| e.name.clone())
+}
+
+/// The tag's backup policy (false for "default" and unknown numbers).
+pub fn backup(tag: TagId) -> bool {
+    tag != DEFAULT && REGISTRY.lock().get(tag as usize - 1).is_some_and(|e| e.backup)
+}
+
+/// Every registered tag besides "default", in registration order.
+pub fn registered() -> Vec<(TagId, String)> {
+    REGISTRY.lock().iter().enumerate().map(|(i, e)| ((i + 1) as TagId, e.name.clone())).collect()
+}
+
+/// The calling thread's current tag: what its allocations carry. One thread-local load.
+#[inline]
+pub fn current() -> TagId {
+    CURRENT.with(Cell::get)
+}
+
+/// Enters a region of `name` on the calling thread (registering the name, setting its backup
+/// policy). Returns its number.
+pub fn enter(name: &str, backup: bool) -> Result<TagId> {
+    if STACK.with(|s| s.borrow().len()) >= MAX_DEPTH {
+        return Err(Error::InvalidArgument(format!(
+            "region {name:?}: this thread is already {MAX_DEPTH} regions deep; exit one first"
+        )));
+    }
+    let tag = register(name, backup)?;
+    STACK.with(|s| s.borrow_mut().push(tag));
+    CURRENT.with(|c| c.set(tag));
+    Ok(tag)
+}
+
+/// Exits the calling thread's innermost region; the one around it (or "default") is current
+/// again. Returns the tag exited.
+pub fn exit() -> Result<TagId> {
+    let popped = STACK.with(|s| {
+        let mut s = s.borrow_mut();
+        let popped = s.pop();
+        CURRENT.with(|c| c.set(s.last().copied().unwrap_or(DEFAULT)));
+        popped
+    });
+    popped.ok_or_else(|| Error::InvalidArgument("region exit without a region entered on this thread".into()))
+}
+
+/// The calling thread's region depth.
+pub fn depth() -> usize {
+    STACK.with(|s| s.borrow().len())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_checked() {
+        for bad in ["", "a b", "ü", &"x".repeat(65), "a/b"] {
+            assert!(check_name(bad).is_err(), "{bad:?}");
+        }
+        for good in ["kv_cache", "weights", "a.b:c-d_0", &"x".repeat(64)] {
+            check_name(good).unwrap();
+        }
+    }
+
+    #[test]
+    fn regions_nest_per_thread() {
+        assert_eq!(current(), DEFAULT);
+        let a = enter("tags_test_a", true).unwrap();
+        assert_eq!(current(), a);
+        let b = enter("tags_test_b", false).unwrap();
+        assert_eq!(current(), b);
+        assert!(backup(a) && !backup(b));
+        std::thread::spawn(|| assert_eq!(current(), DEFAULT)).join().unwrap();
+        assert_eq!(exit().unwrap(), b);
+        assert_eq!(current(), a);
+        assert_eq!(exit().unwrap(), a);
+        assert_eq!(current(), DEFAULT);
+        assert!(exit().is_err());
+        assert_eq!(lookup("tags_test_a"), Some(a));
+        assert_eq!(name(a), "tags_test_a");
+        assert_eq!(lookup("default"), Some(DEFAULT));
+        assert_eq!(enter("default", true).unwrap(), DEFAULT);
+        exit().unwrap();
+    }
+}
