@@ -42,8 +42,8 @@ impl Heap {
     /// block at `ptr` (its start, as a storage's data pointer is).
     pub fn share(&mut self, ptr: u64) -> Result<(Shareable, u64)> {
         let id = self.arena.find_allocated(ptr).ok_or(Error::UnknownPointer { device: self.device, ptr })?;
-        if let Some(why) = self.share_refusal(id) {
-            return Err(Error::InvalidArgument(why));
+        if let Some(refused) = self.share_refusal(ptr, id) {
+            return Err(refused);
         }
         let block = self.arena.block(id).clone();
         let seg = self.arena.segment(block.segment).clone();
@@ -66,11 +66,20 @@ impl Heap {
         Ok((Shareable::Expandable { pid, page: seg.page, fds }, block.addr - (seg.addr + first * seg.page)))
     }
 
-    /// Why the block must not be shared now, if so. The hook for sleep/wake: a block whose tag
-    /// is paused (its pages unmapped or about to be) is refused here, with the tag's name,
-    /// once tags live in the heap; until then nothing is refused.
-    fn share_refusal(&self, _id: BlockId) -> Option<String> {
-        None
+    /// Why the block must not be shared now, if so: its tag is paused (`sleep`), so its memory
+    /// is not on the device — a receiver would map pages the producer gave back.
+    fn share_refusal(&self, ptr: u64, id: BlockId) -> Option<Error> {
+        let tag = self.arena.segment(self.arena.block(id).segment).tag;
+        self.sleep.is_paused(tag).then(|| {
+            Error::Paused(format!(
+                "the tensor at {ptr:#x} on device {} has tag {:?}, which is paused: its memory is off the \
+                 device, so it cannot be shared with another process; resume the tag first \
+                 (stepalloc.resume({:?}))",
+                self.device,
+                crate::tags::name(tag),
+                crate::tags::name(tag)
+            ))
+        })
     }
 
     /// Maps a range another process shared (`handle`: PyTorch's bytes) and returns its base
