@@ -38,8 +38,8 @@
 //!   every other failure becomes `Error::Driver` with the call, the error's name and number.
 
 mod codes;
-mod ipc;
 mod host;
+mod ipc;
 pub mod tools;
 
 use super::{Backend, DeviceInfo, DriverTime, Event, PhysHandle, Stream};
