@@ -21,6 +21,7 @@ Usage: python3 ipc_check.py [--pairs stepalloc:stock,stock:stepalloc,stepalloc:s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -68,10 +69,8 @@ def allow_descriptor_taking() -> None:
     """Under Yama's ptrace scope 1 only an ancestor may take this process's descriptors
     (``pidfd_getfd``); expandable segments are shared that way, so let any process of this
     user take them, as a PyTorch user would with ``prctl(PR_SET_PTRACER, PR_SET_PTRACER_ANY)``."""
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL(None, use_errno=True).prctl(0x59616D61, ctypes.c_ulong(-1 & 0xFFFFFFFFFFFFFFFF), 0, 0, 0)
-    except (OSError, AttributeError):
-        pass
 
 
 def setup(kind: str, segment: str):
@@ -155,7 +154,9 @@ def producer(kind: str, receiver: str, segment: str) -> dict:
         send(child.stdin, (fn, args))
         reply = receive(child.stdout)
         out["receiver_read_bytes"] = reply["got"] == digest(host) and reply["size"] == SHARED_BYTES
-        out["resend_refused"] = reply["resend"].startswith("Attempted to send CUDA tensor received from another process")
+        out["resend_refused"] = reply["resend"].startswith(
+            "Attempted to send CUDA tensor received from another process"
+        )
         seen = x[:4096].cpu()
         out["producer_sees_write"] = bool((seen == MARK).all())
         back_fn, back_args = reply["back"]
@@ -225,7 +226,7 @@ def main() -> int:
     if a.role == "producer":
         try:
             print(json.dumps(producer(a.kind, a.receiver, a.segment)), flush=True)
-        except Exception:
+        except Exception:  # noqa: BLE001 - reported to the caller, which names the pairing
             traceback.print_exc()
             return 1
         return 0

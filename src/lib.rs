@@ -16,7 +16,8 @@
 //! Layers, top to bottom: `allocator` (the lock, the process-wide instance) → `heap` (policy)
 //! → `freelist` + `bitmap` + `sizeclass` (O(1) lookup) and `segment` (metadata; with `live`,
 //! which finds allocated blocks by address) → `backend` (`cuda`, `sim`).
-//! Beside them: `config`, `stats`, `step`, `trace`, `snapshot`, `metrics`.
+//! Beside them: `config`, `stats`, `step`, `trace`, `snapshot`, `metrics`, `ipc` (PyTorch's CUDA
+//! IPC handle format).
 
 #![deny(clippy::unwrap_used)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]

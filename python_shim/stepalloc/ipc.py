@@ -31,6 +31,7 @@ counters are back at zero, or at exit.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import ctypes
 import mmap
 import os
@@ -93,17 +94,15 @@ class _CounterFile:
         return self.handed_out >= COUNTERS_PER_FILE
 
     def close(self) -> None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(SHM_DIR + self.name)
-        except FileNotFoundError:
-            pass
         self.map.close()
 
 
 class _Sent:
     """A shared storage, held until its receivers are done with it."""
 
-    __slots__ = ("storage", "file", "slot", "event")
+    __slots__ = ("event", "file", "slot", "storage")
 
     def __init__(self, storage: Any, file: _CounterFile, slot: int, event: Any) -> None:
         self.storage, self.file, self.slot, self.event = storage, file, slot, event
@@ -149,10 +148,8 @@ def _close_all_at_exit() -> None:
     if _counter_file is not None:
         files[id(_counter_file)] = _counter_file
     for f in files.values():
-        try:
+        with contextlib.suppress(OSError, ValueError):
             f.close()
-        except Exception:
-            pass
 
 
 atexit.register(_close_all_at_exit)
@@ -211,7 +208,7 @@ def _release_counter(name: bytes, slot: int) -> None:
     try:
         with mmap.mmap(fd, 0) as m:
             at = COUNTER_HEADER + 8 * slot
-            if 0 <= slot and at + 8 <= len(m):
+            if slot >= 0 and at + 8 <= len(m):
                 struct.pack_into("q", m, at, struct.unpack_from("q", m, at)[0] - 1)
     except (OSError, ValueError):
         pass
@@ -229,20 +226,17 @@ class _Opened:
 
     def __del__(self) -> None:
         _received.pop(id(self), None)
-        try:
+        # A destructor must not raise (it may run at interpreter exit, with torch half gone).
+        with contextlib.suppress(Exception):
             import torch
 
             # PyTorch's deleter: work queued on the storage must be done before the producer
             # may reuse the memory.
             torch.cuda.current_stream(self.device).synchronize()
-        except Exception:
-            pass
         if self.counter:
             _release_counter(self.counter, self.slot)
-        try:
+        with contextlib.suppress(Exception):
             _lib.lib().stepalloc_ipc_close(self.device, self.base)
-        except Exception:
-            pass
 
 
 def open_storage(
