@@ -117,7 +117,8 @@ impl Heap {
             Some((page, handles)) => {
                 // As PyTorch's expandable segments: unmapping does not wait for queued work.
                 self.backend.synchronize()?;
-                self.unmap_shared_pages(base, page, &handles, handles.len())
+                let size = page * handles.len() as u64;
+                self.unmap_shared_pages(base, size, page, &handles, handles.len())
             }
         }
     }
@@ -149,14 +150,22 @@ impl Heap {
         }
         if let Some(e) = failed {
             // Best effort: the first error is the one worth reporting.
-            let _ = self.unmap_shared_pages(base, page, &handles, mapped);
+            let _ = self.unmap_shared_pages(base, size, page, &handles, mapped);
             return Err(e);
         }
         Ok((base, handles))
     }
 
-    /// Unmaps the first `mapped` pages, releases every imported chunk and frees the range.
-    fn unmap_shared_pages(&mut self, base: u64, page: u64, handles: &[PhysHandle], mapped: usize) -> Result<()> {
+    /// Unmaps the first `mapped` pages, releases every imported chunk and frees the range
+    /// (`size` bytes at `base`).
+    fn unmap_shared_pages(
+        &mut self,
+        base: u64,
+        size: u64,
+        page: u64,
+        handles: &[PhysHandle],
+        mapped: usize,
+    ) -> Result<()> {
         let mut first_error = Ok(());
         for i in 0..mapped {
             let done = self.backend.unmap(base + i as u64 * page, page);
@@ -165,8 +174,7 @@ impl Heap {
         for &h in handles {
             first_error = first_error.and(self.backend.release_physical(h));
         }
-        let size = page * handles.len().max(mapped) as u64;
-        first_error.and(self.backend.free_address(base, size.max(page)))
+        first_error.and(self.backend.free_address(base, size))
     }
 }
 
