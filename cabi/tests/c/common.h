@@ -32,7 +32,8 @@
     X(stepalloc_set_memory_fraction) X(stepalloc_base_alloc) X(stepalloc_record_stream)    \
     X(stepalloc_set_mempool_mode) X(stepalloc_configure_len) X(stepalloc_step_begin_len)   \
     X(stepalloc_region_enter) X(stepalloc_region_exit) X(stepalloc_pause) X(stepalloc_resume) \
-    X(stepalloc_sleep_report_json) X(stepalloc_release_backup) X(stepalloc_tags_json)
+    X(stepalloc_sleep_report_json) X(stepalloc_release_backup) X(stepalloc_tags_json) \
+    X(stepalloc_ipc_share) X(stepalloc_ipc_open) X(stepalloc_ipc_close)
 
 #define DECLARE_POINTER(name) static __typeof__(name) *p_##name;
 STEPALLOC_C_FUNCTIONS(DECLARE_POINTER)
