@@ -936,23 +936,14 @@ impl Heap {
         }
     }
 
-    /// For `set_base_alloc_fn` (PyTorch's `getBaseAllocation`), the allocation holding `ptr`
-    /// (anywhere inside it): a plain segment's base address and size; in an expandable segment,
-    /// whose range is mostly unmapped address space (PyTorch refuses those), the block itself.
+    /// The block holding `ptr` (anywhere inside it), for `set_base_alloc_fn`: the segment's base
+    /// address and size.
     pub fn base_allocation(&self, ptr: u64) -> Option<(u64, u64)> {
-        let seg_id = self.arena.live_segment_ids().find(|&s| {
-            let s = self.arena.segment(s);
-            s.addr <= ptr && ptr < s.addr + s.size
-        })?;
-        let seg = self.arena.segment(seg_id);
-        if !seg.expandable() {
-            return Some((seg.addr, seg.size));
-        }
         self.arena
-            .segment_blocks(seg_id)
-            .map(|id| self.arena.block(id))
-            .find(|b| b.addr <= ptr && ptr < b.addr + b.size)
-            .map(|b| (b.addr, b.size))
+            .live_segment_ids()
+            .map(|s| self.arena.segment(s))
+            .find(|s| s.addr <= ptr && ptr < s.addr + s.size)
+            .map(|s| (s.addr, s.size))
     }
 
     /// Whether `ptr` is the start of a live allocation of this heap.

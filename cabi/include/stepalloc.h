@@ -291,8 +291,10 @@ void stepalloc_empty_cache(void);
 // (0, as PyTorch accepts it: nothing may be reserved).
 void stepalloc_set_memory_fraction(double fraction, int device);
 
-// The segment holding `ptr` (anywhere inside it): returns its base address and writes its size
-// to `*size`. NULL when `ptr` is in no segment or `size` is NULL.
+// PyTorch's `getBaseAllocation`: the allocation holding `ptr` (anywhere inside it) — a plain
+// segment, or in an expandable segment the block itself (PyTorch refuses those; their range is
+// mostly unmapped address space). Returns its base address and writes its size to `*size`.
+// NULL when `ptr` is in no segment or `size` is NULL.
 //
 // # Safety
 // `size` must be NULL or point to a writable `size_t`.

@@ -104,8 +104,10 @@ pub extern "C" fn stepalloc_set_memory_fraction(fraction: f64, device: c_int) {
     })
 }
 
-/// The segment holding `ptr` (anywhere inside it): returns its base address and writes its size
-/// to `*size`. NULL when `ptr` is in no segment or `size` is NULL.
+/// PyTorch's `getBaseAllocation`: the allocation holding `ptr` (anywhere inside it) — a plain
+/// segment, or in an expandable segment the block itself (PyTorch refuses those; their range is
+/// mostly unmapped address space). Returns its base address and writes its size to `*size`.
+/// NULL when `ptr` is in no segment or `size` is NULL.
 ///
 /// # Safety
 /// `size` must be NULL or point to a writable `size_t`.
@@ -116,7 +118,10 @@ pub unsafe extern "C" fn stepalloc_base_alloc(ptr: *mut c_void, size: *mut usize
             return Err(AbiError::invalid("stepalloc_base_alloc: size is NULL".into()));
         }
         let addr = ptr as usize as u64;
-        let (base, bytes) = allocator()?.base_allocation(addr).ok_or(AbiError::UnknownPointer(addr))?;
+        let allocator = allocator()?;
+        let found = (0..allocator.device_count())
+            .find_map(|device| allocator.with_heap(device, |heap| heap.torch_base_allocation(addr)).ok().flatten());
+        let (base, bytes) = found.ok_or(AbiError::UnknownPointer(addr))?;
         // Safety: checked non-NULL above; the caller guarantees it points to a size_t.
         unsafe { *size = bytes as usize };
         Ok(base as usize as *mut c_void)

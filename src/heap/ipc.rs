@@ -66,6 +66,26 @@ impl Heap {
         Ok((Shareable::Expandable { pid, page: seg.page, fds }, block.addr - (seg.addr + first * seg.page)))
     }
 
+    /// For `set_base_alloc_fn` (PyTorch's `getBaseAllocation`), the allocation holding `ptr`
+    /// (anywhere inside it): a plain segment's base address and size, as PyTorch gives; in an
+    /// expandable segment, whose range is mostly unmapped address space (PyTorch refuses those),
+    /// the block itself.
+    pub fn torch_base_allocation(&self, ptr: u64) -> Option<(u64, u64)> {
+        let seg_id = self.arena.live_segment_ids().find(|&s| {
+            let s = self.arena.segment(s);
+            s.addr <= ptr && ptr < s.addr + s.size
+        })?;
+        let seg = self.arena.segment(seg_id);
+        if !seg.expandable() {
+            return Some((seg.addr, seg.size));
+        }
+        self.arena
+            .segment_blocks(seg_id)
+            .map(|id| self.arena.block(id))
+            .find(|b| b.addr <= ptr && ptr < b.addr + b.size)
+            .map(|b| (b.addr, b.size))
+    }
+
     /// Why the block must not be shared now, if so: its tag is paused (`sleep`), so its memory
     /// is not on the device — a receiver would map pages the producer gave back.
     fn share_refusal(&self, ptr: u64, id: BlockId) -> Option<Error> {
@@ -231,11 +251,11 @@ mod tests {
         let mut h = heap("backend:sim");
         let a = h.malloc(1000, Stream::DEFAULT, None).unwrap();
         let b = h.malloc(1000, Stream::DEFAULT, None).unwrap();
-        assert_eq!(h.base_allocation(b + 10), Some((a, 2 * MIB)));
+        assert_eq!(h.torch_base_allocation(b + 10), Some((a, 2 * MIB)));
         let mut h = heap("backend:sim,expandable_segments:True,large_segment_size_mb:2");
         let _a = h.malloc(3 * MIB, Stream::DEFAULT, None).unwrap();
         let b = h.malloc(3 * MIB, Stream::DEFAULT, None).unwrap();
-        assert_eq!(h.base_allocation(b + 10), Some((b, 3 * MIB)));
-        assert_eq!(h.base_allocation(1), None);
+        assert_eq!(h.torch_base_allocation(b + 10), Some((b, 3 * MIB)));
+        assert_eq!(h.torch_base_allocation(1), None);
     }
 }
