@@ -578,6 +578,9 @@ impl Heap {
         } else if self.config.page_release && class.expandable() && self.over_cache_limit() {
             let limit = self.cache_limit();
             self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
+        } else if self.mempool_mode && class.tag() != 0 && self.captures_underway == 0 {
+            // MemPool mode: a tagged segment's free pages go back as a plain segment would.
+            self.release_tagged_free(id)?;
         }
         Ok(())
     }

@@ -97,6 +97,165 @@ fn a_paused_tags_region_refuses_allocations_and_frees_drop_blocks() {
     a.check_invariants().unwrap();
 }
 
+#[test]
+fn outcomes_of_misuse_are_defined() {
+    let a = sim("");
+    let e = a.pause(Some("sleep_never_entered"), None).unwrap_err();
+    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("sleep_never_entered")), "{e}");
+    let e = a.resume(Some("sleep_never_entered")).unwrap_err();
+    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("sleep_never_entered")), "{e}");
+    assert!(matches!(a.pause(Some("default"), None), Err(Error::InvalidArgument(_))));
+    assert!(matches!(a.pause(Some("bad name"), None), Err(Error::InvalidArgument(_))));
+    let blocks = in_region(&a, "sleep_t3", false, &[4 * MIB]);
+    // Resume of a tag that is not paused, pause of a paused one: no-ops the report names.
+    let r = a.resume(Some("sleep_t3")).unwrap();
+    assert_eq!((r.tags.len(), r.skipped.as_slice()), (0, ["sleep_t3".to_string()].as_slice()));
+    a.pause(Some("sleep_t3"), None).unwrap();
+    let r = a.pause(Some("sleep_t3"), Some(true)).unwrap();
+    assert_eq!(r.skipped, ["sleep_t3"]);
+    assert_eq!(r.copied_bytes + r.released_bytes, 0);
+    // During a capture: refused, naming the tag; the tag stays as it was.
+    a.begin_allocate_to_pool(0, (7, 7)).unwrap();
+    let e = a.resume(Some("sleep_t3")).unwrap_err();
+    assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("sleep_t3") && m.contains("capture")), "{e}");
+    a.end_allocate_to_pool(0, (7, 7)).unwrap();
+    a.release_pool(0, (7, 7)).unwrap();
+    a.resume(Some("sleep_t3")).unwrap();
+    a.free(0, blocks[0].0, blocks[0].1).unwrap();
+    // Regions nest; the innermost tags; exit restores the outer one; depth is bounded.
+    let outer = tags::enter("sleep_t3", false).unwrap();
+    let inner = tags::enter("sleep_t3_inner", false).unwrap();
+    assert_eq!(tags::current(), inner);
+    tags::exit().unwrap();
+    assert_eq!(tags::current(), outer);
+    tags::exit().unwrap();
+    assert!(tags::exit().is_err());
+    for _ in 0..tags::MAX_DEPTH {
+        tags::enter("sleep_t3", false).unwrap();
+    }
+    assert!(tags::enter("sleep_t3", false).is_err(), "depth 65");
+    while tags::depth() > 0 {
+        tags::exit().unwrap();
+    }
+}
+
+#[test]
+fn blocks_take_the_tag_of_the_allocation_and_tags_never_share_pages() {
+    for conf in ["", ",expandable_segments:True,page_reuse:True,pack_small:True"] {
+        let a = sim(conf);
+        let (w, _) = in_region(&a, "sleep_t4_w", false, &[6 * MIB])[0];
+        a.free(0, w, 6 * MIB).unwrap();
+        // The cached block of another tag is not handed out: a new range.
+        let (k, _) = in_region(&a, "sleep_t4_k", false, &[6 * MIB])[0];
+        assert_ne!(k, w, "{conf}");
+        let d = a.malloc(0, 6 * MIB, S0).unwrap();
+        assert_ne!(d, w, "{conf}: the default tag took a tagged block");
+        // The same tag gets its cached block back.
+        let (w2, _) = in_region(&a, "sleep_t4_w", false, &[6 * MIB])[0];
+        assert_eq!(w2, w, "{conf}");
+        // Small blocks of two tags never share a page (2 MiB).
+        let (x, _) = in_region(&a, "sleep_t4_w", false, &[1000])[0];
+        let (y, _) = in_region(&a, "sleep_t4_k", false, &[1000])[0];
+        assert_ne!(x >> 21, y >> 21, "{conf}");
+        let snapshot = a.snapshot_json();
+        assert!(snapshot.contains("\"tag\":\"sleep_t4_w\"") && snapshot.contains("\"tag\":\"sleep_t4_k\""));
+        a.pause(Some("sleep_t4_k"), None).unwrap();
+        assert!(a.snapshot_json().contains("\"paused\":true"), "paused ranges are marked in snapshots");
+        a.check_invariants().unwrap();
+        // Pausing one tag leaves the other's bytes alone: its blocks stay live and mapped.
+        let figures = a.tag_figures();
+        let w_figures = figures.iter().find(|f| f.tag == "sleep_t4_w").unwrap();
+        assert!(!w_figures.paused && w_figures.live_bytes >= 6 * MIB);
+        a.resume(Some("sleep_t4_k")).unwrap();
+        for (p, s) in [(k, 6 * MIB), (d, 6 * MIB), (w2, 6 * MIB), (x, 1000), (y, 1000)] {
+            a.free(0, p, s).unwrap();
+        }
+        a.empty_cache().unwrap();
+        assert_eq!(used(&a, 0), 0, "{conf}");
+    }
+}
+
+#[test]
+fn resume_without_memory_fails_clearly_keeps_the_backup_and_retry_works() {
+    let a = sim(",sim_capacity_mb:512,expandable_segments:True");
+    let blocks = in_region(&a, "sleep_t5", true, &[100 * MIB, 50 * MIB]);
+    a.pause(Some("sleep_t5"), None).unwrap();
+    let hog = a.malloc(0, 400 * MIB, S0).unwrap();
+    let e = a.resume(Some("sleep_t5")).unwrap_err();
+    let Error::OutOfMemory(report) = &e else { panic!("{e}") };
+    assert!(report.hint.contains("sleep_t5") && report.hint.contains("more than"), "{e}");
+    assert!(e.to_string().starts_with("CUDA out of memory."), "{e}");
+    a.check_invariants().unwrap();
+    let f = a.tag_figures().into_iter().find(|f| f.tag == "sleep_t5").unwrap();
+    assert!(f.paused && f.backup_bytes == 150 * MIB, "{f:?}");
+    // Nothing of the failed attempt stays mapped.
+    assert_eq!(used(&a, 0), 400 * MIB);
+    a.free(0, hog, 400 * MIB).unwrap();
+    let r = a.resume(Some("sleep_t5")).unwrap();
+    assert_eq!(r.copied_bytes, 150 * MIB);
+    a.check_invariants().unwrap();
+    for (p, s) in blocks {
+        a.free(0, p, s).unwrap();
+    }
+}
+
+#[test]
+fn several_devices_mempool_mode_and_pending_frees() {
+    let a = sim(",sim_devices:2,sim_event_delay_us:50");
+    a.set_mempool_mode(true);
+    tags::enter("sleep_t6", true).unwrap();
+    let p0 = a.malloc(0, 40 * MIB, S0).unwrap();
+    let p1 = a.malloc(1, 30 * MIB, S0).unwrap();
+    let q0 = a.malloc(0, 8 * MIB, Stream(5)).unwrap();
+    tags::exit().unwrap();
+    // A free waiting for another stream's work when the pause comes: the pause waits for it.
+    a.record_stream(0, q0, Stream(9)).unwrap();
+    a.free(0, q0, 8 * MIB).unwrap();
+    let syncs = a.stats(0).unwrap().heap.num_device_synchronize;
+    let r = a.pause(Some("sleep_t6"), None).unwrap();
+    assert_eq!(r.copied_bytes, 70 * MIB);
+    assert_eq!(a.stats(0).unwrap().heap.num_device_synchronize, syncs, "no device-wide synchronize");
+    assert_eq!(used(&a, 0) + used(&a, 1), 0, "both devices gave everything back");
+    a.check_invariants().unwrap();
+    let r = a.resume(None).unwrap();
+    assert_eq!((r.tags.as_slice(), r.copied_bytes), (["sleep_t6".to_string()].as_slice(), 70 * MIB));
+    assert!(used(&a, 0) >= 40 * MIB && used(&a, 1) >= 30 * MIB);
+    a.free(0, p0, 40 * MIB).unwrap();
+    a.free(1, p1, 30 * MIB).unwrap();
+    a.check_invariants().unwrap();
+    // MemPool mode: the caller caches in front; what it frees goes back to the device.
+    assert_eq!(used(&a, 0) + used(&a, 1), 0, "freed tagged pages stay mapped in MemPool mode");
+}
+
+#[test]
+fn backups_follow_the_policy_and_host_buffers_are_kept_until_released() {
+    let a = sim(",sim_cost_model:True");
+    let blocks = in_region(&a, "sleep_t7", true, &[64 * MIB, 64 * MIB]);
+    let r = a.pause(Some("sleep_t7"), Some(false)).unwrap();
+    assert_eq!((r.copied_bytes, r.discarded_bytes), (0, 128 * MIB), "an override beats the policy");
+    a.resume(Some("sleep_t7")).unwrap();
+    assert_eq!(a.with_heap(0, |h| h.backup_host_bytes()).unwrap(), 0, "no backup: no host buffer");
+    let r = a.pause(Some("sleep_t7"), None).unwrap();
+    assert_eq!(r.copied_bytes, 128 * MIB);
+    let host = a.with_heap(0, |h| h.backup_host_bytes()).unwrap();
+    assert!(host >= 128 * MIB);
+    assert_eq!(a.release_backup().unwrap(), 0, "buffers holding paused bytes stay");
+    a.resume(Some("sleep_t7")).unwrap();
+    // Kept across pauses: the next pause allocates nothing.
+    a.pause(Some("sleep_t7"), None).unwrap();
+    assert_eq!(a.with_heap(0, |h| h.backup_host_bytes()).unwrap(), host);
+    a.resume(Some("sleep_t7")).unwrap();
+    assert_eq!(a.release_backup().unwrap(), host);
+    assert_eq!(a.with_heap(0, |h| h.backup_host_bytes()).unwrap(), 0);
+    let stats = a.stats(0).unwrap().to_map();
+    assert_eq!(stats["stepalloc.tag.sleep_t7.pauses"], 3);
+    assert_eq!(stats["stepalloc.tag.sleep_t7.resumes"], 3);
+    assert_eq!(stats["stepalloc.tag.sleep_t7.live_bytes"], 128 * MIB);
+    for (p, s) in blocks {
+        a.free(0, p, s).unwrap();
+    }
+}
+
 /// CUDA IPC: a block whose tag is paused is refused with the tag's name; once resumed it shares.
 #[test]
 fn a_paused_tags_block_is_not_shared_with_other_processes() {

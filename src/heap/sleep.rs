@@ -726,6 +726,17 @@ impl Heap {
         Ok(())
     }
 
+    /// MemPool mode: the whole pages of a tagged free block (merged, in its list) go back to the
+    /// device once the stream that used it finished, as a plain segment entirely free does.
+    pub(super) fn release_tagged_free(&mut self, id: BlockId) -> Result<()> {
+        let stream = self.arena.block(id).stream;
+        if stream != ANY_STREAM {
+            self.backend.synchronize_stream(stream)?;
+        }
+        self.unmap_free_pages(id, ReleaseReason::EmptyCache)?;
+        Ok(())
+    }
+
     /// Turns the whole pages inside the free block `id` (in its list) of a tagged segment into
     /// an unmapped block, unmapping and releasing those still mapped. The caller waited for the
     /// work that used them. Returns the bytes released to the device.

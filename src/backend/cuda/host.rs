@@ -111,7 +111,8 @@ mod tests {
     //! `STEPALLOC_GPU_TESTS=1`), like the backend's other tests: bytes written into tagged
     //! tensors survive a pause with backup and a resume at the same addresses, and the memory is
     //! back in `cuMemGetInfo` when pause returns.
-    use super::super::{open_devices, Api};
+    use super::super::open_devices;
+    use super::super::tools::DeviceTools;
     use super::*;
     use crate::allocator::Allocator;
     use crate::backend::Backend;
@@ -134,18 +135,16 @@ mod tests {
         }
     }
 
-    /// Fills `[ptr, ptr + bytes)` with a pattern of `seed` (synchronous copy from the host).
-    fn write(api: &Api, ptr: u64, bytes: u64, seed: u64) {
-        let data: Vec<u8> = (0..bytes).map(|i| (i.wrapping_mul(31) ^ seed) as u8).collect();
-        // Safety: the source lives for the call; the destination is a live allocation.
-        check("cuMemcpyHtoD", unsafe { (api.memcpy_htod)(ptr, data.as_ptr().cast(), data.len()) }).unwrap();
+    /// Fills `[ptr, ptr + bytes)` (whole words) with `value`.
+    fn write(tools: &DeviceTools, ptr: u64, bytes: u64, value: u32) {
+        tools.memset_d32(ptr, value, (bytes / 4) as usize).unwrap();
     }
 
-    fn matches(api: &Api, ptr: u64, bytes: u64, seed: u64) -> bool {
-        let mut data = vec![0u8; bytes as usize];
-        // Safety: the destination lives for the call; the source is a live allocation.
-        check("cuMemcpyDtoH", unsafe { (api.memcpy_dtoh)(data.as_mut_ptr().cast(), ptr, data.len()) }).unwrap();
-        data.iter().enumerate().all(|(i, &b)| b == ((i as u64).wrapping_mul(31) ^ seed) as u8)
+    /// Whether every whole word of `[ptr, ptr + bytes)` holds `value`.
+    fn holds(tools: &DeviceTools, ptr: u64, bytes: u64, value: u32) -> bool {
+        let mut data = vec![0u8; (bytes / 4 * 4) as usize];
+        tools.copy_to_host(&mut data, ptr).unwrap();
+        data.chunks_exact(4).all(|w| u32::from_ne_bytes([w[0], w[1], w[2], w[3]]) == value)
     }
 
     #[test]
@@ -153,7 +152,7 @@ mod tests {
         let test = "host_backed_up_bytes_survive_pause_and_resume_at_the_same_addresses";
         for conf in ["", ",expandable_segments:True"] {
             let Some(devs) = devices(test) else { return };
-            let api = devs[0].api;
+            let tools = DeviceTools::open(0).unwrap();
             let config = Config::parse(&format!("backend:cuda{conf}")).unwrap();
             let a =
                 Allocator::with_backends(config, devs.into_iter().map(|d| Box::new(d) as Box<dyn Backend>).collect());
@@ -165,18 +164,22 @@ mod tests {
             let kv = a.malloc(0, 64 * MIB, Stream(0)).unwrap();
             crate::tags::exit().unwrap();
             for (i, &(p, s)) in weights.iter().enumerate() {
-                write(api, p, s, i as u64);
+                write(&tools, p, s, 0xA5A5_0000 + i as u32);
             }
             let (free_before, _) = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap();
             let r = a.pause(None, None).unwrap();
             let (free_after, _) = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap();
             assert!(free_after >= free_before + 100 * MIB, "{conf}: {free_before} -> {free_after}: {r:?}");
             assert_eq!(r.copied_bytes, sizes.iter().sum::<u64>());
+            // Memory given back may come back to anyone, uncleared: overwrite what it can.
+            let other = a.malloc(0, 128 * MIB, Stream(0)).unwrap();
+            write(&tools, other, 128 * MIB, 0xDEAD_BEEF);
             let r = a.resume(None).unwrap();
+            a.free(0, other, 128 * MIB).unwrap();
             assert_eq!(r.copied_bytes, sizes.iter().sum::<u64>());
             a.check_invariants().unwrap();
             for (i, &(p, s)) in weights.iter().enumerate() {
-                assert!(matches(api, p, s, i as u64), "{conf}: block {i} at {p:#x} lost its bytes");
+                assert!(holds(&tools, p, s, 0xA5A5_0000 + i as u32), "{conf}: block {i} at {p:#x} lost its bytes");
                 a.free(0, p, s).unwrap();
             }
             a.free(0, kv, 64 * MIB).unwrap();
