@@ -5,6 +5,8 @@
 #      the prebuilt C ABI programs and Rust CUDA test binaries
 #   2. checks on the CUDA backend with the bundle's stepalloc-stress: a model trace replayed on
 #      backend:cuda gives the simulated device's peaks; the random workload with device tags
+#   2b. gpu/ipc_check.py: a CUDA tensor shared between stepalloc and stock-PyTorch processes and
+#      back, bytes compared, plain and expandable segments (skipped where torch has no CUDA)
 #   3. gpu/e2e_compare.py: the end-to-end comparison on a 1.4 B multimodal model (a CPU dry run
 #      with a tiny model when no GPU is there)
 #   4. gpu/summarize.py: OUT/summary.json and OUT/summary.txt (printed at the end)
@@ -83,6 +85,15 @@ if "$PYTHON" -c 'import ctypes; ctypes.CDLL("libcuda.so.1")' > /dev/null 2>&1; t
 else
     result "SKIP cuda_matches_sim no CUDA driver library (libcuda.so.1) loads here"
     result "SKIP random_cuda no CUDA driver library (libcuda.so.1) loads here"
+fi
+
+echo "== 2b. CUDA IPC between stepalloc and stock PyTorch (gpu/ipc_check.py)"
+timeout -k 5 150 "$PYTHON" "$BUNDLE/gpu/ipc_check.py" --json "$CHECKS/ipc_check.json" > "$CHECKS/ipc_check.log" 2>&1
+rc=$?
+grep -E '^RESULT ' "$CHECKS/ipc_check.log" | sed 's/^RESULT //' | while read -r line; do result "$line"; done
+if [ $rc -ne 0 ] && ! grep -q '^RESULT FAIL' "$CHECKS/ipc_check.log"; then
+    tail -n 20 "$CHECKS/ipc_check.log"
+    result "FAIL ipc_check status $rc (see checks/ipc_check.log)"
 fi
 
 E2E_LEFT=$(( $(left) - 20 ))

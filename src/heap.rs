@@ -40,6 +40,7 @@ use std::time::Instant;
 
 mod expandable;
 mod pools;
+mod ipc;
 mod release;
 mod sleep;
 mod steps;
@@ -122,6 +123,8 @@ pub struct Heap {
     /// Expandable segments: bytes of the last range the address space had no room for in the
     /// request in progress (0 = none), for its out-of-memory report.
     address_space_short: u64,
+    /// Ranges mapped from other processes (CUDA IPC, `ipc.rs`).
+    ipc: ipc::IpcState,
     /// The tag of the request growing the heap now (`sleep`): the segments `find_expandable`
     /// may use or create. 0 between calls.
     request_tag: u8,
@@ -156,6 +159,7 @@ impl Heap {
             param_sizes: Default::default(),
             no_free_pages: false,
             address_space_short: 0,
+            ipc: Default::default(),
             request_tag: 0,
             sleep: Default::default(),
             deferred_frees: Vec::new(),

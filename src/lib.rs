@@ -17,7 +17,7 @@
 //! → `metrics` → `allocator` (the lock) → `snapshot` → `heap` (policy; its step-boundary
 //! policies in `heap/steps.rs`) → `freelist` + `bitmap` + `sizeclass` (O(1) lookup), `segment`
 //! (metadata; its `live` index finds allocated blocks by address), `step` (step bookkeeping as
-//! plain data), `stats`, `trace` → `backend` (`cuda`, `sim`) → `config` (with `config::addr`,
+//! plain data), `stats`, `trace`, `ipc` (PyTorch's CUDA IPC handle format) → `backend` (`cuda`, `sim`) → `config` (with `config::addr`,
 //! the metrics address), `error`, `units`. A module uses only modules below it (and its
 //! parent's items); `scripts/import_cycles.py` checks that no modules use each other, directly
 //! or around a circle.
@@ -33,6 +33,7 @@ pub mod config;
 pub mod error;
 pub mod freelist;
 pub mod heap;
+pub mod ipc;
 pub mod metrics;
 pub mod process;
 pub mod segment;

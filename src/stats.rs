@@ -293,7 +293,7 @@ pub struct DeviceStats {
     pub mapped_bytes: u64,
     /// Per-tag figures (`tags`), once a region was entered in the process; empty before.
     #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub tags: Vec<crate::heap::TagFigures>,
+    pub tags: Vec<TagFigures>,
     /// Pinned host memory kept for backups of paused tags (`Allocator::pause`).
     #[serde(skip_serializing_if = "is_zero")]
     pub backup_host_bytes: u64,
@@ -442,6 +442,27 @@ pub fn torch_keys() -> Vec<String> {
         keys.push(k.to_string());
     }
     keys
+}
+
+/// One tag's figures on one device (`Heap::tag_figures`).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct TagFigures {
+    pub tag: String,
+    /// Bytes of the tag's allocated blocks that hold memory (not paused).
+    pub live_bytes: u64,
+    pub paused: bool,
+    /// Bytes of the tag's allocated blocks while paused.
+    pub paused_bytes: u64,
+    /// The tag's backup policy (the latest region entered for it).
+    pub backup: bool,
+    /// Bytes of paused blocks held in host memory.
+    pub backup_bytes: u64,
+    /// Pinned host memory kept for the tag's backups.
+    pub host_bytes: u64,
+    pub pauses: u64,
+    pub resumes: u64,
+    pub pause_seconds: f64,
+    pub resume_seconds: f64,
 }
 
 #[cfg(test)]

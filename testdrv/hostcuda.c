@@ -5,11 +5,12 @@
  * rules and returns the documented error codes; testdrv/README.md lists each call, its rule and
  * the documentation it follows, and every configuration variable.
  *
- * Invariants (the accounting and warm-memory rules are in the last two sections):
- * - Device memory is host memory: cuMemAlloc is an anonymous mmap (MAP_NORESERVE); cuMemCreate
- *   is a memfd, mapped with MAP_SHARED|MAP_FIXED inside ranges reserved with PROT_NONE, so one
- *   physical chunk can be mapped at two addresses and data written through one is read through
- *   the other.
+ * Invariants (the accounting and warm-memory rules are in their sections near the end):
+ * - Device memory is host memory in a memfd (named hostcuda-dev<N>): cuMemAlloc maps it
+ *   MAP_SHARED at once; cuMemCreate's is mapped with MAP_SHARED|MAP_FIXED inside ranges reserved
+ *   with PROT_NONE, so one physical chunk can be mapped at two addresses, and in another process
+ *   (IPC, at the end of this file), and data written through one is read through the other.
+ *   Memory freed or released is kept warm per device (not once shared with another process).
  * - One global mutex guards all state; a call that waits (synchronize) computes the time it
  *   waits for under the lock and sleeps without it.
  * - Handles (streams, events, graphs, physical chunks) are checked against registries of live
@@ -27,6 +28,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -94,10 +97,10 @@ static unsigned long long dev_capacity(void);
 static unsigned long long dev_free(int d);
 static int dev_charge(int d, unsigned long long bytes);
 static void dev_uncharge(int d, unsigned long long bytes);
-static void *warm_linear_take(unsigned long long bytes);
-static void warm_linear_put(void *p, unsigned long long bytes);
-static int warm_chunk_take(unsigned long long bytes, int *warm);
-static void warm_chunk_put(int fd, unsigned long long bytes);
+static void *warm_linear_take(unsigned long long bytes, int dev, int *fd);
+static void warm_linear_put(void *p, int fd, int dev, unsigned long long bytes);
+static int warm_chunk_take(unsigned long long bytes, int dev, int *warm);
+static void warm_chunk_put(int fd, int dev, unsigned long long bytes);
 static void warm_populate(unsigned long long ptr, unsigned long long size);
 /* Captured copies and memsets, replayed when the graph is launched (the last section). */
 struct stream;
@@ -229,15 +232,24 @@ struct ctx { /* the primary context of a device; its address is the CUcontext */
     struct stream null_stream; /* the legacy default stream */
 };
 
+struct ev_shared;
 struct event {
     struct ctx *ctx;
     unsigned long long done_at;
     int captured; /* recorded inside a capture and not recorded again since */
+    unsigned flags;
+    struct ev_shared *sh; /* an event shared with other processes (IPC): its state lives there */
+    int sh_fd;
 };
 
-struct alloc { unsigned long long addr, size, charged; int dev; };
+/* `fd` backs the memory; an allocation opened from another process's IPC handle has `ipc_pid`
+ * (the producer), `ipc_ino` (its memfd) and `ipc_refs` (opens not yet closed), and no charge. */
+struct alloc { unsigned long long addr, size, charged; int dev, fd, ipc_pid, ipc_refs, exported; unsigned long long ipc_ino; };
 struct resv { unsigned long long base, size; };
-struct phys { int fd, dev, released, maps, warm; unsigned long long size; }; /* warm: its pages were touched before */
+/* `warm`: its pages were touched before; `handle_types`: cuMemCreate's requestedHandleTypes;
+ * `imported` from another process's file descriptor (not charged here: the exporter's device
+ * holds the charge); `exported`: its descriptor went to another process (never kept warm). */
+struct phys { int fd, dev, released, maps, warm, handle_types, imported, exported; unsigned long long size; };
 struct mapping { unsigned long long addr, size, offset; struct phys *p; int prot; };
 
 static struct ctx ctxs[MAX_DEVICES];
@@ -246,6 +258,11 @@ static struct reg streams, events, graphs, allocs, resvs, physs, maps;
 static __thread struct ctx *t_current;
 static __thread int t_mode = MODE_GLOBAL;
 
+/* IPC events (end of the file): the shared state is read before and written after use. */
+static void ev_pull(struct event *e);
+static void ev_push(struct event *e);
+static void ev_unshare(struct event *e);
+static int device_memfd(int dev);
 
 static int ctx_valid(const struct ctx *c) {
     return c >= ctxs && c < ctxs + g.devices && ((const char *)c - (const char *)ctxs) % sizeof *c == 0 && c->refs > 0;
@@ -706,6 +723,7 @@ CUresult cuEventCreate(void **out, unsigned flags) {
     struct event *e = calloc(1, sizeof *e);
     if (!e || reg_add(&events, e)) { free(e); RETURN(E_OUT_OF_MEMORY); }
     e->ctx = t_current;
+    e->flags = flags;
     *out = e;
     RETURN(OK);
 }
@@ -714,6 +732,7 @@ static CUresult event_destroy(void *h) {
     long i = reg_find(&events, h);
     if (i < 0) return E_INVALID_HANDLE;
     reg_del(&events, i);
+    ev_unshare(h);
     free(h);
     return OK;
 }
@@ -743,11 +762,13 @@ CUresult cuEventRecord(void *h, void *sh) {
     if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
     if (s->cap_status == CAP_ACTIVE) {
         e->captured = 1; /* a node of the graph: it completes only when the graph runs */
+        ev_push(e);
         RETURN(OK);
     }
     if ((r = legacy_during_capture(s))) RETURN(r);
     e->captured = 0;
     e->done_at = enqueue(s);
+    ev_push(e);
     RETURN(OK);
 }
 
@@ -758,6 +779,7 @@ CUresult cuEventQuery(void *h) {
     struct event *e = h;
     CUresult r = unsafe_call("cuEventQuery");
     if (r) RETURN(r);
+    ev_pull(e);
     if (e->captured) RETURN(E_CAPTURED_EVENT);
     RETURN(e->done_at <= now_ns() ? OK : E_NOT_READY);
 }
@@ -769,6 +791,7 @@ CUresult cuEventSynchronize(void *h) {
     struct event *e = h;
     CUresult r = unsafe_call("cuEventSynchronize");
     if (r) RETURN(r);
+    ev_pull(e);
     if (e->captured) RETURN(E_CAPTURED_EVENT);
     unsigned long long until = e->done_at;
     unlock();
@@ -800,12 +823,22 @@ CUresult cuMemAlloc_v2(CUdeviceptr *out, size_t bytes) {
     int d = t_current->dev;
     unsigned long long charged = round_up(bytes, ALLOC_PAGE);
     if (dev_charge(d, charged)) RETURN(E_OUT_OF_MEMORY);
-    void *p = warm_linear_take(charged);
-    if (!p) p = mmap(NULL, charged, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-    if (p == MAP_FAILED) { dev_uncharge(d, charged); RETURN(E_OUT_OF_MEMORY); }
-    struct alloc *a = malloc(sizeof *a);
-    if (!a || reg_add(&allocs, a)) { free(a); munmap(p, charged); dev_uncharge(d, charged); RETURN(E_OUT_OF_MEMORY); }
-    *a = (struct alloc){(uintptr_t)p, bytes, charged, d};
+    /* A memfd, so that another process can map it (cuIpcGetMemHandle). */
+    int fd = -1;
+    void *p = warm_linear_take(charged, d, &fd);
+    if (!p) {
+        fd = device_memfd(d);
+        if (fd < 0 || ftruncate(fd, (off_t)charged)) {
+            if (fd >= 0) close(fd);
+            dev_uncharge(d, charged);
+            RETURN(E_OUT_OF_MEMORY);
+        }
+        p = mmap(NULL, charged, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+        if (p == MAP_FAILED) { close(fd); dev_uncharge(d, charged); RETURN(E_OUT_OF_MEMORY); }
+    }
+    struct alloc *a = calloc(1, sizeof *a);
+    if (!a || reg_add(&allocs, a)) { free(a); munmap(p, charged); close(fd); dev_uncharge(d, charged); RETURN(E_OUT_OF_MEMORY); }
+    *a = (struct alloc){.addr = (uintptr_t)p, .size = bytes, .charged = charged, .dev = d, .fd = fd};
     *out = (uintptr_t)p;
     RETURN(OK);
 }
@@ -817,8 +850,13 @@ CUresult cuMemFree_v2(CUdeviceptr ptr) {
     if (r) RETURN(r);
     for (size_t i = 0; i < allocs.n; i++) {
         struct alloc *a = allocs.v[i];
-        if (a->addr == ptr) {
-            warm_linear_put((void *)(uintptr_t)a->addr, a->charged);
+        if (a->addr == ptr && !a->ipc_pid) { /* IPC mappings go with cuIpcCloseMemHandle */
+            if (a->exported) {
+                munmap((void *)(uintptr_t)a->addr, a->charged);
+                close(a->fd);
+            } else {
+                warm_linear_put((void *)(uintptr_t)a->addr, a->fd, a->dev, a->charged);
+            }
             dev_uncharge(a->dev, a->charged);
             reg_del(&allocs, (long)i);
             free(a);
@@ -1011,8 +1049,8 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *out, size_t size, const struc
     if ((r = prop_check(prop))) RETURN(r);
     int d = prop->location.id;
     if (dev_charge(d, size)) RETURN(E_OUT_OF_MEMORY);
-    int warm = 0, fd = warm_chunk_take(size, &warm);
-    if (fd < 0) fd = memfd_create("hostcuda", MFD_CLOEXEC);
+    int warm = 0, fd = warm_chunk_take(size, d, &warm);
+    if (fd < 0) fd = device_memfd(d);
     if (fd < 0) { dev_uncharge(d, size); RETURN(E_OUT_OF_MEMORY); }
     if (!warm && ftruncate(fd, (off_t)size)) { close(fd); dev_uncharge(d, size); RETURN(E_OUT_OF_MEMORY); }
     struct phys *p = calloc(1, sizeof *p);
@@ -1021,13 +1059,19 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *out, size_t size, const struc
     p->dev = d;
     p->size = size;
     p->warm = warm;
+    p->handle_types = prop->handle_types;
     *out = (uintptr_t)p;
     RETURN(OK);
 }
 
 static void phys_free(struct phys *p) {
-    warm_chunk_put(p->fd, p->size);
-    dev_uncharge(p->dev, p->size);
+    if (p->imported) {
+        close(p->fd);
+    } else {
+        if (p->exported) close(p->fd);
+        else warm_chunk_put(p->fd, p->dev, p->size);
+        dev_uncharge(p->dev, p->size);
+    }
     reg_del(&physs, reg_find(&physs, p));
     free(p);
 }
@@ -1225,6 +1269,7 @@ CUresult cuStreamWaitEvent(void *sh, void *h, unsigned flags) {
     struct event *e = h;
     if (s->cap_status == CAP_INVALIDATED) RETURN(E_CAPTURE_INVALIDATED);
     if (s->cap_status == CAP_ACTIVE) RETURN(OK);
+    ev_pull(e);
     if (e->captured) RETURN(E_CAPTURED_EVENT);
     if (e->done_at > s->busy_until) s->busy_until = e->done_at;
     RETURN(OK);
@@ -1332,7 +1377,7 @@ CUresult cuCtxPopCurrent_v2(void **out) {
 }
 
 /* Calls PyTorch resolves when it starts (c10's driver table must find every one) for features
- * this driver does not model: green contexts, multicast, IPC handles, driver logs, stream
+ * this driver does not model: green contexts, multicast, allocation properties, driver logs, stream
  * memory operations. They are documented to return CUDA_ERROR_NOT_SUPPORTED on devices without
  * the feature. */
 #define NOT_MODELLED(name) \
@@ -1346,8 +1391,6 @@ NOT_MODELLED(cuGreenCtxDestroy)
 NOT_MODELLED(cuGreenCtxStreamCreate)
 NOT_MODELLED(cuLogsRegisterCallback)
 NOT_MODELLED(cuLogsUnregisterCallback)
-NOT_MODELLED(cuMemExportToShareableHandle)
-NOT_MODELLED(cuMemImportFromShareableHandle)
 NOT_MODELLED(cuMemGetAllocationPropertiesFromHandle)
 NOT_MODELLED(cuMemRetainAllocationHandle)
 NOT_MODELLED(cuMulticastAddDevice)
@@ -1561,7 +1604,7 @@ __attribute__((destructor)) static void shared_close(void) {
 #define MADV_POPULATE_WRITE 23
 #endif
 
-struct warm { void *p; int fd; unsigned long long size; };
+struct warm { void *p; int fd, dev; unsigned long long size; }; /* p: NULL for a chunk (fd only) */
 static struct reg warm_linear, warm_chunks; /* entries: struct warm * */
 static unsigned long long warm_bytes, warm_limit;
 static int warm_configured;
@@ -1576,41 +1619,47 @@ static unsigned long long warm_cap(void) {
 }
 
 /* The entry of `pool` that serves `bytes`: the same size, else the smallest larger one. */
-static long warm_pick(struct reg *pool, unsigned long long bytes) {
+static long warm_pick(struct reg *pool, unsigned long long bytes, int dev) {
     long best = -1;
     for (size_t i = 0; i < pool->n; i++) {
         struct warm *w = pool->v[i];
+        if (w->dev != dev) continue; /* a memfd names its device (IPC reads it) */
         if (w->size == bytes) return (long)i;
         if (w->size > bytes && (best < 0 || w->size < ((struct warm *)pool->v[best])->size)) best = (long)i;
     }
     return best;
 }
 
-static void *warm_linear_take(unsigned long long bytes) {
-    long i = warm_pick(&warm_linear, bytes);
+static void *warm_linear_take(unsigned long long bytes, int dev, int *fd) {
+    long i = warm_pick(&warm_linear, bytes, dev);
     if (i < 0) return NULL;
     struct warm *w = warm_linear.v[i];
     void *p = w->p;
-    if (w->size > bytes) munmap((char *)p + bytes, w->size - bytes); /* sizes are 2 MiB multiples */
+    if (w->size > bytes) { /* sizes are 2 MiB multiples */
+        munmap((char *)p + bytes, w->size - bytes);
+        if (ftruncate(w->fd, (off_t)bytes)) { /* the tail stays allocated in the file: harmless */ }
+    }
+    *fd = w->fd;
     warm_bytes -= w->size;
     reg_del(&warm_linear, i);
     free(w);
     return p;
 }
 
-static void warm_linear_put(void *p, unsigned long long bytes) {
+static void warm_linear_put(void *p, int fd, int dev, unsigned long long bytes) {
     struct warm *w = NULL;
     if (warm_bytes + bytes > warm_cap() || !(w = malloc(sizeof *w)) || reg_add(&warm_linear, w)) {
         free(w);
         munmap(p, bytes);
+        close(fd);
         return;
     }
-    *w = (struct warm){p, -1, bytes};
+    *w = (struct warm){p, fd, dev, bytes};
     warm_bytes += bytes;
 }
 
-static int warm_chunk_take(unsigned long long bytes, int *warm) {
-    long i = warm_pick(&warm_chunks, bytes);
+static int warm_chunk_take(unsigned long long bytes, int dev, int *warm) {
+    long i = warm_pick(&warm_chunks, bytes, dev);
     if (i < 0) return -1;
     struct warm *w = warm_chunks.v[i];
     int fd = w->fd;
@@ -1622,14 +1671,14 @@ static int warm_chunk_take(unsigned long long bytes, int *warm) {
     return fd;
 }
 
-static void warm_chunk_put(int fd, unsigned long long bytes) {
+static void warm_chunk_put(int fd, int dev, unsigned long long bytes) {
     struct warm *w = NULL;
     if (warm_bytes + bytes > warm_cap() || !(w = malloc(sizeof *w)) || reg_add(&warm_chunks, w)) {
         free(w);
         close(fd);
         return;
     }
-    *w = (struct warm){NULL, fd, bytes};
+    *w = (struct warm){NULL, fd, dev, bytes};
     warm_bytes += bytes;
 }
 
@@ -1645,7 +1694,7 @@ static void set_warm_limit(unsigned long long bytes) {
         struct reg *pool = warm_linear.n ? &warm_linear : &warm_chunks;
         struct warm *w = pool->v[pool->n - 1];
         if (w->p) munmap(w->p, w->size);
-        else close(w->fd);
+        close(w->fd);
         warm_bytes -= w->size;
         reg_del(pool, (long)pool->n - 1);
         free(w);
@@ -1790,6 +1839,271 @@ CUresult hostcuda_graph_launch(void *snap, void *sh) {
     RETURN(OK);
 }
 
+/* inter-process sharing (CUDA driver API reference, "Memory Management": cuIpc*; "Virtual Memory
+ * Management": cuMemExportToShareableHandle, cuMemImportFromShareableHandle)
+ *
+ * Device memory is a memfd, so sharing it is sharing a file descriptor:
+ * - a legacy IPC handle (cuIpcGetMemHandle of cuMemAlloc memory) and an IPC event handle name
+ *   the producer's pid, its descriptor of the memfd and the memfd's inode; the receiver takes
+ *   the descriptor with pidfd_open + pidfd_getfd (as PyTorch takes POSIX-fd handles), checks
+ *   the inode (a descriptor number reused for another file is a stale handle) and maps it;
+ * - cuMemExportToShareableHandle(POSIX_FILE_DESCRIPTOR) returns a new descriptor of a physical
+ *   chunk's memfd, for chunks created with that type in requestedHandleTypes; the importer makes
+ *   a physical chunk of the descriptor it got (a duplicate: the caller closes its own).
+ * Opening a handle of this process is CUDA_ERROR_INVALID_CONTEXT, as on a GPU; opening one that
+ * is already open here returns the same address and counts the opens (cuIpcCloseMemHandle
+ * unmaps at the last close). An event shared between processes keeps its completion time in a
+ * shared page that both sides read and write (the monotonic clock is the same for all). */
+
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_pidfd_getfd
+#define SYS_pidfd_getfd 438
+#endif
+#define IPC_MAGIC "hcIPCv1"
+enum { IPC_MEMORY = 1, IPC_EVENT = 2 };
+enum { EVENT_DISABLE_TIMING = 2, EVENT_INTERPROCESS = 4 };
+enum { HANDLE_TYPE_POSIX_FD = 1 };
+
+/* CUipcMemHandle and CUipcEventHandle: 64 opaque bytes. */
+struct ipc_handle {
+    char magic[8];
+    int pid, fd;
+    unsigned long long ino, size;
+    int dev, kind;
+    char reserved[24];
+};
+_Static_assert(sizeof(struct ipc_handle) == 64, "CUipcMemHandle is 64 bytes");
+
+struct ev_shared { unsigned long long done_at; int captured; };
+
+/* A memfd for device memory of `dev`; its name says the device (read back on import). */
+static int device_memfd(int dev) {
+    char name[32];
+    snprintf(name, sizeof name, "hostcuda-dev%d", dev);
+    return memfd_create(name, MFD_CLOEXEC);
+}
+
+/* The device of a hostcuda memfd, or -1 when `fd` is not one. */
+static int memfd_device(int fd) {
+    char path[64], target[256];
+    snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+    ssize_t n = readlink(path, target, sizeof target - 1);
+    if (n <= 0) return -1;
+    target[n] = 0;
+    int dev = -1;
+    if (sscanf(target, "/memfd:hostcuda-dev%d", &dev) != 1 || dev < 0 || dev >= g.devices) return -1;
+    return dev;
+}
+
+static unsigned long long fd_inode(int fd) {
+    struct stat st;
+    return fstat(fd, &st) ? 0 : (unsigned long long)st.st_ino;
+}
+
+static void ipc_fill(struct ipc_handle *h, int fd, unsigned long long size, int dev, int kind) {
+    memset(h, 0, sizeof *h);
+    memcpy(h->magic, IPC_MAGIC, sizeof h->magic);
+    h->pid = getpid();
+    h->fd = fd;
+    h->ino = fd_inode(fd);
+    h->size = size;
+    h->dev = dev;
+    h->kind = kind;
+}
+
+/* This process's descriptor of the file a handle names: OK, or the error to return. */
+static CUresult ipc_fetch(const struct ipc_handle *h, int kind, int *out) {
+    if (memcmp(h->magic, IPC_MAGIC, sizeof h->magic) || h->kind != kind || h->size == 0) return E_INVALID_VALUE;
+    if (h->pid == getpid()) return E_INVALID_CONTEXT; /* a handle of this process */
+    int pidfd = (int)syscall(SYS_pidfd_open, h->pid, 0);
+    if (pidfd < 0) return E_INVALID_HANDLE; /* the producer is gone */
+    int fd = (int)syscall(SYS_pidfd_getfd, pidfd, h->fd, 0);
+    close(pidfd);
+    if (fd < 0) return E_INVALID_HANDLE;
+    struct stat st;
+    if (fstat(fd, &st) || (unsigned long long)st.st_ino != h->ino || (unsigned long long)st.st_size < h->size) {
+        close(fd);
+        return E_INVALID_HANDLE; /* freed by the producer, its descriptor number reused */
+    }
+    *out = fd;
+    return OK;
+}
+
+CUresult cuIpcGetMemHandle(struct ipc_handle *out, CUdeviceptr ptr) {
+    BEGIN(cuIpcGetMemHandle);
+    NEED_CTX();
+    if (!out) RETURN(E_INVALID_VALUE);
+    for (size_t i = 0; i < allocs.n; i++) {
+        struct alloc *a = allocs.v[i];
+        if (a->addr == ptr && !a->ipc_pid) {
+            ipc_fill(out, a->fd, a->size, a->dev, IPC_MEMORY);
+            a->exported = 1;
+            RETURN(OK);
+        }
+    }
+    RETURN(E_INVALID_VALUE); /* only the base of a cuMemAlloc allocation (not cuMemCreate memory) */
+}
+
+/* Under the lock (BEGIN's); `call_` names the caller for the trace. */
+static CUresult ipc_open(const char *call_, CUdeviceptr *out, struct ipc_handle h, unsigned flags) {
+    NEED_CTX();
+    if (!out || flags != 1) RETURN(E_INVALID_VALUE); /* CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS */
+    for (size_t i = 0; i < allocs.n; i++) {
+        struct alloc *a = allocs.v[i];
+        if (a->ipc_pid && a->ipc_pid == h.pid && a->ipc_ino == h.ino) {
+            a->ipc_refs++;
+            *out = a->addr;
+            RETURN(OK);
+        }
+    }
+    int fd = -1;
+    CUresult r = ipc_fetch(&h, IPC_MEMORY, &fd);
+    if (r) RETURN(r);
+    unsigned long long span = round_up(h.size, ALLOC_PAGE);
+    void *p = mmap(NULL, span, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd, 0);
+    if (p == MAP_FAILED) { close(fd); RETURN(E_OUT_OF_MEMORY); }
+    struct alloc *a = calloc(1, sizeof *a);
+    if (!a || reg_add(&allocs, a)) { free(a); munmap(p, span); close(fd); RETURN(E_OUT_OF_MEMORY); }
+    *a = (struct alloc){.addr = (uintptr_t)p, .size = h.size, .dev = t_current->dev, .fd = fd,
+                        .ipc_pid = h.pid, .ipc_refs = 1, .ipc_ino = h.ino};
+    *out = a->addr;
+    RETURN(OK);
+}
+
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *out, struct ipc_handle h, unsigned flags) {
+    BEGIN(cuIpcOpenMemHandle_v2);
+    return ipc_open(call_, out, h, flags);
+}
+
+CUresult cuIpcOpenMemHandle(CUdeviceptr *out, struct ipc_handle h, unsigned flags) {
+    BEGIN(cuIpcOpenMemHandle);
+    return ipc_open(call_, out, h, flags);
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr ptr) {
+    BEGIN(cuIpcCloseMemHandle);
+    NEED_CTX();
+    for (size_t i = 0; i < allocs.n; i++) {
+        struct alloc *a = allocs.v[i];
+        if (a->addr != ptr || !a->ipc_pid) continue;
+        if (--a->ipc_refs == 0) {
+            munmap((void *)(uintptr_t)a->addr, round_up(a->size, ALLOC_PAGE));
+            close(a->fd);
+            reg_del(&allocs, (long)i);
+            free(a);
+        }
+        RETURN(OK);
+    }
+    RETURN(E_INVALID_VALUE);
+}
+
+static void ev_pull(struct event *e) {
+    if (!e->sh) return;
+    e->done_at = __atomic_load_n(&e->sh->done_at, __ATOMIC_ACQUIRE);
+    e->captured = __atomic_load_n(&e->sh->captured, __ATOMIC_ACQUIRE);
+}
+
+static void ev_push(struct event *e) {
+    if (!e->sh) return;
+    __atomic_store_n(&e->sh->captured, e->captured, __ATOMIC_RELEASE);
+    __atomic_store_n(&e->sh->done_at, e->done_at, __ATOMIC_RELEASE);
+}
+
+static void ev_unshare(struct event *e) {
+    if (!e->sh) return;
+    munmap(e->sh, sizeof *e->sh);
+    close(e->sh_fd);
+    e->sh = NULL;
+}
+
+static struct ev_shared *ev_map(int fd) {
+    void *p = mmap(NULL, sizeof(struct ev_shared), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    return p == MAP_FAILED ? NULL : p;
+}
+
+/* The event must have been created with CU_EVENT_INTERPROCESS and CU_EVENT_DISABLE_TIMING. */
+CUresult cuIpcGetEventHandle(struct ipc_handle *out, void *h) {
+    BEGIN(cuIpcGetEventHandle);
+    NEED_INIT();
+    if (!out || reg_find(&events, h) < 0) RETURN(E_INVALID_HANDLE);
+    struct event *e = h;
+    if ((e->flags & (EVENT_INTERPROCESS | EVENT_DISABLE_TIMING)) != (EVENT_INTERPROCESS | EVENT_DISABLE_TIMING))
+        RETURN(E_INVALID_VALUE);
+    if (!e->sh) {
+        int fd = memfd_create("hostcuda-event", MFD_CLOEXEC);
+        if (fd < 0 || ftruncate(fd, sizeof *e->sh)) { if (fd >= 0) close(fd); RETURN(E_OUT_OF_MEMORY); }
+        if (!(e->sh = ev_map(fd))) { close(fd); RETURN(E_OUT_OF_MEMORY); }
+        e->sh_fd = fd;
+        ev_push(e);
+    }
+    ipc_fill(out, e->sh_fd, sizeof *e->sh, e->ctx->dev, IPC_EVENT);
+    RETURN(OK);
+}
+
+CUresult cuIpcOpenEventHandle(void **out, struct ipc_handle h) {
+    BEGIN(cuIpcOpenEventHandle);
+    NEED_CTX();
+    if (!out) RETURN(E_INVALID_VALUE);
+    int fd = -1;
+    CUresult r = ipc_fetch(&h, IPC_EVENT, &fd);
+    if (r) RETURN(r);
+    struct event *e = calloc(1, sizeof *e);
+    if (!e || !(e->sh = ev_map(fd)) || reg_add(&events, e)) {
+        if (e && e->sh) munmap(e->sh, sizeof *e->sh);
+        free(e);
+        close(fd);
+        RETURN(E_OUT_OF_MEMORY);
+    }
+    e->ctx = t_current;
+    e->flags = EVENT_INTERPROCESS | EVENT_DISABLE_TIMING;
+    e->sh_fd = fd;
+    ev_pull(e);
+    *out = e;
+    RETURN(OK);
+}
+
+/* A new descriptor of the chunk's memfd; the caller owns it. */
+CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAllocationHandle h, int type, unsigned long long flags) {
+    BEGIN(cuMemExportToShareableHandle);
+    CUresult r = vmm_check();
+    if (r) RETURN(r);
+    struct phys *p = (struct phys *)(uintptr_t)h;
+    if (reg_find(&physs, p) < 0 || p->released) RETURN(E_INVALID_HANDLE);
+    if (!out || flags || type != HANDLE_TYPE_POSIX_FD) RETURN(E_INVALID_VALUE);
+    if (!(p->handle_types & HANDLE_TYPE_POSIX_FD)) RETURN(E_INVALID_VALUE); /* not requested at creation */
+    int fd = fcntl(p->fd, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) RETURN(E_OUT_OF_MEMORY);
+    p->exported = 1;
+    *(int *)out = fd;
+    RETURN(OK);
+}
+
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *out, void *os_handle, int type) {
+    BEGIN(cuMemImportFromShareableHandle);
+    CUresult r = vmm_check();
+    if (r) RETURN(r);
+    if (!out || type != HANDLE_TYPE_POSIX_FD) RETURN(E_INVALID_VALUE);
+    int theirs = (int)(intptr_t)os_handle;
+    int dev = memfd_device(theirs);
+    struct stat st;
+    if (dev < 0 || fstat(theirs, &st) || st.st_size <= 0 || (unsigned long long)st.st_size % GRANULARITY)
+        RETURN(E_INVALID_VALUE); /* not a descriptor from cuMemExportToShareableHandle */
+    int fd = fcntl(theirs, F_DUPFD_CLOEXEC, 0);
+    if (fd < 0) RETURN(E_OUT_OF_MEMORY);
+    struct phys *p = calloc(1, sizeof *p);
+    if (!p || reg_add(&physs, p)) { free(p); close(fd); RETURN(E_OUT_OF_MEMORY); }
+    p->fd = fd;
+    p->dev = dev;
+    p->size = (unsigned long long)st.st_size;
+    p->handle_types = HANDLE_TYPE_POSIX_FD;
+    p->imported = 1;
+    *out = (uintptr_t)p;
+    RETURN(OK);
+}
+
+/* ------------------------------------------------------------------------------------------ */
 /* pinned host memory (stepalloc's host backups, src/backend/cuda/host.rs): cuMemHostAlloc is an
  * anonymous mmap populated at once (pinned memory is resident: its first copy must not pay page
  * faults), counted against no device; cuMemFreeHost takes exactly a pointer cuMemHostAlloc gave.

@@ -159,7 +159,7 @@ cudaError_t cudaGetLastError(void) {
 
 cudaError_t cudaPeekAtLastError(void) { return t_last; }
 
-/* The functions PyTorch imports but that these paths do not need (kernels, libraries, IPC,
+/* The functions PyTorch imports but that these paths do not need (kernels, libraries,
  * stream-ordered pools, graph editing): they fail cleanly. */
 #define UNSUPPORTED(name) \
     cudaError_t name(void) { return ret(cudaErrorNotSupported); }
@@ -184,11 +184,6 @@ UNSUPPORTED(cudaLibraryGetUnifiedFunction)
 UNSUPPORTED(cudaLibraryLoadData)
 UNSUPPORTED(cudaLibraryLoadFromFile)
 UNSUPPORTED(cudaLibraryUnload)
-UNSUPPORTED(cudaIpcCloseMemHandle)
-UNSUPPORTED(cudaIpcGetEventHandle)
-UNSUPPORTED(cudaIpcGetMemHandle)
-UNSUPPORTED(cudaIpcOpenEventHandle)
-UNSUPPORTED(cudaIpcOpenMemHandle)
 UNSUPPORTED(cudaMallocAsync)
 UNSUPPORTED(cudaFreeAsync)
 UNSUPPORTED(cudaMallocManaged)
@@ -771,3 +766,34 @@ cudaError_t cudaGraphNodeGetDependencies(void *node, void **deps, void *edges, s
     *n = 0;
     return cudaSuccess;
 }
+
+/* ------------------------------------------------------------------------------------------ */
+/* inter-process sharing: the driver's cuIpc* calls (hostcuda.c, "inter-process sharing"). The
+ * handles are 64 opaque bytes, passed by value as in cuda_runtime_api.h. */
+
+typedef struct { char reserved[64]; } cudaIpcMemHandle_t;
+typedef struct { char reserved[64]; } cudaIpcEventHandle_t;
+CUresult cuIpcGetMemHandle(cudaIpcMemHandle_t *, CUdeviceptr);
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *, cudaIpcMemHandle_t, unsigned);
+CUresult cuIpcCloseMemHandle(CUdeviceptr);
+CUresult cuIpcGetEventHandle(cudaIpcEventHandle_t *, void *);
+CUresult cuIpcOpenEventHandle(void **, cudaIpcEventHandle_t);
+
+cudaError_t cudaIpcGetMemHandle(cudaIpcMemHandle_t *h, void *p) {
+    CTX();
+    return ret(cuIpcGetMemHandle(h, (CUdeviceptr)(uintptr_t)p));
+}
+
+cudaError_t cudaIpcOpenMemHandle(void **p, cudaIpcMemHandle_t h, unsigned flags) {
+    if (!p) return ret(cudaErrorInvalidValue);
+    CTX();
+    CUdeviceptr d = 0;
+    CUresult r = cuIpcOpenMemHandle_v2(&d, h, flags);
+    if (r) return ret(r);
+    *p = (void *)(uintptr_t)d;
+    return cudaSuccess;
+}
+
+cudaError_t cudaIpcCloseMemHandle(void *p) { CTX(); return ret(cuIpcCloseMemHandle((CUdeviceptr)(uintptr_t)p)); }
+cudaError_t cudaIpcGetEventHandle(cudaIpcEventHandle_t *h, cudaEvent_t e) { CTX(); return ret(cuIpcGetEventHandle(h, e)); }
+cudaError_t cudaIpcOpenEventHandle(cudaEvent_t *e, cudaIpcEventHandle_t h) { CTX(); return ret(cuIpcOpenEventHandle(e, h)); }

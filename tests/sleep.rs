@@ -255,3 +255,18 @@ fn backups_follow_the_policy_and_host_buffers_are_kept_until_released() {
         a.free(0, p, s).unwrap();
     }
 }
+
+/// CUDA IPC: a block whose tag is paused is refused with the tag's name; once resumed it shares.
+#[test]
+fn a_paused_tags_block_is_not_shared_with_other_processes() {
+    let a = sim(",expandable_segments:True");
+    let weights = in_region(&a, "sleep_ipc_weights", true, &[3 * MIB]);
+    let (ptr, _) = weights[0];
+    assert!(a.with_heap(0, |h| h.share(ptr)).unwrap().is_ok());
+    a.pause(Some("sleep_ipc_weights"), None).unwrap();
+    let refused = a.with_heap(0, |h| h.share(ptr)).unwrap().unwrap_err();
+    assert!(matches!(refused, Error::Paused(_)), "{refused:?}");
+    assert!(refused.to_string().contains("\"sleep_ipc_weights\", which is paused"), "{refused}");
+    a.resume(Some("sleep_ipc_weights")).unwrap();
+    assert!(a.with_heap(0, |h| h.share(ptr)).unwrap().is_ok());
+}

@@ -195,6 +195,30 @@ int stepalloc_last_status(void);
 // The library version, e.g. "0.1.0" (a static string; do not free).
 const char *stepalloc_version(void);
 
+// Shares the allocation that starts at `ptr`: writes the handle bytes that PyTorch's
+// `rebuild_cuda_tensor` opens (a legacy `cudaIpcMemHandle_t` for a plain segment, the
+// expandable-segment header with POSIX file descriptors for an expandable one) into `buf`
+// when they fit in `cap`, and the block's offset in the shared range into `*offset`. Returns
+// the handle's length (a caller whose buffer was too small calls again with one that size),
+// or 0 with the last error set. The descriptors stay open in this process until the pages
+// are released; keeping the block allocated while a receiver holds it is the caller's part.
+//
+// # Safety
+// `buf` must be NULL or point to `cap` writable bytes; `offset` must point to a `uint64_t`.
+size_t stepalloc_ipc_share(void *ptr, char *buf, size_t cap, uint64_t *offset);
+
+// Maps on `device` the range another process shared (`handle`, `len` bytes, from PyTorch or
+// stepalloc) and writes its base address here to `*out`; the caller adds the offset sent with
+// it. The same handle opened again maps once and is counted. Returns a status.
+//
+// # Safety
+// `handle` must point to `len` readable bytes; `out` must point to a `void *`.
+int stepalloc_ipc_open(int device, const char *handle, size_t len, void **out);
+
+// Closes one `stepalloc_ipc_open` of the range at `base` on `device`; the last close unmaps
+// it. Returns a status.
+int stepalloc_ipc_close(int device, void *base);
+
 // `torch.cuda.MemPool()`: creates pool `(id0, id1)` on `device` with one reference, or takes
 // another reference to it. Returns a status.
 int stepalloc_pool_create(int device, uint64_t id0, uint64_t id1);

@@ -6,6 +6,7 @@
 //! - `trampoline.cpp`: the C++ part: `stepalloc_torch_malloc`, which throws a C++ exception on
 //!   out-of-memory, and the CUDA-graph pool hooks, which take C++ types by value;
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool` under process-wide stepalloc);
+//! - `ipc.rs`: CUDA IPC of blocks in PyTorch's handle format;
 //! - `control.rs`: configuration, steps, statistics, snapshots, traces, metrics, last error;
 //! - `sleep.rs`: regions (tags), pause and resume, their report and per-tag figures;
 //! - `guard.rs`, `last_error.rs`, `status.rs`: the panic guard, the thread-local last error,
@@ -23,6 +24,7 @@
 
 mod control;
 mod guard;
+mod ipc;
 mod last_error;
 mod pools;
 mod sleep;
@@ -31,6 +33,7 @@ mod torch;
 
 pub use control::*;
 pub use pools::*;
+pub use ipc::*;
 pub use sleep::*;
 pub use status::*;
 pub use torch::*;

@@ -75,6 +75,11 @@ fn mempool_mode_gives_freed_segments_back_and_a_fraction_of_zero_is_accepted() {
 }
 
 #[test]
+fn ipc_shares_in_pytorchs_format_and_refuses_misuse() {
+    scenario("ipc", &[]);
+}
+
+#[test]
 fn sleep_and_wake_regions_pause_resume_and_their_outcomes() {
     scenario("sleep", &[]);
 }

@@ -41,6 +41,7 @@ NEEDED = [
     "gpu/e2e_worker.py",
     "gpu/summarize.py",
     "gpu/torch_check.py",
+    "gpu/ipc_check.py",
     "scripts/gpu_manifest.py",
     "scripts/cuda_matches_sim.py",
     "traces/model_vlm_agent.jsonl",

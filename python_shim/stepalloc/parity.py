@@ -189,23 +189,22 @@ ROWS: tuple[Row, ...] = (
     # CUDA IPC.
     Row(
         "torch.multiprocessing.reductions.reduce_tensor (CUDA)",
-        RAISES,
-        "the pluggable allocator cannot share IPC handles",
-        "send tensor.cpu() (shared memory) or use torch.distributed collectives",
+        WORKS,
+        "PyTorch's own handle format (a legacy IPC handle for plain segments, the pages' POSIX file "
+        "descriptors for expandable ones); the receiver may run stock PyTorch or stepalloc (stepalloc.ipc)",
     ),
     Row(
         "torch.UntypedStorage._share_cuda_",
-        RAISES,
-        "the pluggable allocator cannot share IPC handles",
-        "send tensor.cpu() (shared memory) or use torch.distributed collectives",
+        WORKS,
+        "PyTorch's 8-tuple: handle, reference counter in shared memory, producer event; the block is "
+        "not reused until every receiver dropped it and ipc_collect ran",
     ),
     Row(
         "torch.UntypedStorage._new_shared_cuda",
-        RAISES,
-        "the pluggable allocator cannot open IPC handles",
-        "receive a CPU tensor (shared memory) or use torch.distributed collectives",
+        WORKS,
+        "opens handles from stock PyTorch and from stepalloc; a malformed handle is a StepallocError",
     ),
-    Row("torch.cuda.ipc_collect", WORKS, "reaps PyTorch's IPC records (none are made under stepalloc)"),
+    Row("torch.cuda.ipc_collect", WORKS, "releases shared blocks whose receivers all dropped them"),
     # Host allocator.
     Row("torch.Tensor.pin_memory", WORKS, _HOST),
     Row("torch.cuda.memory._host_allocator", WORKS, _HOST),
@@ -347,8 +346,6 @@ def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, 
         (c, "_cuda_setCheckpointPoolState", _raiser("torch._C._cuda_setCheckpointPoolState")),
         (c, "_cuda_checkPoolLiveAllocations", _check_pool_live_allocations),
         (c, "_cuda_attach_out_of_memory_observer", _raiser("torch._C._cuda_attach_out_of_memory_observer")),
-        (torch.UntypedStorage, "_share_cuda_", _raiser("torch.UntypedStorage._share_cuda_")),
-        (torch.UntypedStorage, "_new_shared_cuda", staticmethod(_raiser("torch.UntypedStorage._new_shared_cuda"))),
     ]
     nccl = getattr(getattr(c, "_distributed_c10d", None), "ProcessGroupNCCL", None)
     if nccl is not None:

@@ -25,7 +25,7 @@ import threading
 import warnings
 from typing import Any, Callable
 
-from . import _lib, _oom, ranks, snapshot, stats
+from . import _lib, _oom, ipc, ranks, snapshot, stats
 from .metrics import served_address
 
 # PyTorch's optional hooks: the setter on the pluggable allocator -> the library's symbol.
@@ -383,7 +383,10 @@ def patch_torch() -> list[str]:
     ``memory_summary`` and ``memory_snapshot`` raise; after this they answer from stepalloc
     (in ``torch.cuda`` and ``torch.cuda.memory``), so HF Trainer's memory metrics, Lightning's
     ``DeviceStatsMonitor``, ``torch.cuda.memory._record_memory_history`` and
-    ``torch.cuda.memory._dump_snapshot`` keep working.
+    ``torch.cuda.memory._dump_snapshot`` keep working. Under process-wide stepalloc it also
+    makes CUDA IPC work (``torch.multiprocessing`` queues, ``reduce_tensor``,
+    ``torch.cuda.ipc_collect``; see ``stepalloc.ipc``), with stock PyTorch or stepalloc on the
+    other side.
     After ``install()`` it also puts ``stepalloc.MemPool`` in place of ``torch.cuda.MemPool``
     and wraps the other entry points of the parity table (``stepalloc.parity``): those stepalloc
     cannot serve raise ``stepalloc.parity.UnsupportedError`` naming the alternative.
@@ -399,6 +402,7 @@ def patch_torch() -> list[str]:
                     if hasattr(module, name):
                         saved[(module, name)] = getattr(module, name)
                         setattr(module, name, fn)
+            ipc.patch(torch, is_installed)
             _patched = saved
         if _installation is not None and not _process_wide_patched:
             from . import parity
@@ -423,5 +427,8 @@ def unpatch_torch() -> None:
                     delattr(owner, name)
                 else:
                     setattr(owner, name, fn)
+            import torch
+
+            ipc.unpatch(torch)
             _patched = None
             _process_wide_patched = False

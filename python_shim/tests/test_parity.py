@@ -395,8 +395,19 @@ assert not torch._C._cuda_checkPoolLiveAllocations(0, pool.id, set())
 import torch.multiprocessing.reductions as r
 r.reduce_tensor(u8(MIB))
 """,
-    "torch.UntypedStorage._share_cuda_": "u8(MIB).untyped_storage()._share_cuda_()",
-    "torch.UntypedStorage._new_shared_cuda": "torch.UntypedStorage._new_shared_cuda(0, b'', 0, 0, 0, b'', 0, False)",
+    "torch.UntypedStorage._share_cuda_": """
+shared = u8(MIB).untyped_storage()._share_cuda_()
+assert len(shared) == 8 and shared[1] and shared[2] == MIB, shared
+""",
+    # Two processes (stock PyTorch and stepalloc on either side): test_ipc.py.
+    "torch.UntypedStorage._new_shared_cuda": """
+try:
+    torch.UntypedStorage._new_shared_cuda(0, b"\\x03not a handle", MIB, 0, None, 0, None, False)
+except stepalloc.StepallocError:
+    pass
+else:
+    raise AssertionError("a malformed handle was opened")
+""",
     "torch.cuda.ipc_collect": "torch.cuda.ipc_collect()",
     "torch.Tensor.pin_memory": "assert torch.ones(MIB, dtype=torch.uint8).pin_memory().is_pinned()",
     "torch.cuda.memory._host_allocator": "assert torch.cuda.memory._host_allocator() is not None",

@@ -31,11 +31,15 @@
 //! - Virtual memory (`cuMem*`): a device without support is `Error::Unavailable`; `map` maps
 //!   and grants this device read-write access; `unmap` does not synchronize (the caller does,
 //!   with `synchronize_stream`).
+//! - Physical memory is created with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR` requested where
+//!   the device supports it, so expandable segments can be shared with other processes as
+//!   PyTorch shares its own (`ipc.rs`); an exported descriptor is closed when its chunk is released.
 //! - `CUDA_ERROR_OUT_OF_MEMORY` becomes `Error::OutOfMemory` (the heap fills in the report);
 //!   every other failure becomes `Error::Driver` with the call, the error's name and number.
 
 mod codes;
 mod host;
+mod ipc;
 pub mod tools;
 
 use super::{Backend, DeviceInfo, DriverTime, Event, PhysHandle, Stream};
@@ -150,6 +154,11 @@ driver_api! {
     mem_map = "cuMemMap": fn(u64, usize, usize, u64, u64);
     mem_set_access = "cuMemSetAccess": fn(u64, usize, *const AccessDesc, usize);
     mem_unmap = "cuMemUnmap": fn(u64, usize);
+    ipc_get_mem_handle = "cuIpcGetMemHandle": fn(*mut ipc::IpcMemHandle, u64);
+    ipc_open_mem_handle = "cuIpcOpenMemHandle_v2": fn(*mut u64, ipc::IpcMemHandle, c_uint);
+    ipc_close_mem_handle = "cuIpcCloseMemHandle": fn(u64);
+    mem_export_to_shareable_handle = "cuMemExportToShareableHandle": fn(*mut c_void, u64, c_int, u64);
+    mem_import_from_shareable_handle = "cuMemImportFromShareableHandle": fn(*mut u64, *mut c_void, c_int);
 }
 
 /// One driver function from the library cudarc opened, by its exact name.
@@ -289,6 +298,10 @@ pub struct CudaDevice {
     idle_foreign_events: Vec<(CuContext, CuEvent)>,
     /// The virtual-memory granularity, once asked (`None`: not asked yet).
     vm_granularity: Option<u64>,
+    /// Physical memory is created shareable as a POSIX file descriptor (the device supports it).
+    posix_fd: bool,
+    /// Descriptors exported for other processes (`ipc.rs`), by physical handle.
+    exported: FxHashMap<u64, c_int>,
     time: DriverTime,
     /// The stream host backups are copied on (`host.rs`), once created.
     copy_stream: Option<CuStream>,
@@ -341,6 +354,8 @@ impl CudaDevice {
             foreign_events: FxHashMap::default(),
             idle_foreign_events: Vec::new(),
             vm_granularity: None,
+            posix_fd: false,
+            exported: FxHashMap::default(),
             time: DriverTime::default(),
             copy_stream: None,
         })
@@ -450,6 +465,7 @@ impl CudaDevice {
                 self.ordinal, self.name
             )));
         }
+        self.posix_fd = ipc::posix_fd_supported(self)?;
         let prop = self.allocation_prop();
         let mut granularity: usize = 0;
         // Safety: `prop` is a valid CUmemAllocationProp for the call's duration.
@@ -463,7 +479,7 @@ impl CudaDevice {
     fn allocation_prop(&self) -> AllocationProp {
         AllocationProp {
             kind: CU_MEM_ALLOCATION_TYPE_PINNED,
-            requested_handle_types: 0,
+            requested_handle_types: if self.posix_fd { ipc::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR } else { 0 },
             location: MemLocation { kind: CU_MEM_LOCATION_TYPE_DEVICE, id: self.device },
             win32_handle_meta_data: std::ptr::null_mut(),
             compression_type: 0,
@@ -652,6 +668,7 @@ impl Backend for CudaDevice {
         let _current = self.enter()?;
         self.vmm()?;
         let start = Instant::now();
+        ipc::forget_export(self, handle);
         // Safety: the caller's precondition: a handle from `create_physical`, released once.
         let done = check("cuMemRelease", unsafe { (self.api.mem_release)(handle.0) });
         self.time.create_ns += elapsed_ns(start);
@@ -703,6 +720,26 @@ impl Backend for CudaDevice {
         });
         self.time.sync_ns += elapsed_ns(start);
         done
+    }
+
+    fn ipc_handle(&mut self, base: u64) -> Result<[u8; 64]> {
+        ipc::mem_handle(self, base)
+    }
+
+    fn export_physical(&mut self, handle: PhysHandle) -> Result<i32> {
+        ipc::export(self, handle)
+    }
+
+    fn ipc_open(&mut self, handle: &[u8; 64]) -> Result<u64> {
+        ipc::open(self, handle)
+    }
+
+    fn ipc_close(&mut self, addr: u64) -> Result<()> {
+        ipc::close(self, addr)
+    }
+
+    fn import_physical(&mut self, pid: i32, fd: i32) -> Result<PhysHandle> {
+        ipc::import(self, pid, fd)
     }
 
     fn stream_is_capturing(&mut self, stream: Stream) -> Result<bool> {

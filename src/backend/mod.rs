@@ -160,4 +160,38 @@ pub trait Backend: Send {
     fn record_copy_event(&mut self) -> Result<Event> {
         Err(crate::error::Error::Unavailable("this device cannot back memory up to the host".into()))
     }
+    // ----- sharing memory with other processes (CUDA IPC; the formats are `crate::ipc`'s) -----
+    // The defaults say the device cannot; the simulated device names what it would share (so
+    // the heap's side is tested) but opens nothing, having no other processes.
+
+    /// The `cudaIpcMemHandle_t` of a reservation from `reserve`, named by its base.
+    fn ipc_handle(&mut self, _base: u64) -> Result<[u8; 64]> {
+        Err(no_ipc())
+    }
+
+    /// A POSIX file descriptor of a chunk from `create_physical` (created shareable): the same
+    /// number on every call, open in this process until the chunk is released.
+    fn export_physical(&mut self, _handle: PhysHandle) -> Result<i32> {
+        Err(no_ipc())
+    }
+
+    /// Maps another process's `cudaIpcMemHandle_t` here; returns its address.
+    fn ipc_open(&mut self, _handle: &[u8; 64]) -> Result<u64> {
+        Err(no_ipc())
+    }
+
+    /// Unmaps what `ipc_open` mapped.
+    fn ipc_close(&mut self, _addr: u64) -> Result<()> {
+        Err(no_ipc())
+    }
+
+    /// A physical chunk of process `pid`'s descriptor `fd` (exported by `export_physical` there),
+    /// to map with `map` and release with `release_physical`.
+    fn import_physical(&mut self, _pid: i32, _fd: i32) -> Result<PhysHandle> {
+        Err(no_ipc())
+    }
+}
+
+fn no_ipc() -> crate::error::Error {
+    crate::error::Error::Unavailable("this device cannot share memory with other processes (CUDA IPC)".into())
 }

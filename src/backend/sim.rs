@@ -378,6 +378,24 @@ impl Backend for SimDevice {
         Ok(PhysHandle(self.next_handle))
     }
 
+    /// Names the reservation (its address in the first eight bytes); nothing can open it.
+    fn ipc_handle(&mut self, base: u64) -> Result<[u8; 64]> {
+        if !self.live.contains_key(&base.wrapping_sub(self.base())) {
+            return Err(invalid("cuIpcGetMemHandle"));
+        }
+        let mut handle = [0; 64];
+        handle[..8].copy_from_slice(&base.to_ne_bytes());
+        Ok(handle)
+    }
+
+    /// The chunk's number stands for its descriptor.
+    fn export_physical(&mut self, handle: PhysHandle) -> Result<i32> {
+        match self.physical.get(&handle.0) {
+            Some(p) if !p.released => i32::try_from(handle.0).map_err(|_| invalid("cuMemExportToShareableHandle")),
+            _ => Err(invalid("cuMemExportToShareableHandle")),
+        }
+    }
+
     fn release_physical(&mut self, handle: PhysHandle) -> Result<()> {
         let cost = self.charge(COST_RELEASE_PHYSICAL_NS);
         self.time.create_ns = self.time.create_ns.saturating_add(cost);

@@ -110,26 +110,7 @@ pub struct SleepOutcome {
     pub discarded_bytes: u64,
 }
 
-/// One tag's figures on one device (`Heap::tag_figures`).
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct TagFigures {
-    pub tag: String,
-    /// Bytes of the tag's allocated blocks that hold memory (not paused).
-    pub live_bytes: u64,
-    pub paused: bool,
-    /// Bytes of the tag's allocated blocks while paused.
-    pub paused_bytes: u64,
-    /// The tag's backup policy (the latest region entered for it).
-    pub backup: bool,
-    /// Bytes of paused blocks held in host memory.
-    pub backup_bytes: u64,
-    /// Pinned host memory kept for the tag's backups.
-    pub host_bytes: u64,
-    pub pauses: u64,
-    pub resumes: u64,
-    pub pause_seconds: f64,
-    pub resume_seconds: f64,
-}
+pub use crate::stats::TagFigures;
 
 impl Heap {
     /// A tagged request no free block could serve: the tag's own virtual ranges grow.

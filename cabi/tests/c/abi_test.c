@@ -429,6 +429,41 @@ static void scenario_expandable(void) {
     for (int i = 0; i < n; i++) p_stepalloc_free(blocks[i], 4096, 0, (void *)(uintptr_t)(0x100 + i));
     p_stepalloc_free(p, 3 * MIB, 0, NULL);
     CHECK(status() == STEPALLOC_OK, "%s", last_error());
+
+/* ----- CUDA IPC at the boundary (the simulated device names handles, opens none) ---------- */
+
+static void scenario_ipc(void) {
+    CHECK(p_stepalloc_configure("backend:sim,sim_capacity_mb:256") == STEPALLOC_OK, "%s", last_error());
+    void *pad = p_stepalloc_malloc(2 * MIB, 0, NULL);
+    void *x = p_stepalloc_malloc(3 * MIB, 0, NULL);
+    CHECK(pad != NULL && x != NULL, "%s", last_error());
+    /* Measure, then fill: PyTorch's legacy format, version 3, type 'c', 64 handle bytes. */
+    uint64_t offset = 7;
+    size_t n = p_stepalloc_ipc_share(x, NULL, 0, &offset);
+    CHECK(n == 66 && offset == (uint64_t)((char *)x - (char *)pad), "share: %zu bytes, offset %llu: %s", n,
+          (unsigned long long)offset, last_error());
+    char handle[66];
+    CHECK(p_stepalloc_ipc_share(x, handle, sizeof handle, &offset) == 66 && handle[0] == 3 && handle[1] == 'c',
+          "handle %d %c", handle[0], handle[1]);
+    /* Misuse: a NULL offset, an interior pointer, NULL arguments, a malformed handle. */
+    CHECK(p_stepalloc_ipc_share(x, handle, sizeof handle, NULL) == 0 && status() == STEPALLOC_INVALID_ARGUMENT,
+          "NULL offset: %d", status());
+    CHECK(p_stepalloc_ipc_share((char *)x + 512, handle, sizeof handle, &offset) == 0 &&
+              status() == STEPALLOC_UNKNOWN_POINTER,
+          "interior pointer: %d", status());
+    void *opened = NULL;
+    CHECK(p_stepalloc_ipc_open(0, NULL, 66, &opened) == STEPALLOC_INVALID_ARGUMENT, "NULL handle");
+    CHECK(p_stepalloc_ipc_open(0, handle, 66, NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL out");
+    CHECK(p_stepalloc_ipc_open(0, handle, 5, &opened) == STEPALLOC_INVALID_ARGUMENT &&
+              strstr(last_error(), "CUDA IPC handle") != NULL,
+          "short handle: %s", last_error());
+    CHECK(p_stepalloc_ipc_open(0, handle, 66, &opened) != STEPALLOC_OK && opened == NULL, "the sim opened a handle");
+    CHECK(p_stepalloc_ipc_close(0, x) == STEPALLOC_UNKNOWN_POINTER, "close of a range never opened: %d", status());
+    p_stepalloc_free(x, 3 * MIB, 0, NULL);
+    p_stepalloc_free(pad, 2 * MIB, 0, NULL);
+    check_stats(0, 0, 0);
+}
+
 /* ----- sleep and wake: regions, pause, resume, their outcomes ---------------------------- */
 
 /* The last pause/resume report (static buffer). */
@@ -542,6 +577,7 @@ int main(int argc, char **argv) {
     else if (strcmp(scenario, "mempool") == 0) scenario_mempool();
     else if (strcmp(scenario, "expandable") == 0) scenario_expandable();
     else if (strcmp(scenario, "sleep") == 0) scenario_sleep();
+    else if (strcmp(scenario, "ipc") == 0) scenario_ipc();
     else CHECK(0, "unknown scenario %s", scenario);
     printf("ok %s\n", scenario);
     return 0;
