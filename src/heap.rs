@@ -39,8 +39,8 @@ use std::collections::VecDeque;
 use std::time::Instant;
 
 mod expandable;
-mod pools;
 mod ipc;
+mod pools;
 mod release;
 mod sleep;
 mod steps;

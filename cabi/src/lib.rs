@@ -32,8 +32,8 @@ mod status;
 mod torch;
 
 pub use control::*;
-pub use pools::*;
 pub use ipc::*;
+pub use pools::*;
 pub use sleep::*;
 pub use status::*;
 pub use torch::*;
