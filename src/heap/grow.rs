@@ -1,0 +1,157 @@
+//! Growing the heap: a new segment or range when no cached block serves a request, and the
+//! out-of-memory path with its report (PyTorch's sequence: free oversize cached blocks and retry,
+//! wait for pending events and release every unsplit cached segment, retry, report). Layer: the
+//! heap, under the device lock.
+
+use super::Heap;
+use crate::backend::Stream;
+use crate::error::{Error, OomReport, Result};
+use crate::segment::{Block, BlockClass, BlockId, BlockState, Segment, NIL};
+use crate::sizeclass::{self};
+use crate::stats::ReleaseReason;
+use crate::trace::TraceAction;
+use crate::units::format_bytes;
+use std::time::Instant;
+
+impl Heap {
+    /// Reserves a new segment for the request, running the out-of-memory path on failure.
+    pub(super) fn grow(
+        &mut self,
+        pool: u32,
+        small: bool,
+        stream: Stream,
+        rounded: u64,
+        requested: u64,
+    ) -> Result<BlockId> {
+        if self.fraction_set && self.config.garbage_collection_threshold > 0.0 && self.captures_underway == 0 {
+            self.garbage_collect()?;
+        }
+        let seg_size = sizeclass::segment_size(rounded);
+        // During a CUDA-graph capture, freeing device memory or waiting on streams would break
+        // the capture: only a plain reserve is tried.
+        let capturing = self.captures_underway > 0;
+        let mut attempt = self.reserve_for(pool, seg_size, stream)?;
+        if attempt.is_none() && !capturing && self.release_oversize(seg_size)? {
+            attempt = self.reserve_for(pool, seg_size, stream)?;
+        }
+        if attempt.is_none() && !capturing {
+            self.stats.num_alloc_retries += 1;
+            self.release_all_cached(ReleaseReason::Oom)?;
+            attempt = self.reserve_for(pool, seg_size, stream)?;
+        }
+        let Some(addr) = attempt else {
+            if let Some(id) = (pool == 0).then(|| self.last_resort_block(small, stream, rounded)).flatten() {
+                return Ok(id);
+            }
+            return Err(self.out_of_memory(requested, rounded, seg_size));
+        };
+        Ok(self.new_segment(addr, seg_size, small, pool, stream))
+    }
+
+    /// One device reserve within the allowed limit: `Ok(None)` when out of memory.
+    pub(super) fn reserve(&mut self, bytes: u64) -> Result<Option<u64>> {
+        if self.stats.reserved_bytes.current().saturating_add(bytes) > self.allowed {
+            self.stats.num_oom_rejections += 1;
+            return Ok(None);
+        }
+        let start = Instant::now();
+        let before = self.backend.driver_time().reserve_ns;
+        let result = self.backend.reserve(bytes);
+        let modelled = self.backend.driver_time().reserve_ns - before;
+        let ns = if modelled > 0 { modelled } else { start.elapsed().as_nanos() as u64 };
+        match result {
+            Ok(addr) => {
+                self.stats.record_device_alloc_latency(ns);
+                Ok(Some(addr))
+            }
+            Err(e) if e.is_out_of_memory() => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    pub(super) fn new_segment(&mut self, addr: u64, size: u64, small: bool, pool: u32, stream: Stream) -> BlockId {
+        let oversize = size >= self.config.max_split_size;
+        let seg = self.arena.new_segment(
+            Segment {
+                addr,
+                size,
+                small,
+                pool,
+                stream,
+                first: NIL,
+                oversize,
+                live: true,
+                page: 0,
+                mapped: size,
+                lane: false,
+                tag: 0,
+            },
+            self.step.step,
+        );
+        let block = Block::unlinked(addr, size, seg, BlockClass::new(pool, small, false), stream, self.alloc_clock);
+        let id = self.arena.new_block(block, BlockState::Free);
+        self.arena.segment_mut(seg).first = id;
+        if pool > 0 {
+            if let Some(p) = self.private_pools[pool as usize - 1].as_mut() {
+                p.segments += 1;
+            }
+        }
+        let s = &mut self.stats;
+        s.num_device_alloc += 1;
+        s.segment.increase(small, 1);
+        s.reserved_bytes.increase(small, size);
+        if oversize {
+            s.oversize_segments.increase(1);
+        }
+        self.step.note_reserved(self.stats.reserved_bytes.current());
+        self.trace.record(TraceAction::SegmentAlloc, addr, size, 0, stream.0, 0);
+        id
+    }
+
+    pub(super) fn out_of_memory(&mut self, requested: u64, rounded: u64, segment_size: u64) -> Error {
+        self.stats.num_ooms += 1;
+        let (device_free, device_total) = self.backend.mem_info().unwrap_or((0, self.device_total));
+        // As in torch's trace, an `oom` entry carries the device's free bytes in its address.
+        self.trace.record(TraceAction::Oom, device_free, rounded, requested, 0, 0);
+        let reserved = self.stats.reserved_bytes.current();
+        let allocated = self.stats.allocated_bytes.current();
+        let largest = self.largest_free_block();
+        let cached_free = reserved - self.stats.active_bytes_current();
+        let hint = if segment_size > device_total {
+            // A device smaller than a segment or page: free memory cannot help.
+            format!(
+                "The request needs a segment or page of {}, more than the device's whole memory: \
+                 it cannot be served however much is free (the page of expandable segments' large \
+                 pool is large_segment_size_mb).",
+                format_bytes(segment_size),
+            )
+        } else if cached_free >= rounded && largest < rounded && !self.config.page_reuse {
+            format!(
+                "{} is cached but no free block is large enough: the cache is fragmented. \
+                 stepalloc's recommended configuration (`{}`) moves free pages to where a \
+                 request needs them, so free memory in holes serves it.",
+                format_bytes(cached_free),
+                crate::config::RECOMMENDED,
+            )
+        } else if self.fraction_set && rounded <= device_free {
+            "The device has room, but per_process_memory_fraction forbids using it.".to_string()
+        } else {
+            String::new()
+        };
+        Error::OutOfMemory(Box::new(OomReport {
+            device: self.device,
+            requested,
+            rounded,
+            segment_size,
+            device_total,
+            device_free,
+            reserved,
+            allocated,
+            allowed: self.fraction_set.then_some(self.allowed),
+            largest_free_block: largest,
+            hint,
+            unmapped: None,
+            address_space: None,
+        }))
+    }
+}
