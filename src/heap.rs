@@ -15,7 +15,8 @@
 //!   events, release every unsplit cached segment and retry; then report out of memory.
 //!
 //! Giving memory back (OOM steps, `empty_cache`, limits, GC) and CUDA-graph pools live in
-//! `heap/release.rs`.
+//! `heap/release.rs`; tagged memory (its own virtual ranges) in `heap/tagged.rs`, and its pause
+//! and resume in `heap/sleep.rs`.
 //!
 //! Invariants (checked by `check_invariants` in tests): blocks tile their segments; adjacent
 //! free blocks of compatible streams are merged; the free lists hold exactly the `Free` blocks;
@@ -40,8 +41,10 @@ use std::time::Instant;
 mod expandable;
 mod release;
 mod sleep;
+mod tagged;
 
-pub use sleep::{SleepOutcome, TagFigures};
+pub use sleep::SleepOutcome;
+pub use tagged::TagFigures;
 
 /// Exclusive upper bounds of the free-block size ranges of `Heap::free_block_ranges`:
 /// < 1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, and >= 1 GiB.
