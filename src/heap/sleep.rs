@@ -25,8 +25,8 @@
 //! its free blocks hold no whole page (they are unmapped blocks); its allocated blocks count in
 //! no statistic of the heap (not allocated, not reserved) but in the tag's paused bytes; a free
 //! of one drops it and its backup; nothing maps, unmaps or hands out its pages: `malloc` with
-//! the tag fails with `Error::Paused`, and `empty_cache`, the cache limit and page reuse only
-//! take whole pages of free blocks, which it has none of.
+//! the tag fails with `Error::Paused`, and `empty_cache`, the cache limit and page reuse take
+//! whole pages of free blocks, which `whole_pages` never finds in a paused tag's segments.
 
 use super::Heap;
 use crate::backend::{Event, PhysHandle, Stream};
