@@ -24,7 +24,8 @@
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool`: use counts, another allocator's
 //!   segments, `use_on_oom`);
 //! - `steps.rs`: the step-boundary release policies;
-//! - `sleep.rs`: tags paused and resumed with their addresses kept (host backups);
+//! - `tagged.rs`: tagged memory in virtual ranges of its own; `sleep.rs`: tags paused and
+//!   resumed with their addresses kept (host backups);
 //! - `ipc.rs`: blocks shared with other processes (PyTorch's IPC formats);
 //! - `inspect.rs`: statistics, segments and live blocks for reports, `check_invariants`.
 //!
@@ -57,9 +58,11 @@ mod pools;
 mod release;
 mod sleep;
 mod steps;
+mod tagged;
 
 pub use pools::SegmentSource;
-pub use sleep::{SleepOutcome, TagFigures};
+pub use sleep::SleepOutcome;
+pub use tagged::TagFigures;
 
 /// Exclusive upper bounds of the free-block size ranges of `Heap::free_block_ranges`:
 /// < 1 MiB, 1-10 MiB, 10-100 MiB, 100 MiB-1 GiB, and >= 1 GiB.

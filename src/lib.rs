@@ -12,6 +12,8 @@
 //!   it was allocated on, or by any stream once the events recorded at its free completed.
 //! - **step / phase**: a step of the user's loop and its label (`rollout`, `train`); release
 //!   policies run at step boundaries.
+//! - **tag / region**: what a `pause` gives back: allocations made inside a region carry its tag
+//!   (`tags`) and live in virtual ranges of their own; `sleep` pauses and resumes them.
 //!
 //! Layers, top to bottom: `process` (the process-wide instance; starts its metrics endpoint)
 //! → `metrics` → `allocator` (the lock) → `snapshot` → `heap` (policy; its step-boundary

@@ -6,7 +6,8 @@
 //! `InvalidArgument` naming it, as is pausing or resuming "default" and either call during a
 //! CUDA-graph capture; pausing a paused tag and resuming one that is not paused do nothing and
 //! list it in `skipped`; a resume that cannot get the memory is `OutOfMemory` naming the tag and
-//! the shortfall, with the tag still paused and its backup kept (a retry works).
+//! the shortfall, with the tag still paused and its backup kept (a retry works); on several
+//! devices a resume is all or none: devices it resumed before one failed pause again.
 
 use crate::allocator::Allocator;
 use crate::error::{Error, Result};
@@ -107,8 +108,22 @@ impl Allocator {
         let mut report = SleepReport { op: "resume", ..Default::default() };
         for id in ids {
             let mut skipped = true;
-            for heap in &self.devices {
-                let outcome = heap.lock().resume_tag(id)?;
+            let mut resumed: Vec<usize> = Vec::new();
+            for (device, heap) in self.devices.iter().enumerate() {
+                let outcome = match heap.lock().resume_tag(id) {
+                    Ok(outcome) => outcome,
+                    Err(e) => {
+                        // All devices or none: the devices this call resumed pause again (with
+                        // a backup, so no byte is lost), and the tag is paused everywhere.
+                        for &earlier in &resumed {
+                            let _ = self.devices[earlier].lock().pause_tag(id, true);
+                        }
+                        return Err(e);
+                    }
+                };
+                if !outcome.skipped {
+                    resumed.push(device);
+                }
                 skipped &= outcome.skipped;
                 report.add(&outcome);
             }

@@ -592,7 +592,8 @@ impl Heap {
         }
         let b = self.arena.block(id);
         let seg = self.arena.segment(b.segment);
-        if !seg.expandable() {
+        // A paused tag's pages are not mapped: nothing to take or release (`heap/sleep.rs`).
+        if !seg.expandable() || self.sleep.is_paused(seg.tag) {
             return None;
         }
         let lo = seg.addr + (b.addr - seg.addr).div_ceil(seg.page) * seg.page;

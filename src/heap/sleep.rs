@@ -25,13 +25,13 @@
 //! its free blocks hold no whole page (they are unmapped blocks); its allocated blocks count in
 //! no statistic of the heap (not allocated, not reserved) but in the tag's paused bytes; a free
 //! of one drops it and its backup; nothing maps, unmaps or hands out its pages: `malloc` with
-//! the tag fails with `Error::Paused`, and `empty_cache`, the cache limit and page reuse only
-//! take whole pages of free blocks, which it has none of.
+//! the tag fails with `Error::Paused`, and `empty_cache`, the cache limit and page reuse take
+//! whole pages of free blocks, which `whole_pages` never finds in a paused tag's segments.
 
 use super::Heap;
 use crate::backend::{Event, PhysHandle, Stream};
 use crate::error::{Error, OomReport, Result};
-use crate::segment::{BlockId, BlockState, SegmentId, ANY_STREAM, NIL};
+use crate::segment::{BlockId, BlockState, SegmentId, ANY_STREAM};
 use crate::stats::ReleaseReason;
 use crate::tags::{self, TagId};
 use crate::trace::TraceAction;
@@ -51,23 +51,23 @@ const HOST_GROWTH: u64 = 64 * MIB;
 #[derive(Default)]
 pub(crate) struct SleepState {
     /// Bit `t` set while tag `t` is paused on this device.
-    paused: u64,
+    pub(super) paused: u64,
     /// Per tag number (grown on demand).
-    tags: Vec<TagState>,
+    pub(super) tags: Vec<TagState>,
 }
 
 #[derive(Default)]
-struct TagState {
+pub(super) struct TagState {
     /// Pinned host buffers (address, bytes), kept across pauses: a backup fills them from the
     /// start, in the order of the tag's blocks.
-    host: Vec<(u64, u64)>,
+    pub(super) host: Vec<(u64, u64)>,
     /// While paused with a backup: each backed-up block's address -> (offset into the buffers,
     /// bytes). A block freed while paused leaves.
-    backup: BTreeMap<u64, (u64, u64)>,
-    pauses: u64,
-    resumes: u64,
-    pause_ns: u64,
-    resume_ns: u64,
+    pub(super) backup: BTreeMap<u64, (u64, u64)>,
+    pub(super) pauses: u64,
+    pub(super) resumes: u64,
+    pub(super) pause_ns: u64,
+    pub(super) resume_ns: u64,
 }
 
 impl SleepState {
@@ -81,7 +81,7 @@ impl SleepState {
         tag != 0 && self.paused & (1u64 << (tag & 63)) != 0
     }
 
-    fn tag(&mut self, tag: TagId) -> &mut TagState {
+    pub(super) fn tag(&mut self, tag: TagId) -> &mut TagState {
         let i = usize::from(tag);
         if self.tags.len() <= i {
             self.tags.resize_with(i + 1, TagState::default);
@@ -110,51 +110,7 @@ pub struct SleepOutcome {
     pub discarded_bytes: u64,
 }
 
-pub use crate::stats::TagFigures;
-
 impl Heap {
-    /// A tagged request no free block could serve: the tag's own virtual ranges grow.
-    pub(super) fn grow_tagged(
-        &mut self,
-        small: bool,
-        stream: Stream,
-        rounded: u64,
-        requested: u64,
-        tag: TagId,
-    ) -> Result<BlockId> {
-        self.request_tag = tag;
-        let grown = self.grow_expandable(small, stream, rounded, requested, false);
-        self.request_tag = 0;
-        grown
-    }
-
-    #[cold]
-    pub(super) fn paused_error(&self, tag: TagId, size: u64) -> Error {
-        Error::Paused(format!(
-            "allocation of {} on device {} in a region of tag {:?}, which is paused; resume it first",
-            format_bytes(size),
-            self.device,
-            tags::name(tag)
-        ))
-    }
-
-    /// The live segments of `tag`, in address order.
-    fn tag_segments(&self, tag: TagId) -> Vec<SegmentId> {
-        let mut segments: Vec<(u64, SegmentId)> = self
-            .arena
-            .live_segment_ids()
-            .filter(|&s| self.arena.segment(s).tag == tag)
-            .map(|s| (self.arena.segment(s).addr, s))
-            .collect();
-        segments.sort_unstable();
-        segments.into_iter().map(|(_, s)| s).collect()
-    }
-
-    /// Whether `tag` is paused on this device.
-    pub fn tag_paused(&self, tag: TagId) -> bool {
-        self.sleep.is_paused(tag)
-    }
-
     /// Gives back the physical memory of `tag`'s pages, keeping every address: with `backup`,
     /// the live blocks' bytes are copied to host memory first; without, they are discarded.
     /// A tag paused already is skipped. Refused during a CUDA-graph capture.
@@ -340,54 +296,6 @@ impl Heap {
     /// Bytes of pinned host memory held for backups.
     pub fn backup_host_bytes(&self) -> u64 {
         self.sleep.host_bytes()
-    }
-
-    /// Figures of "default" and of every tag with memory, state or a registered name.
-    pub fn tag_figures(&self) -> Vec<TagFigures> {
-        let mut figures: BTreeMap<TagId, TagFigures> = BTreeMap::new();
-        let mut tagged_live = 0;
-        for seg_id in self.arena.live_segment_ids() {
-            let seg = self.arena.segment(seg_id);
-            if seg.tag == 0 {
-                continue;
-            }
-            let paused = self.sleep.is_paused(seg.tag);
-            let f = figures.entry(seg.tag).or_default();
-            for id in self.arena.segment_blocks(seg_id) {
-                if self.arena.state(id) == BlockState::Allocated {
-                    let size = self.arena.block(id).size;
-                    if paused {
-                        f.paused_bytes += size;
-                    } else {
-                        f.live_bytes += size;
-                        tagged_live += size;
-                    }
-                }
-            }
-        }
-        for (tag, _) in tags::registered() {
-            figures.entry(tag).or_default();
-        }
-        for (i, state) in self.sleep.tags.iter().enumerate() {
-            let f = figures.entry(i as TagId).or_default();
-            f.backup_bytes = state.backup.values().map(|&(_, bytes)| bytes).sum();
-            f.host_bytes = state.host.iter().map(|&(_, bytes)| bytes).sum();
-            f.pauses = state.pauses;
-            f.resumes = state.resumes;
-            f.pause_seconds = state.pause_ns as f64 / 1e9;
-            f.resume_seconds = state.resume_ns as f64 / 1e9;
-        }
-        let default = figures.entry(0).or_default();
-        default.live_bytes = self.stats.allocated_bytes.current().saturating_sub(tagged_live);
-        figures
-            .into_iter()
-            .map(|(tag, mut f)| {
-                f.tag = tags::name(tag);
-                f.paused = self.sleep.is_paused(tag);
-                f.backup = tags::backup(tag);
-                f
-            })
-            .collect()
     }
 
     // ----- the steps ------------------------------------------------------------------------
@@ -676,107 +584,6 @@ impl Heap {
             self.stats.num_release_physical += 1;
         }
         Ok(())
-    }
-
-    /// The handle slot of page `index` of a tagged segment.
-    fn sleep_page(&mut self, seg: SegmentId, index: usize) -> &mut Option<PhysHandle> {
-        &mut self.pages.entry(seg).or_default()[index]
-    }
-
-    /// A free of an allocated block of a paused tag: the block is dropped with its backup. It
-    /// merges with free neighbours and its whole pages become unmapped (nothing is mapped
-    /// there, so no driver call); the heap's statistics left it at the pause.
-    pub(super) fn free_paused(&mut self, id: BlockId) -> Result<()> {
-        let (addr, size, requested, stream, tag) = {
-            let b = self.arena.block(id);
-            (b.addr, b.size, b.requested, b.stream, b.class.tag())
-        };
-        self.stats.num_frees += 1;
-        self.trace.record(TraceAction::FreeRequested, addr, size, requested, stream.0, 0);
-        self.sleep.tag(tag).backup.remove(&addr);
-        self.arena.take_extra_streams(id);
-        self.arena.set_state(id, BlockState::Free);
-        let clock = self.alloc_clock;
-        let b = self.arena.block_mut(id);
-        b.requested = 0;
-        b.freed_at = clock;
-        self.trace.record(TraceAction::FreeCompleted, addr, size, requested, stream.0, 0);
-        let (merged, absorbed, absorbed_bytes) = self.merge_neighbours(id);
-        self.enlist(merged);
-        self.count_merged_free(merged, absorbed, absorbed_bytes);
-        self.unmap_free_pages(merged, ReleaseReason::Pause)?;
-        Ok(())
-    }
-
-    /// MemPool mode: the whole pages of a tagged free block (merged, in its list) go back to the
-    /// device once the stream that used it finished, as a plain segment entirely free does.
-    pub(super) fn release_tagged_free(&mut self, id: BlockId) -> Result<()> {
-        let stream = self.arena.block(id).stream;
-        if stream != ANY_STREAM {
-            self.backend.synchronize_stream(stream)?;
-        }
-        self.unmap_free_pages(id, ReleaseReason::EmptyCache)?;
-        Ok(())
-    }
-
-    /// Turns the whole pages inside the free block `id` (in its list) of a tagged segment into
-    /// an unmapped block, unmapping and releasing those still mapped. The caller waited for the
-    /// work that used them. Returns the bytes released to the device.
-    fn unmap_free_pages(&mut self, id: BlockId, reason: ReleaseReason) -> Result<u64> {
-        let (addr, size, seg_id) = {
-            let b = self.arena.block(id);
-            (b.addr, b.size, b.segment)
-        };
-        let (seg_addr, page, small, stream) = {
-            let s = self.arena.segment(seg_id);
-            (s.addr, s.page, s.small, s.stream)
-        };
-        let lo = seg_addr + (addr - seg_addr).div_ceil(page) * page;
-        let hi = seg_addr + (addr + size - seg_addr) / page * page;
-        if hi <= lo {
-            return Ok(0);
-        }
-        let mut released = 0;
-        for p in (lo..hi).step_by(page as usize) {
-            let index = ((p - seg_addr) / page) as usize;
-            let Some(handle) = self.sleep_page(seg_id, index).take() else { continue };
-            self.backend.unmap(p, page)?;
-            self.backend.release_physical(handle)?;
-            let s = &mut self.stats;
-            s.num_unmap += 1;
-            s.num_release_physical += 1;
-            s.reserved_bytes.decrease(small, page);
-            s.released_bytes[reason as usize] = s.released_bytes[reason as usize].saturating_add(page);
-            released += page;
-        }
-        self.unlist(id);
-        self.split_stat_out(id);
-        let mut middle = id;
-        if lo > addr {
-            middle = self.split_block(id, lo - addr);
-            self.enlist(id);
-            self.split_stat_in(id);
-        }
-        if hi < addr + size {
-            let after = self.split_block(middle, hi - lo);
-            self.enlist(after);
-            self.split_stat_in(after);
-        }
-        self.arena.set_state(middle, BlockState::Unmapped);
-        self.arena.segment_mut(seg_id).mapped -= hi - lo;
-        if released > 0 {
-            self.stats.num_device_free += 1;
-            self.trace.record(TraceAction::SegmentUnmap, lo, hi - lo, 0, stream.0, 0);
-        }
-        for forward in [false, true] {
-            let b = self.arena.block(middle);
-            let other = if forward { b.next } else { b.prev };
-            if other != NIL && self.arena.state(other) == BlockState::Unmapped {
-                let stream = b.stream;
-                self.absorb(middle, other, forward, stream);
-            }
-        }
-        Ok(released)
     }
 }
 

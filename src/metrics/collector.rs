@@ -516,7 +516,14 @@ fn add_device(out: &mut [MetricFamily], r: &DeviceReading) {
     {
         w.counter("stepalloc_vm_operations_total", &[("op", op)], count as f64);
     }
-    for f in &s.tags {
+    // Before any region, everything is "default"'s (the families exist from the first scrape).
+    let default_only = [crate::heap::TagFigures {
+        tag: crate::tags::DEFAULT_NAME.into(),
+        live_bytes: h.allocated_bytes.all.current,
+        ..Default::default()
+    }];
+    let tag_figures = if s.tags.is_empty() { &default_only[..] } else { &s.tags[..] };
+    for f in tag_figures {
         let tag = [("tag", f.tag.as_str())];
         w.gauge("stepalloc_tag_live_bytes", &tag, f.live_bytes as f64);
         w.gauge("stepalloc_tag_paused_bytes", &tag, f.paused_bytes as f64);
