@@ -6,7 +6,7 @@
 use super::Heap;
 use crate::backend::{PhysHandle, Stream};
 use crate::error::{Error, Result};
-use crate::segment::{BlockId, BlockState, SegmentId, ANY_STREAM, NIL};
+use crate::segment::{BlockId, BlockState, SegmentId, ANY_STREAM};
 use crate::stats::ReleaseReason;
 use crate::tags::{self, TagId};
 use crate::trace::TraceAction;
@@ -194,19 +194,17 @@ impl Heap {
             self.split_stat_in(after);
         }
         self.arena.set_state(middle, BlockState::Unmapped);
+        self.arena.add_unmapped(middle);
         self.arena.segment_mut(seg_id).mapped -= hi - lo;
+        if self.arena.segment(seg_id).mapped == 0 {
+            // A wholly unmapped range, which a full release frees (`page_release`'s record).
+            self.no_free_pages = false;
+        }
         if released > 0 {
             self.stats.num_device_free += 1;
             self.trace.record(TraceAction::SegmentUnmap, lo, hi - lo, 0, stream.0, 0);
         }
-        for forward in [false, true] {
-            let b = self.arena.block(middle);
-            let other = if forward { b.next } else { b.prev };
-            if other != NIL && self.arena.state(other) == BlockState::Unmapped {
-                let stream = b.stream;
-                self.absorb(middle, other, forward, stream);
-            }
-        }
+        self.merge_unmapped(middle);
         Ok(released)
     }
 }

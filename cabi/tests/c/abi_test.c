@@ -429,6 +429,9 @@ static void scenario_expandable(void) {
     for (int i = 0; i < n; i++) p_stepalloc_free(blocks[i], 4096, 0, (void *)(uintptr_t)(0x100 + i));
     p_stepalloc_free(p, 3 * MIB, 0, NULL);
     CHECK(status() == STEPALLOC_OK, "%s", last_error());
+    check_stats(0, 0, 0);
+    check_roundtrip(0);
+}
 
 /* ----- CUDA IPC at the boundary (the simulated device names handles, opens none) ---------- */
 
