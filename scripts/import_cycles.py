@@ -10,7 +10,8 @@ and every parent is taken to use its submodules (so a circle through a submodule
 parent's). `#[cfg(test)]` modules are left out: a unit test may build anything. The Python
 package's __init__ is a module like the others.
 
-Usage: import_cycles.py [--graph]   (--graph: print every edge too)
+Usage: import_cycles.py [--graph]   (--graph: also print each module with the modules it uses,
+one line a module, `-` for none)
 Prints each circle (a strongly connected set of modules, with one cycle through it) and exits
 1 if there is any, else prints the module counts and exits 0.
 """
@@ -116,8 +117,11 @@ def split_inline_modules(text: str, path: tuple[str, ...]) -> list[tuple[tuple[s
 
 
 def rust_modules(crate: str, src: Path) -> dict[tuple[str, ...], str]:
-    """Every module of the library crate rooted at src/lib.rs: its path -> its code."""
-    modules: dict[tuple[str, ...], str] = {}
+    """Every module of the library crate rooted at src/lib.rs: its path -> its code. A file
+    declared `#[cfg(test)] mod name;` (a unit test in a file of its own) is left out with its
+    submodules, like an inline cfg(test) module."""
+    files: list[tuple[tuple[str, ...], str]] = []
+    test_only: set[tuple[str, ...]] = set()
     for f in sorted(src.rglob("*.rs")):
         rel = f.relative_to(src).with_suffix("").parts
         if rel[0] in ("main", "bin"):
@@ -126,8 +130,17 @@ def rust_modules(crate: str, src: Path) -> dict[tuple[str, ...], str]:
             rel = rel[:-1]
         if rel == ("lib",):
             rel = ()
-        for path, code in split_inline_modules(strip_rust(f.read_text()), (crate,) + rel):
-            modules[path] = modules.get(path, "") + code
+        code = strip_rust(f.read_text())
+        here = (crate,) + rel
+        for m in re.finditer(r"#\[cfg\(test\)\]\s*(?:pub(?:\([^)]*\))?\s+)?mod\s+(" + IDENT + r")\s*;", code):
+            test_only.add(here + (m.group(1),))
+        files.append((here, code))
+    modules: dict[tuple[str, ...], str] = {}
+    for here, code in files:
+        if any(is_ancestor(t, here) for t in test_only):
+            continue
+        for path, piece in split_inline_modules(code, here):
+            modules[path] = modules.get(path, "") + piece
     return modules
 
 
@@ -314,10 +327,9 @@ def main() -> int:
     show = "--graph" in sys.argv[1:]
     bad = 0
     for label, graph in (("Rust", rust_graph()), ("Python", python_graph())):
-        if show:
+        if show:  # each module and the modules it uses, one line each
             for v in sorted(graph):
-                for w in sorted(graph[v]):
-                    print(f"{v} -> {w}")
+                print(f"{v}: {', '.join(sorted(graph[v])) or '-'}")
         found = cycles(graph)
         for c in found:
             print(f"import circle ({label}): {' -> '.join(c)}")
