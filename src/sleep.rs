@@ -141,6 +141,12 @@ impl Allocator {
         Ok(freed)
     }
 
+    /// Where the backup of `[ptr, ptr + bytes)` of a paused tag lies in host memory, on the
+    /// device that holds it (`Heap::backup_host_address`).
+    pub fn backup_host_address(&self, ptr: u64, bytes: u64) -> Option<u64> {
+        self.devices.iter().find_map(|heap| heap.lock().backup_host_address(ptr, bytes))
+    }
+
     /// Per-tag figures summed over devices, by tag name.
     pub fn tag_figures(&self) -> Vec<TagFigures> {
         let mut all: Vec<TagFigures> = Vec::new();

@@ -293,6 +293,12 @@ size_t stepalloc_sleep_report_json(char *buf, size_t cap);
 // Returns a status.
 int stepalloc_release_backup(void);
 
+// The host address of the backed-up bytes `[ptr, ptr + n)` of a paused tag's block (what
+// `torch_memory_saver.get_cpu_backup` reads), valid until the tag resumes or the block is
+// freed; NULL when those bytes are not paused with a backup in one host buffer, or the device
+// is the simulated one (its buffers are addresses only).
+void *stepalloc_backup_pointer(const void *ptr, size_t n);
+
 // Per-tag figures summed over devices, as JSON: {"default":{...},"weights":{"live_bytes":N,
 // "paused":bool,"paused_bytes":N,"backup":bool,"backup_bytes":N,"host_bytes":N,"pauses":N,
 // "resumes":N,"pause_seconds":F,"resume_seconds":F},...}. Text convention.

@@ -15,7 +15,7 @@ use crate::control::{c_str, write_text};
 use crate::guard::{guard, guard_status};
 use crate::status::AbiError;
 use std::cell::RefCell;
-use std::ffi::{c_char, c_int};
+use std::ffi::{c_char, c_int, c_void};
 
 thread_local! {
     /// The calling thread's last pause or resume, as JSON ("" before the first).
@@ -132,6 +132,20 @@ pub extern "C" fn stepalloc_release_backup() -> c_int {
     guard_status(|| {
         allocator()?.release_backup()?;
         Ok(())
+    })
+}
+
+/// The host address of the backed-up bytes `[ptr, ptr + n)` of a paused tag's block (what
+/// `torch_memory_saver.get_cpu_backup` reads), valid until the tag resumes or the block is
+/// freed; NULL when those bytes are not paused with a backup in one host buffer, or the device
+/// is the simulated one (its buffers are addresses only).
+#[no_mangle]
+pub extern "C" fn stepalloc_backup_pointer(ptr: *const c_void, n: usize) -> *mut c_void {
+    guard(|| {
+        let Some(addr) = allocator()?.backup_host_address(ptr as u64, n as u64) else {
+            return Ok(std::ptr::null_mut());
+        };
+        Ok(addr as *mut c_void)
     })
 }
 

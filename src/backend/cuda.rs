@@ -557,6 +557,10 @@ impl Backend for CudaDevice {
     }
 
     // Host backups: `host.rs`.
+    fn host_readable(&self) -> bool {
+        true
+    }
+
     fn host_alloc(&mut self, bytes: u64) -> Result<u64> {
         self.host_alloc_pinned(bytes)
     }

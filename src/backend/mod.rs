@@ -134,6 +134,12 @@ pub trait Backend: Send {
     // (one per device). Copies on it run in the order queued; `record_copy_event` orders the
     // caller after them. The defaults say the backend cannot back memory up.
 
+    /// Whether `host_alloc`'s addresses are memory this process may read (a real driver's
+    /// pinned buffers); the simulated device's are addresses only.
+    fn host_readable(&self) -> bool {
+        false
+    }
+
     /// Allocates `bytes` of pinned host memory (`cuMemHostAlloc`); returns its address.
     fn host_alloc(&mut self, _bytes: u64) -> Result<u64> {
         Err(crate::error::Error::Unavailable("this device cannot back memory up to the host".into()))
