@@ -668,7 +668,7 @@ impl Heap {
     }
 
     /// Merges the unmapped block `id` with unmapped neighbours.
-    fn merge_unmapped(&mut self, id: BlockId) {
+    pub(super) fn merge_unmapped(&mut self, id: BlockId) {
         for forward in [false, true] {
             let b = self.arena.block(id);
             let other = if forward { b.next } else { b.prev };

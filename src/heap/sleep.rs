@@ -31,7 +31,7 @@
 use super::Heap;
 use crate::backend::{Event, PhysHandle, Stream};
 use crate::error::{Error, OomReport, Result};
-use crate::segment::{BlockId, BlockState, SegmentId, ANY_STREAM, NIL};
+use crate::segment::{BlockId, BlockState, SegmentId, ANY_STREAM};
 use crate::stats::ReleaseReason;
 use crate::tags::{self, TagId};
 use crate::trace::TraceAction;
@@ -762,20 +762,16 @@ impl Heap {
             self.enlist(after);
             self.split_stat_in(after);
         }
+        // Unmapped blocks are indexed by address (`Arena::unmapped_at`): filed, then merged
+        // with unmapped neighbours through the index, as `expandable.rs` does.
         self.arena.set_state(middle, BlockState::Unmapped);
+        self.arena.add_unmapped(middle);
         self.arena.segment_mut(seg_id).mapped -= hi - lo;
         if released > 0 {
             self.stats.num_device_free += 1;
             self.trace.record(TraceAction::SegmentUnmap, lo, hi - lo, 0, stream.0, 0);
         }
-        for forward in [false, true] {
-            let b = self.arena.block(middle);
-            let other = if forward { b.next } else { b.prev };
-            if other != NIL && self.arena.state(other) == BlockState::Unmapped {
-                let stream = b.stream;
-                self.absorb(middle, other, forward, stream);
-            }
-        }
+        self.merge_unmapped(middle);
         Ok(released)
     }
 }
