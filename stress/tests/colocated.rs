@@ -74,6 +74,8 @@ fn bad_dimensions_and_links_are_refused_with_the_flag() {
     for link in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e9] {
         assert!(CostModel::new(link).unwrap_err().contains("--link-gbps"), "{link}");
     }
+    let huge = ColocatedSpec { iterations: 64, micro_batches: 64, layers: 256, ..ColocatedSpec::default() };
+    assert!(colocated::run(&huge, 80, CostModel::new(25.0).unwrap()).unwrap_err().contains("events"));
     let e = colocated::run(&ColocatedSpec::default(), 0, CostModel::new(25.0).unwrap()).unwrap_err();
     assert!(e.contains("--capacity-gb"), "{e}");
 }

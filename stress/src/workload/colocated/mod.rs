@@ -36,7 +36,9 @@ use serde::Serialize;
 /// Who owns an allocation: what each way of sharing the device does with it between phases.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub enum Owner {
+    /// Backed up while the engine sleeps.
     EngineWeights,
+    /// The engine's KV cache and its transients (prefill, logits): discarded while it sleeps.
     KvCache,
     Trainer,
 }
@@ -131,6 +133,8 @@ const MAX_DIM: u64 = 1 << 20;
 const MAX_ITERATIONS: u64 = 64;
 const MAX_LAYERS: u64 = 256;
 const MAX_TOKENS: u64 = 1 << 17;
+/// Training events at most (each about 16 per layer per micro-batch): the loop is held whole.
+const MAX_TRAIN_EVENTS: u64 = 1 << 22;
 
 impl ColocatedSpec {
     /// Checks every dimension against its range; the message names the flag.
@@ -156,6 +160,14 @@ impl ColocatedSpec {
             if !(lo..=hi).contains(&v) {
                 return Err(format!("{flag} {v}: must be in {lo}..={hi}"));
             }
+        }
+        let train_events = self.iterations * self.micro_batches * self.layers * 16;
+        if train_events > MAX_TRAIN_EVENTS {
+            return Err(format!(
+                "--iterations {} x --micro-batches {} x --layers {}: about {train_events} events, over {MAX_TRAIN_EVENTS}; \
+                 lower one of them",
+                self.iterations, self.micro_batches, self.layers
+            ));
         }
         if self.hidden % self.heads != 0 {
             return Err(format!("--hidden {} is not a multiple of --heads {}", self.hidden, self.heads));

@@ -341,10 +341,13 @@ fn sleep_switch(d: &Device, t: &mut Tally, cost: &CostModel, pause: bool) -> Res
     Ok(())
 }
 
-/// (segments, reserved bytes) of vLLM's weights pool and of its cache pool.
-fn pool_segments(d: &Device) -> Result<((u64, u64), (u64, u64)), String> {
+/// A pool's segments (vLLM's allocations) and their reserved bytes.
+type PoolFigures = (u64, u64);
+
+/// The figures of vLLM's weights pool and of its cache pool.
+fn pool_segments(d: &Device) -> Result<(PoolFigures, PoolFigures), String> {
     let Some([w, kv]) = &d.pools else { return Ok(((0, 0), (0, 0))) };
-    let f = |a: &Allocator| -> Result<(u64, u64), String> {
+    let f = |a: &Allocator| -> Result<PoolFigures, String> {
         let s = stats(a)?;
         Ok((s.heap.segment.all.current, s.heap.reserved_bytes.all.current))
     };
