@@ -270,3 +270,31 @@ fn a_paused_tags_block_is_not_shared_with_other_processes() {
     a.resume(Some("sleep_ipc_weights")).unwrap();
     assert!(a.with_heap(0, |h| h.share(ptr)).unwrap().is_ok());
 }
+
+/// A pause of a tag with many blocks (so some allocated ones are filed away from their home
+/// bucket) and freed blocks holding whole pages between unmapped ranges: the unmapped blocks
+/// stay indexed by address and merged, the paused blocks stay found, under the recommended
+/// configuration, through several cycles.
+#[test]
+fn pausing_many_blocks_with_free_pages_between_keeps_the_heaps_indexes() {
+    let a = sim(&format!(",{}", stepalloc::config::RECOMMENDED));
+    let sizes: Vec<u64> = (0..1200u64).map(|i| (1 + i % 3) * MIB + (i % 5) * 4096).collect();
+    for cycle in 0..3 {
+        let blocks = in_region(&a, "sleep_t9_kv", false, &sizes);
+        // Free every third block: free ranges of whole pages between live ones.
+        for &(p, s) in blocks.iter().step_by(3) {
+            a.free(0, p, s).unwrap();
+        }
+        a.check_invariants().unwrap();
+        let r = a.pause(Some("sleep_t9_kv"), None).unwrap();
+        assert!(r.released_bytes > 0, "cycle {cycle}");
+        a.check_invariants().unwrap_or_else(|e| panic!("cycle {cycle}, after pause: {e}"));
+        a.resume(Some("sleep_t9_kv")).unwrap();
+        a.check_invariants().unwrap_or_else(|e| panic!("cycle {cycle}, after resume: {e}"));
+        for (i, &(p, s)) in blocks.iter().enumerate().filter(|(i, _)| i % 3 != 0) {
+            assert!(a.with_heap(0, |h| h.is_live(p)).unwrap(), "block {i} lost");
+            a.free(0, p, s).unwrap();
+        }
+        a.check_invariants().unwrap();
+    }
+}

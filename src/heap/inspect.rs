@@ -165,7 +165,13 @@ impl Heap {
                     return Err(format!("block {:#x}: class {:?} differs from its segment's", b.addr, b.class));
                 }
                 match state {
-                    BlockState::Allocated if paused => {}
+                    // A paused tag's blocks count in no statistic, but stay filed by address.
+                    BlockState::Allocated if paused => {
+                        displaced += usize::from(!self.arena.filed_at_home(id));
+                        if self.arena.find_allocated(b.addr) != Some(id) {
+                            return Err(format!("paused block {:#x} not found by its address", b.addr));
+                        }
+                    }
                     BlockState::Allocated => {
                         allocated[p] += b.size;
                         requested[p] += b.requested;

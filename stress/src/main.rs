@@ -1,7 +1,8 @@
 //! `stepalloc-stress`: the command line. Builds an event stream (the `agent` workload by
 //! default, a trace with `replay`), runs it under every compared configuration and prints the
 //! side-by-side report; `random` hammers one allocator from many threads with integrity checks;
-//! `advise` searches the allocator settings that give a trace the lowest peak (`advise.rs`).
+//! `advise` searches the allocator settings that give a trace the lowest peak (`advise.rs`);
+//! `colocated` compares ways of sharing one device between a rollout engine and a trainer.
 //! Exit status: 0 on success, 1 when an integrity check failed, 2 on bad input or a failed
 //! write (a full disk). When stdout's reader goes away (`| head -3`), the command stops writing
 //! and exits quietly with the status it had (0, or 1 for a failed integrity check), as ripgrep
@@ -24,6 +25,7 @@ use stepalloc_stress::replay::{self, OpSource, RunConfig};
 use stepalloc_stress::report::{self, Report};
 use stepalloc_stress::trace;
 use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, AgentStream};
+use stepalloc_stress::workload::colocated::{self, ColocatedSpec};
 use stepalloc_stress::workload::random::{self, RandomArgs};
 
 #[derive(Parser)]
@@ -109,6 +111,19 @@ enum Command {
         #[arg(long, allow_hyphen_values = true, value_name = "GIB")]
         capacity_gb: Option<String>,
     },
+    /// A rollout engine and a trainer taking turns on one device: both resident, PyTorch with
+    /// empty_cache, vLLM's sleep mode and stepalloc's pause/resume side by side (peak device
+    /// use, bytes copied and modelled switch time per iteration, whether each fits).
+    Colocated {
+        #[command(flatten)]
+        spec: ColocatedSpec,
+        /// The device to fit, in GiB.
+        #[arg(long, default_value_t = 80)]
+        capacity_gb: u64,
+        /// Effective host-link bandwidth in GB/s: PCIe 4 x16 about 25, PCIe 5 x16 about 50.
+        #[arg(long, default_value_t = colocated::PCIE4_X16_GBPS)]
+        link_gbps: f64,
+    },
     /// Write the agent workload as a trace file (for replay benchmarks and tests).
     GenTrace {
         #[command(flatten)]
@@ -154,6 +169,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             (Input::Trace(program), format!("replay {}", file.display()), compare::DEFAULT_OTHER)
         }
         Command::Random(args) => return run_random(g, &args, capacity_mb),
+        Command::Colocated { spec, capacity_gb, link_gbps } => return run_colocated(g, &spec, capacity_gb, link_gbps),
         Command::Advise { file, capacity_gb } => return run_advise(g, &file, capacity_gb.as_deref(), capacity_mb),
         Command::Headroom { agent, search } => return run_headroom(g, &agent, &search, capacity_mb),
         Command::GenTrace { agent, format, out } => {
@@ -317,6 +333,23 @@ fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<&str>, cap
         write_plot(path, &report)?;
     }
     printed?;
+    Ok(0)
+}
+
+fn run_colocated(g: &Global, spec: &ColocatedSpec, capacity_gb: u64, link_gbps: f64) -> Result<i32, Failure> {
+    if !g.compare.is_empty() || g.backend == BackendArg::Cuda {
+        return Err("colocated runs its own four columns on the simulated device; drop --compare and --backend".into());
+    }
+    let started = Instant::now();
+    let report = colocated::run(spec, capacity_gb, colocated::CostModel::new(link_gbps)?)?;
+    if g.timing {
+        note!("timing: colocated in {:.3} s", started.elapsed().as_secs_f64());
+    }
+    if g.json {
+        out_json(&report)?;
+    } else {
+        out(&colocated::table(&report))?;
+    }
     Ok(0)
 }
 

@@ -1,9 +1,12 @@
 //! Workloads: synthetic event streams generated from a seed.
 //! - `agent`: a multimodal agent-training loop (rollouts with a growing KV cache alternating
 //!   with training steps), generated from model dimensions;
+//! - `colocated`: a rollout engine and a trainer taking turns on one device, under four ways
+//!   of sharing it;
 //! - `random`: many threads and streams hammering one allocator, with integrity checks.
 
 pub mod agent;
+pub mod colocated;
 pub mod random;
 
 use rand::RngExt;
