@@ -18,7 +18,7 @@ def fmt(v, spec: str) -> str:
 
 
 def evaluate(res: dict) -> list[dict]:
-    """The issue's targets on the end-to-end loop: met, missed or not measurable."""
+    """The end-to-end loop's targets: met, missed or not measurable."""
     n, x, s = res.get("native", {}), res.get("native_expandable", {}), res.get("stepalloc", {})
 
     def target(name, ok, detail):
@@ -118,7 +118,7 @@ def text_report(doc: dict) -> str:
     else:
         lines.append(f"  replay: {rp.get('skipped') or rp.get('failed')}")
     lines.append("")
-    lines.append("targets (issue 11):")
+    lines.append("targets:")
     for t in doc["targets"]:
         lines.append(f"  {t['status']:7} {t['target']}: {t['detail']}")
     for n in doc["order"]:

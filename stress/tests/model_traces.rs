@@ -99,7 +99,7 @@ fn stepalloc_beats_expandable_segments_on_model_traces() {
             assert_eq!((run.ooms, run.errors), (0, 0), "{name} {}", run.name);
             assert_eq!(run.worst.floor, pytorch.worst.floor, "{name} {}", run.name);
         }
-        // Issue 9's target; measured 1.0074x / 1.0040x / 1.0051x (README).
+        // The target for real-model traces; measured 1.0074x / 1.0040x / 1.0051x (README).
         assert!(
             stepalloc.worst.peak_reserved as f64 <= 1.01 * stepalloc.worst.floor as f64,
             "{name}: stepalloc {:.4}x the floor",

@@ -99,7 +99,7 @@ fn assert_headline_is(run: &RunReport, worst: usize) {
     );
 }
 
-/// The demonstration: two single-device snapshots, merged into one two-device
+/// The demonstration: two single-device snapshots, merged into one two-device
 /// snapshot in both orders, replay to each device's own single-device figures exactly, and the
 /// headline is the worse device wherever it sits.
 #[test]
