@@ -143,6 +143,9 @@ impl Heap {
             (Vec::new(), BTreeMap::new())
         };
         out.copied_bytes = backups.values().map(|&(_, bytes)| bytes).sum();
+        // The streams' work on these pages completed: free neighbours of different streams may
+        // merge, so that a page only free blocks share goes whole.
+        self.settle_tag_free_streams(&segments);
         // Free pages need no copy: they go while the copies run.
         for &seg in &segments {
             let free: Vec<BlockId> =
@@ -153,6 +156,9 @@ impl Heap {
         }
         // From here on the tag is paused: its live blocks leave the heap's statistics.
         self.sleep.paused |= 1u64 << tag;
+        // `page_release`'s shortcut record may not follow pages that leave or come back whole:
+        // the next release over the limit searches (as after any other mapping change).
+        self.no_free_pages = false;
         for &seg in &segments {
             let ids: Vec<BlockId> = self.arena.segment_blocks(seg).collect();
             for id in ids.into_iter().filter(|&id| self.arena.state(id) == BlockState::Allocated) {
@@ -186,6 +192,24 @@ impl Heap {
             return Ok(SleepOutcome { skipped: true, ..Default::default() });
         }
         let started = Instant::now();
+        // Blocks freed before the pause whose events completed while paused became free blocks
+        // over released pages: their whole pages become unmapped now (no driver call), so resume
+        // maps only the pages that hold live bytes or share a page with them.
+        self.process_events()?;
+        let free: Vec<BlockId> = self
+            .tag_segments(tag)
+            .iter()
+            .flat_map(|&seg| self.arena.segment_blocks(seg))
+            .filter(|&id| self.arena.state(id) == BlockState::Free)
+            .collect();
+        for id in free {
+            // A merge in this loop may have absorbed the block, or its slot now holds a piece of
+            // a split: any free block of the tag is fine to pass.
+            if self.arena.state(id) == BlockState::Free && self.arena.block(id).class.tag() == tag {
+                self.unmap_free_pages(id, ReleaseReason::Pause)?;
+            }
+        }
+        // Listed now: the frees above may have given back a range left wholly unmapped.
         let segments = self.tag_segments(tag);
         // Every unmapped page under a block that is not an unmapped one: (address, segment, index).
         let mut wanted: Vec<(u64, SegmentId, usize)> = Vec::new();
@@ -256,6 +280,7 @@ impl Heap {
         }
         out.mapped_bytes = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
         self.sleep.paused &= !(1u64 << tag);
+        self.no_free_pages = false;
         for &seg in &segments {
             let ids: Vec<BlockId> = self.arena.segment_blocks(seg).collect();
             for id in ids.into_iter().filter(|&id| self.arena.state(id) == BlockState::Allocated) {

@@ -131,12 +131,41 @@ impl Heap {
         let b = self.arena.block_mut(id);
         b.requested = 0;
         b.freed_at = clock;
+        // Its streams' work completed before the pause released its pages: any stream may use it.
+        b.stream = ANY_STREAM;
         self.trace.record(TraceAction::FreeCompleted, addr, size, requested, stream.0, 0);
         let (merged, absorbed, absorbed_bytes) = self.merge_neighbours(id);
         self.enlist(merged);
         self.count_merged_free(merged, absorbed, absorbed_bytes);
         self.unmap_free_pages(merged, ReleaseReason::Pause)?;
         Ok(())
+    }
+
+    /// Makes every free block of `segments` (a tag's, whose streams' work completed) serve any
+    /// stream and merges neighbours that could not merge before, as `settle_free_streams` does
+    /// after a device sync.
+    pub(super) fn settle_tag_free_streams(&mut self, segments: &[SegmentId]) {
+        let free: Vec<BlockId> = segments
+            .iter()
+            .flat_map(|&seg| self.arena.segment_blocks(seg))
+            .filter(|&id| self.arena.state(id) == BlockState::Free)
+            .collect();
+        for &id in &free {
+            self.unlist(id);
+            self.arena.block_mut(id).stream = ANY_STREAM;
+            self.enlist(id);
+        }
+        for id in free {
+            // An earlier merge in this loop may have absorbed this block already.
+            if self.arena.state(id) != BlockState::Free {
+                continue;
+            }
+            self.unlist(id);
+            self.split_stat_out(id);
+            let (merged, absorbed, absorbed_bytes) = self.merge_neighbours(id);
+            self.enlist(merged);
+            self.count_merged_free(merged, absorbed, absorbed_bytes);
+        }
     }
 
     /// MemPool mode: the whole pages of a tagged free block (merged, in its list) go back to the
