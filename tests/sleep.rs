@@ -298,3 +298,64 @@ fn pausing_many_blocks_with_free_pages_between_keeps_the_heaps_indexes() {
         a.check_invariants().unwrap();
     }
 }
+
+/// A tag's page that only free blocks of different streams share goes whole while paused (their
+/// streams' work completed), so with nothing live the resume maps nothing. The two streams meet
+/// in one page because a block freed after `record_stream` serves any stream: a request on the
+/// second stream takes it beside the first stream's blocks.
+#[test]
+fn free_blocks_of_different_streams_in_a_paused_tag_go_whole() {
+    for conf in ["", ",expandable_segments:True", ",page_release:True,expandable_segments:True,cache_limit_mb:1"] {
+        let a = sim(conf);
+        tags::enter("sleep_t10_kv", false).unwrap();
+        let x = a.malloc(0, 4096, S0).unwrap();
+        let z = a.malloc(0, 4096, S0).unwrap();
+        a.record_stream(0, x, Stream(1)).unwrap();
+        a.free(0, x, 4096).unwrap();
+        a.advance_time(1_000_000);
+        let y = a.malloc(0, 4096, Stream(1)).unwrap();
+        tags::exit().unwrap();
+        assert_eq!(y, x, "{conf}: the second stream takes the block that serves any stream");
+        a.free(0, z, 4096).unwrap();
+        a.pause(Some("sleep_t10_kv"), None).unwrap();
+        a.check_invariants().unwrap();
+        // Freed while paused, beside the first stream's free block.
+        a.free(0, y, 4096).unwrap();
+        a.check_invariants().unwrap();
+        let r = a.resume(Some("sleep_t10_kv")).unwrap();
+        assert_eq!(r.mapped_bytes, 0, "{conf}: nothing live, nothing to map: {r:?}");
+        a.check_invariants().unwrap();
+        a.empty_cache().unwrap();
+        assert_eq!(used(&a, 0), 0, "{conf}");
+    }
+}
+
+/// With `page_release` and a cache limit, frees that complete during a resume may give back a
+/// paused tag's range left wholly unmapped (its blocks freed while paused): the resume lists the
+/// tag's ranges after them, and the release record follows the pages that leave and come back.
+#[test]
+fn pause_and_resume_under_page_release_and_a_cache_limit() {
+    let a = sim(&format!(",{},page_release:True,cache_limit_mb:1", stepalloc::config::RECOMMENDED));
+    for cycle in 0..3 {
+        let weights = in_region(&a, "sleep_t11_w", true, &[3 * MIB, 4096]);
+        let scratch: Vec<u64> = (0..4).map(|i| a.malloc(0, (1 + i) * MIB, S0).unwrap()).collect();
+        a.pause(Some("sleep_t11_w"), None).unwrap();
+        a.check_invariants().unwrap_or_else(|e| panic!("cycle {cycle}, after pause: {e}"));
+        // Untagged frees still pending on a second stream when the resume comes, and the
+        // tag's blocks freed while paused.
+        for (i, &p) in scratch.iter().enumerate() {
+            a.record_stream(0, p, Stream(1)).unwrap();
+            a.free(0, p, (1 + i as u64) * MIB).unwrap();
+        }
+        for &(p, s) in &weights {
+            a.free(0, p, s).unwrap();
+        }
+        a.check_invariants().unwrap_or_else(|e| panic!("cycle {cycle}, paused, after frees: {e}"));
+        a.advance_time(1_000_000);
+        let r = a.resume(Some("sleep_t11_w")).unwrap();
+        assert_eq!(r.mapped_bytes, 0, "cycle {cycle}: nothing live: {r:?}");
+        a.check_invariants().unwrap_or_else(|e| panic!("cycle {cycle}, after resume: {e}"));
+    }
+    a.empty_cache().unwrap();
+    assert_eq!(used(&a, 0), 0);
+}
