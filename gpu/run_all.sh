@@ -7,6 +7,11 @@
 #      backend:cuda gives the simulated device's peaks; the random workload with device tags
 #   2b. gpu/ipc_check.py: a CUDA tensor shared between stepalloc and stock-PyTorch processes and
 #      back, bytes compared, plain and expandable segments (skipped where torch has no CUDA)
+#   2c. gpu/sleep_check.py: stepalloc.pause / resume under PyTorch against a pinned copy_() of the
+#      same bytes (GiB/s, share of copy_'s), data_ptr and bytes kept, memory given back, a CUDA
+#      graph captured before a pause replayed after the resume, the colocated-loop example, and
+#      torch_memory_saver on the same tensors where it imports (OUT/checks/sleep.json, sleep.txt;
+#      small sizes over testdrv, whose stub runtime its children preload)
 #   3. gpu/e2e_compare.py: the end-to-end comparison on a 1.4 B multimodal model (a CPU dry run
 #      with a tiny model when no GPU is there)
 #   4. gpu/summarize.py: OUT/summary.json and OUT/summary.txt (printed at the end)
@@ -94,6 +99,16 @@ grep -E '^RESULT ' "$CHECKS/ipc_check.log" | sed 's/^RESULT //' | while read -r 
 if [ $rc -ne 0 ] && ! grep -q '^RESULT FAIL' "$CHECKS/ipc_check.log"; then
     tail -n 20 "$CHECKS/ipc_check.log"
     result "FAIL ipc_check status $rc (see checks/ipc_check.log)"
+fi
+
+echo "== 2c. sleep and wake under PyTorch (gpu/sleep_check.py; $(elapsed)s since start)"
+timeout -k 5 150 "$PYTHON" "$BUNDLE/gpu/sleep_check.py" --budget 140 --json "$CHECKS/sleep.json" \
+    > "$CHECKS/sleep_check.log" 2>&1
+rc=$?
+grep -E '^RESULT ' "$CHECKS/sleep_check.log" | sed 's/^RESULT //' | while read -r line; do result "$line"; done
+if [ $rc -ne 0 ] && ! grep -q '^RESULT FAIL' "$CHECKS/sleep_check.log"; then
+    tail -n 20 "$CHECKS/sleep_check.log"
+    result "FAIL sleep_check status $rc (see checks/sleep_check.log)"
 fi
 
 E2E_LEFT=$(( $(left) - 20 ))

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """One summary of a GPU run (gpu/run_all.sh): every check's pass / fail / skip (validate.sh's
-and run_all.sh's own), the end-to-end comparison tables and the replay's predicted peaks, as
-OUT/summary.json and OUT/summary.txt. Prints the text.
+and run_all.sh's own), the sleep/wake figures (gpu/sleep_check.py's checks/sleep.json), the
+end-to-end comparison tables and the replay's predicted peaks, as OUT/summary.json and
+OUT/summary.txt. Prints the text.
 
 Usage: summarize.py OUT [--bundle BUNDLE] [--seconds S]
 Exit status: 0 when no check failed and the comparison ran, 1 otherwise, 2 on bad input.
@@ -53,6 +54,10 @@ def main() -> int:
     e2e_path = a.out / "e2e" / "e2e.json"
     if e2e_path.is_file():
         e2e = json.loads(e2e_path.read_text())
+    sleep = None
+    sleep_path = a.out / "checks" / "sleep.json"
+    if sleep_path.is_file():
+        sleep = json.loads(sleep_path.read_text())
     source = None
     if a.bundle and (a.bundle / "MANIFEST.json").is_file():
         source = json.loads((a.bundle / "MANIFEST.json").read_text()).get("source")
@@ -67,6 +72,7 @@ def main() -> int:
         "counts": counts,
         "checks": every,
         "answers": answers,
+        "sleep": sleep,
         "e2e": e2e,
     }
     (a.out / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -82,6 +88,13 @@ def main() -> int:
         lines.append("")
         lines.append("answers to open questions:")
         lines += [f"  * {x}" for x in answers]
+    lines.append("")
+    sleep_txt = a.out / "checks" / "sleep.txt"
+    lines.append(
+        sleep_txt.read_text().rstrip()
+        if sleep_txt.is_file()
+        else "sleep and wake: no result (see checks/sleep_check.log)"
+    )
     lines.append("")
     e2e_txt = a.out / "e2e" / "e2e.txt"
     lines.append(

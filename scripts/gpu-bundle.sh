@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Builds the GPU bundle: everything a GPU machine without Rust (and without network) needs to
 # run gpu/run_all.sh — the release library, the release stepalloc-stress, the Rust test
-# binaries that exercise the CUDA backend, the C ABI test programs, the Python package, the
-# gpu/ scripts and the trace the run replays — in one folder of at most 40 MiB with a
-# MANIFEST.json (files, sizes, sha256, git commit, the glibc / libstdc++ symbol versions the
-# binaries need, checked against Ubuntu 24.04's; see scripts/gpu_manifest.py).
+# binaries that exercise the CUDA backend, the C ABI test programs, the Python package (with
+# the colocated-loop example), the gpu/ scripts and the trace the run replays — in one folder
+# of at most 40 MiB with a MANIFEST.json (files, sizes, sha256, git commit, the glibc /
+# libstdc++ symbol versions the binaries need, checked against Ubuntu 24.04's; see
+# scripts/gpu_manifest.py).
 #
 # Usage: scripts/gpu-bundle.sh [OUTDIR]   (default target/gpu-bundle; a new or empty folder or an
 #        earlier bundle, emptied first)
@@ -67,16 +68,18 @@ cp cabi/include/stepalloc.h "$OUT/cabi/include/"
 cp cabi/tests/c/*.c cabi/tests/c/*.h cabi/tests/c/*.cpp "$OUT/cabi/tests/c/"
 
 echo "== Python package, gpu/ scripts, trace"
-mkdir -p "$OUT/python/stepalloc"
+mkdir -p "$OUT/python/stepalloc" "$OUT/python/examples"
 cp python_shim/stepalloc/*.py python_shim/stepalloc/py.typed "$OUT/python/stepalloc/"
+# The colocated loop, run end to end by gpu/sleep_check.py.
+cp python_shim/examples/colocated_loop.py "$OUT/python/examples/"
 cp gpu/*.py gpu/*.sh "$OUT/gpu/"
 cp scripts/cuda_matches_sim.py scripts/gpu_manifest.py "$OUT/scripts/"
 cp stress/tests/data/model_vlm_agent.jsonl "$OUT/traces/"
 cat > "$OUT/README.txt" <<'EOF'
 stepalloc GPU bundle (built by scripts/gpu-bundle.sh; see MANIFEST.json).
 Run on the GPU machine, no Rust needed:   gpu/run_all.sh . "$OUT"
-Output: $OUT/summary.txt and $OUT/summary.json (validation checks and the end-to-end
-comparison tables), logs under $OUT/validate, $OUT/checks and $OUT/e2e.
+Output: $OUT/summary.txt and $OUT/summary.json (validation checks, the sleep/wake figures and
+the end-to-end comparison tables), logs under $OUT/validate, $OUT/checks and $OUT/e2e.
 Runtime: MANIFEST.json "runtime_needs" (glibc / libstdc++ symbol versions), checked against
 "target_runtime" when the bundle was built.
 EOF

@@ -1,9 +1,9 @@
 """Tests of the GPU run kit: the bundle (scripts/gpu-bundle.sh, scripts/gpu_manifest.py), the
 summary (gpu/summarize.py) and the input checks of gpu/run_all.sh and gpu/e2e_compare.py.
 
-The bundle is built once per session: the one named by $STEPALLOC_GPU_BUNDLE if set
-(scripts/test.sh builds it first), else a fresh one in a temporary folder. The whole run from
-the bundle over the host-memory driver is scripts/test.sh's, not these tests'.
+The bundle is built once per session (the fixture ``bundle``, conftest.py). The whole run from
+the bundle over the host-memory driver is scripts/test.sh's, not these tests'; the sleep/wake
+step alone runs in test_sleep_check.py.
 """
 
 from __future__ import annotations
@@ -42,23 +42,13 @@ NEEDED = [
     "gpu/summarize.py",
     "gpu/torch_check.py",
     "gpu/ipc_check.py",
+    "gpu/sleep_check.py",
+    "python/examples/colocated_loop.py",
     "scripts/gpu_manifest.py",
     "scripts/cuda_matches_sim.py",
     "traces/model_vlm_agent.jsonl",
     "MANIFEST.json",
 ]
-
-
-@pytest.fixture(scope="session")
-def bundle(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    given = os.environ.get("STEPALLOC_GPU_BUNDLE")
-    if given:
-        path = Path(given)
-        assert (path / "MANIFEST.json").is_file(), f"STEPALLOC_GPU_BUNDLE={given} holds no MANIFEST.json"
-        return path
-    path = tmp_path_factory.mktemp("bundle") / "b"
-    subprocess.run([str(ROOT / "scripts" / "gpu-bundle.sh"), str(path)], check=True, cwd=ROOT)
-    return path
 
 
 @pytest.fixture()

@@ -1,0 +1,642 @@
+"""Sleep and wake under real PyTorch: ``stepalloc.pause`` / ``resume`` with stepalloc installed
+process-wide, measured against a plain pinned ``copy_()`` of the same bytes in the same process,
+with what they must keep checked.
+
+Parts, each in its own child process (the allocator is chosen once per process):
+- ``cycle``, with stepalloc installed process-wide:
+  * ``--backup-mb`` backed up (tag ``sleep_weights``, ``--tensors`` tensors of varied sizes, like
+    a model's) and ``--discard-mb`` discarded (tag ``sleep_kv``, 8 tensors); each of
+    ``--cycles`` cycles copies the backed-up tensors into one pinned buffer allocated (and
+    touched) once and back with ``copy_()`` on a side stream, then runs ``pause("sleep_weights")``,
+    ``pause("sleep_kv")``, ``resume("sleep_kv")``, ``resume("sleep_weights")``. Figures are the
+    medians of cycles 2 and later (the first allocates the host buffers): milliseconds and
+    GiB/s of each call, and pause / resume bandwidth as a share of ``copy_()`` out / back (the
+    goal on a GPU: at least 80%; on testdrv's host-memory driver reported, not judged).
+  * every backed-up tensor keeps its ``data_ptr()`` and its bytes (compared on the host with the
+    bytes written); ``torch.cuda.mem_get_info()`` gains at least each tag's bytes when it is
+    paused (from the second cycle on: at the first pause the driver may keep some device memory
+    for the new copy stream and pinned buffers); the discarded tensors are usable after the
+    resume;
+  * a CUDA graph captured before a pause (tag ``sleep_graph``, backed up) replays after the
+    resume with the right result: copies from a paused tensor into its own output and into a
+    paused tensor, and on a GPU also an elementwise kernel into a paused tensor (testdrv's
+    graphs replay copies only; it runs no kernels).
+- ``colocated``: the example ``colocated_loop.py`` (``python/examples`` in a bundle) end to end
+  with ``--unit-mb`` and ``--iterations``: addresses and bytes kept, switch time, peak.
+- ``tms``: torch_memory_saver's own wheel (``hook_mode = "torch"``, its defaults) on the same
+  tensors and bytes, pause and resume timed alike; skipped with the reason when it does not
+  import.
+
+On testdrv (``STEPALLOC_HOSTCUDA=1``) the children preload its stub CUDA runtime, found as
+``runtime/libcudart.so.13`` beside the ``libcuda.so.1`` on ``LD_LIBRARY_PATH`` (or given with
+``--stub-runtime``), and the default sizes are small.
+
+Output: ``RESULT PASS|FAIL|SKIP <name> <detail>`` lines (sleep_cycle, sleep_bandwidth, sleep_graph,
+sleep_colocated, sleep_tms), the table on stdout, and with ``--json FILE`` the figures there and
+the table beside it (FILE with ``.txt``). Exit status 1 when a check failed: a correctness
+check, or on a GPU the bandwidth target (torch_memory_saver failing is recorded as a skip: it
+is a comparison, not a check of stepalloc).
+Usage: python3 sleep_check.py [--json FILE] [--backup-mb N] [--discard-mb N] [--tensors N]
+                              [--cycles N] [--graph-mb N] [--unit-mb N] [--iterations N]
+                              [--parts cycle,colocated,tms] [--budget SECONDS]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MIB = 1 << 20
+GIB = 1 << 30
+TARGET = 0.8  # pause / resume bandwidth as a share of copy_()'s, on a GPU
+WEIGHTS, KV, GRAPH = "sleep_weights", "sleep_kv", "sleep_graph"
+PARTS = ("cycle", "colocated", "tms")
+# Default sizes: (GPU, testdrv's host-memory driver).
+DEFAULTS = {
+    "backup_mb": (1024, 64),
+    "discard_mb": (512, 32),
+    "tensors": (257, 33),
+    "cycles": (5, 4),
+    "graph_mb": (64, 4),
+    "unit_mb": (256, 8),
+    "iterations": (3, 3),
+}
+
+
+def on_host_driver() -> bool:
+    """testdrv's host-memory driver stands in for the device (as the Rust CUDA tests read it)."""
+    return os.environ.get("STEPALLOC_HOSTCUDA", "") not in ("", "0")
+
+
+def python_path() -> str:
+    """The stepalloc package: the bundle's python/, or python_shim/ in the repository."""
+    for candidate in (HERE.parent / "python", HERE.parent / "python_shim"):
+        if (candidate / "stepalloc").is_dir():
+            return str(candidate)
+    return ""
+
+
+def example_path() -> Path | None:
+    root = python_path()
+    path = Path(root) / "examples" / "colocated_loop.py" if root else None
+    return path if path is not None and path.is_file() else None
+
+
+def stub_runtime() -> Path | None:
+    """testdrv's stub CUDA runtime beside the host-memory driver found on LD_LIBRARY_PATH."""
+    for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
+        if d and (Path(d) / "libcuda.so.1").exists() and (Path(d) / "runtime" / "libcudart.so.13").is_file():
+            return Path(d) / "runtime" / "libcudart.so.13"
+    return None
+
+
+def child_env(runtime: Path | None) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path(), env.get("PYTHONPATH", "")) if p)
+    if runtime is not None:
+        env["LD_PRELOAD"] = os.pathsep.join(p for p in (str(runtime), env.get("LD_PRELOAD", "")) if p)
+        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(runtime.parent), env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+# --- in the child processes ---------------------------------------------------------------------
+
+
+def sizes(total: int, n: int) -> list[int]:
+    """``n`` sizes summing to ``total``, varied (1x..3x a base) like a model's tensors, 512-byte
+    multiples (as scripts/sleep_bench.py makes them)."""
+    weights = [1 + (i * 7919) % 3 for i in range(n)]
+    base = total / sum(weights)
+    out = [max(512, int(base * w) // 512 * 512) for w in weights]
+    out[-1] += total - sum(out)
+    return out
+
+
+def source_bytes(torch, total: int):
+    """The bytes the backed-up tensors hold: random, the same in every process."""
+    g = torch.Generator().manual_seed(20261204)
+    return torch.empty(total, dtype=torch.uint8).random_(0, 256, generator=g)
+
+
+def fill(ws: list, src) -> list[int]:
+    offsets, off = [], 0
+    for w in ws:
+        w.copy_(src[off : off + w.numel()])
+        offsets.append(off)
+        off += w.numel()
+    return offsets
+
+
+def same_bytes(torch, ws: list, src, offsets: list[int]) -> bool:
+    return all(torch.equal(w.cpu(), src[o : o + w.numel()]) for w, o in zip(ws, offsets))
+
+
+def row(name: str, nbytes: int, pauses: list[float], resumes: list[float]) -> dict:
+    """Steady state (cycles 2 and later): median seconds and GiB/s of each direction."""
+    p, r = statistics.median(pauses[1:]), statistics.median(resumes[1:])
+    return {
+        "name": name,
+        "bytes": nbytes,
+        "pause_s": p,
+        "resume_s": r,
+        "pause_gib_s": nbytes / GIB / p if p > 0 else 0.0,
+        "resume_gib_s": nbytes / GIB / r if r > 0 else 0.0,
+        "pause_all_s": pauses,
+        "resume_all_s": resumes,
+    }
+
+
+def device_info(torch) -> dict:
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "host_memory_driver": on_host_driver(),
+    }
+
+
+def cycle_main(a: argparse.Namespace) -> dict:
+    """Part ``cycle``: pause / resume against copy_(), the kept pointers and bytes, the graph."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skip": "torch has no CUDA device here"}
+    import stepalloc
+
+    installation = stepalloc.install("backend:cuda," + stepalloc.RECOMMENDED)
+    out = device_info(torch)
+    out["hooks"] = sorted(installation.hooks)
+    backup, discard = a.backup_mb * MIB, a.discard_mb * MIB
+    with stepalloc.region(WEIGHTS, backup=True):
+        ws = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes(backup, a.tensors)]
+    with stepalloc.region(KV):
+        kv = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes(discard, 8)]
+    src = source_bytes(torch, backup)
+    offsets = fill(ws, src)
+    ptrs = [t.data_ptr() for t in ws + kv]
+    pinned = torch.empty(backup, dtype=torch.uint8, pin_memory=True)
+    pinned.fill_(0)  # touched once: the copies below find it warm, as stepalloc's kept buffers
+    side = torch.cuda.Stream()
+    t: dict[str, list[float]] = {k: [] for k in ("out", "back", "wp", "wr", "kp", "kr")}
+    gained_w, gained_kv, reported = [], [], []
+
+    def timed(key: str, fn) -> object:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        r = fn()
+        torch.cuda.synchronize()
+        t[key].append(time.perf_counter() - t0)
+        return r
+
+    def copy_out() -> None:
+        with torch.cuda.stream(side):
+            for w, o in zip(ws, offsets):
+                pinned[o : o + w.numel()].copy_(w, non_blocking=True)
+        side.synchronize()
+
+    def copy_back() -> None:
+        with torch.cuda.stream(side):
+            for w, o in zip(ws, offsets):
+                w.copy_(pinned[o : o + w.numel()], non_blocking=True)
+        side.synchronize()
+
+    for _ in range(a.cycles):
+        timed("out", copy_out)
+        timed("back", copy_back)
+        free0 = torch.cuda.mem_get_info()[0]
+        rp = timed("wp", lambda: stepalloc.pause(WEIGHTS))
+        free1 = torch.cuda.mem_get_info()[0]
+        timed("kp", lambda: stepalloc.pause(KV))
+        free2 = torch.cuda.mem_get_info()[0]
+        timed("kr", lambda: stepalloc.resume(KV))
+        rr = timed("wr", lambda: stepalloc.resume(WEIGHTS))
+        gained_w.append(free1 - free0)
+        gained_kv.append(free2 - free1)
+        reported.append({"pause": rp.raw, "resume": rr.raw})  # type: ignore[attr-defined]
+    for k in kv:  # the discarded tensors are usable again
+        k.copy_(torch.full((k.numel(),), 7, dtype=torch.uint8))
+    out["sizes"] = {"backup_bytes": backup, "tensors": a.tensors, "discard_bytes": discard, "cycles": a.cycles}
+    out["stepalloc_backup"] = row("stepalloc pause/resume, backed up", backup, t["wp"], t["wr"])
+    out["stepalloc_discard"] = row("stepalloc pause/resume, discarded", discard, t["kp"], t["kr"])
+    out["copy"] = row("copy_() into kept pinned memory and back", backup, t["out"], t["back"])
+    out["library_reports"] = reported
+    # Judged from the second cycle on: the first pause creates the copy stream and pins the host
+    # buffers, for which the driver may take some device memory of its own (2 MiB on an H200).
+    out["gained_bytes"] = {
+        "backup_min": min(gained_w[1:]),
+        "discard_min": min(gained_kv[1:]),
+        "backup_all": gained_w,
+        "discard_all": gained_kv,
+    }
+    out["ptrs_kept"] = ptrs == [x.data_ptr() for x in ws + kv]
+    out["bytes_kept"] = same_bytes(torch, ws, src, offsets)
+    out["copied_bytes_ok"] = all(r["pause"].get("copied_bytes", 0) >= backup for r in reported)
+    out["memory_released"] = min(gained_w[1:]) >= backup and min(gained_kv[1:]) >= discard
+    out["discard_usable"] = all(int(k[-1:].cpu()) == 7 and int(k[:1].cpu()) == 7 for k in kv)
+    out["graph"] = graph_check(torch, stepalloc, a.graph_mb * MIB)
+    return out
+
+
+def graph_check(torch, stepalloc, n: int) -> dict:
+    """A CUDA graph captured before a pause replays after the resume with the right result
+    (test_sleep.py's check): it reads a paused tensor and writes both a paused tensor and its
+    own output (in the graph's private pool), plus on a GPU a kernel into a paused tensor.
+    Where the capture's own allocations counted (the tag, so paused with it, or untagged and
+    resident: src/heap.rs leaves CUDA-graph pools untagged) is recorded, not judged
+    (``pool_tagged``, ``capture_growth``)."""
+    kernels = not on_host_driver()
+    with stepalloc.region(GRAPH, backup=True):
+        static_in = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        kept_out = torch.zeros(n, dtype=torch.uint8, device="cuda")
+        x = torch.zeros(n // 4, dtype=torch.float32, device="cuda") if kernels else None
+        z = torch.zeros(n // 4, dtype=torch.float32, device="cuda") if kernels else None
+        before = stepalloc.tags()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = static_in.clone()  # allocated in the graph's pool, a copy on replay
+            kept_out.copy_(static_in)  # a copy into paused memory
+            if x is not None and z is not None:
+                torch.add(x * 2, 1, out=z)  # a kernel into paused memory
+        after = stepalloc.tags()
+
+    def growth(tag: str) -> int:
+        return int(after.get(tag, {}).get("live_bytes", 0)) - int(before.get(tag, {}).get("live_bytes", 0))
+
+    outputs = [static_out, kept_out] + ([z] if z is not None else [])
+    ptrs = [t.data_ptr() for t in [static_in, *outputs]]
+    paused = stepalloc.pause(GRAPH)
+    stepalloc.resume(GRAPH)
+    src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    static_in.copy_(src)
+    xs = torch.randn(n // 4, generator=torch.Generator().manual_seed(6))
+    if x is not None:
+        x.copy_(xs)
+    graph.replay()
+    torch.cuda.synchronize()
+    right = torch.equal(static_out.cpu(), src) and torch.equal(kept_out.cpu(), src)
+    if z is not None:
+        right = right and torch.allclose(z.cpu(), xs * 2 + 1)
+    return {
+        "bytes": n,
+        "kernel": kernels,
+        "released_bytes": paused.released_bytes,
+        "released": paused.released_bytes >= 2 * n,  # static_in and kept_out at least
+        # the graph's own output (n bytes) counted in the tag; a capture itself may add a few
+        # bytes of PyTorch's own there (1 KiB under torch 2.11 on an H200)
+        "pool_tagged": growth(GRAPH) >= n,
+        # live bytes the capture added to the tag and to "default" (where untagged pools count)
+        "capture_growth": {"tag": growth(GRAPH), "default": growth("default")},
+        "ptr_kept": ptrs == [t.data_ptr() for t in [static_in, *outputs]],
+        "replay_right": bool(right),
+    }
+
+
+def tms_main(a: argparse.Namespace) -> dict:
+    """Part ``tms``: torch_memory_saver's own wheel on the same tensors and bytes."""
+    try:
+        import torch_memory_saver
+        from torch_memory_saver import torch_memory_saver as tms
+    except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip, said as such
+        return {"skip": f"torch_memory_saver does not import ({type(e).__name__}: {e})"}
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skip": "torch has no CUDA device here"}
+    from importlib import metadata
+
+    try:
+        version = metadata.version("torch_memory_saver")
+    except metadata.PackageNotFoundError:
+        version = getattr(torch_memory_saver, "__version__", "unknown")
+    tms.hook_mode = "torch"  # its pluggable-allocator mode: no LD_PRELOAD needed
+    out = device_info(torch)
+    out["version"] = version
+    out["hook_mode"] = "torch"
+    backup, discard = a.backup_mb * MIB, a.discard_mb * MIB
+    with tms.region(tag=WEIGHTS, enable_cpu_backup=True):
+        ws = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes(backup, a.tensors)]
+    with tms.region(tag=KV):
+        kv = [torch.empty(n, dtype=torch.uint8, device="cuda") for n in sizes(discard, 8)]
+    src = source_bytes(torch, backup)
+    offsets = fill(ws, src)
+    ptrs = [t.data_ptr() for t in ws + kv]
+    t: dict[str, list[float]] = {k: [] for k in ("wp", "wr", "kp", "kr")}
+
+    def timed(key: str, fn) -> None:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        t[key].append(time.perf_counter() - t0)
+
+    for _ in range(a.cycles):
+        timed("wp", lambda: tms.pause(WEIGHTS))
+        timed("kp", lambda: tms.pause(KV))
+        timed("kr", lambda: tms.resume(KV))
+        timed("wr", lambda: tms.resume(WEIGHTS))
+    out["backup"] = row(f"torch_memory_saver {version}, backed up", backup, t["wp"], t["wr"])
+    out["discard"] = row(f"torch_memory_saver {version}, discarded", discard, t["kp"], t["kr"])
+    out["ptrs_kept"] = ptrs == [x.data_ptr() for x in ws + kv]
+    out["bytes_kept"] = same_bytes(torch, ws, src, offsets)
+    return out
+
+
+def child_main(role: str, a: argparse.Namespace) -> int:
+    try:
+        doc = cycle_main(a) if role == "cycle" else tms_main(a)
+    except Exception:  # noqa: BLE001 - reported to the parent, which names the part
+        traceback.print_exc()
+        return 1
+    print(json.dumps(doc), flush=True)
+    sys.stdout.flush()
+    # torch_memory_saver 0.0.10's torch hook mode fails at interpreter teardown
+    # (scripts/sleep_bench.py); its figures are out, so leave without the teardown.
+    if role == "tms":
+        os._exit(0)
+    return 0
+
+
+# --- the parent -------------------------------------------------------------------------------
+
+
+def run_child(role: str, a: argparse.Namespace, env: dict[str, str], timeout: float) -> dict:
+    args = [sys.executable, __file__, "--role", role]
+    for k in ("backup_mb", "discard_mb", "tensors", "cycles", "graph_mb"):
+        args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired as e:
+        out = e.stdout or ""
+        if isinstance(out, bytes):
+            out = out.decode(errors="replace")
+        return {"error": f"timed out after {timeout:.0f}s {out[-1500:]}".strip()}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": f"status {done.returncode}: " + (done.stdout + done.stderr)[-2000:]}
+    return json.loads(lines[-1])
+
+
+def run_colocated(a: argparse.Namespace, env: dict[str, str], timeout: float) -> dict:
+    example = example_path()
+    if example is None:
+        return {"error": f"colocated_loop.py not found under {python_path() or '(no stepalloc package)'}/examples"}
+    args = [sys.executable, str(example), "--iterations", str(a.iterations), "--unit-mb", str(a.unit_mb)]
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {timeout:.0f}s"}
+    text = done.stdout
+    out: dict = {
+        "status": done.returncode,
+        "seconds": time.perf_counter() - t0,
+        "unit_mb": a.unit_mb,
+        "iterations": a.iterations,
+        "addresses_kept": "addresses kept: yes" in text,
+        "bytes_kept": "bytes kept: yes" in text,
+        "fits": "fits: yes" in text,
+        "output": text[-3000:],
+    }
+    for line in text.splitlines():
+        if line.startswith("peak in use "):
+            out["peak_mib"] = float(line.split()[3])
+        if "switch time " in line:
+            out["switch_ms"] = float(line.split("switch time ")[1].split()[0])
+    if done.returncode != 0:
+        out["error"] = f"status {done.returncode}: " + (text + done.stderr)[-2000:]
+    return out
+
+
+def one_line(text: str, n: int) -> str:
+    return text[-n:].replace("\n", " | ")
+
+
+def judge_cycle(doc: dict) -> list[tuple[str, str, str]]:
+    """sleep_cycle, sleep_bandwidth and sleep_graph: (status, name, detail)."""
+    c = doc["cycle"]
+    if "skip" in c:
+        return [("SKIP", "sleep_cycle", c["skip"])]
+    if "error" in c:
+        return [("FAIL", "sleep_cycle", one_line(c["error"], 600))]
+    b, d, cp = c["stepalloc_backup"], c["stepalloc_discard"], c["copy"]
+    ok = all(c[k] for k in ("ptrs_kept", "bytes_kept", "memory_released", "discard_usable", "copied_bytes_ok"))
+    cycle = (
+        f"{b['bytes'] / GIB:.3f} GiB backed up in {c['sizes']['tensors']} tensors: pause "
+        f"{b['pause_s'] * 1e3:.1f} ms ({b['pause_gib_s']:.2f} GiB/s), resume {b['resume_s'] * 1e3:.1f} ms "
+        f"({b['resume_gib_s']:.2f} GiB/s); copy_ out {cp['pause_gib_s']:.2f}, back {cp['resume_gib_s']:.2f} "
+        f"GiB/s; {d['bytes'] / GIB:.3f} GiB discarded: pause {d['pause_s'] * 1e3:.1f} ms, resume "
+        f"{d['resume_s'] * 1e3:.1f} ms; ptrs_kept={c['ptrs_kept']}, bytes_kept={c['bytes_kept']}, "
+        f"memory_released={c['memory_released']}, discard_usable={c['discard_usable']}"
+    )
+    bw = doc["bandwidth"]
+    ratios = (
+        f"pause at {bw['pause_ratio']:.0%} of copy_ out, resume at {bw['resume_ratio']:.0%} of copy_ back "
+        f"(target {TARGET:.0%})"
+    )
+    if bw["applies"]:
+        bandwidth_line = ("PASS" if bw["target_met"] else "FAIL", "sleep_bandwidth", ratios)
+    else:
+        bandwidth_line = ("SKIP", "sleep_bandwidth", f"host-memory driver: the target is a GPU's; {ratios}")
+    g = c["graph"]
+    graph = (
+        f"{g['bytes'] / MIB:.0f} MiB, {'copies and a kernel' if g['kernel'] else 'copies'} replayed after "
+        f"pause/resume: replay_right={g['replay_right']}, ptr_kept={g['ptr_kept']}, "
+        f"released {g['released_bytes'] / MIB:.1f} MiB; the graph's own pool "
+        + ("paused with the tag" if g["pool_tagged"] else "untagged, stays resident")
+    )
+    graph_ok = g["replay_right"] and g["ptr_kept"] and g["released"]
+    return [
+        ("PASS" if ok else "FAIL", "sleep_cycle", cycle),
+        bandwidth_line,
+        ("PASS" if graph_ok else "FAIL", "sleep_graph", graph),
+    ]
+
+
+def judge_colocated(co: dict) -> tuple[str, str, str]:
+    if "skip" in co:
+        return ("SKIP", "sleep_colocated", co["skip"])
+    if "error" in co:
+        return ("FAIL", "sleep_colocated", one_line(co["error"], 600))
+    ok = co["addresses_kept"] and co["bytes_kept"] and co["status"] == 0
+    return (
+        "PASS" if ok else "FAIL",
+        "sleep_colocated",
+        f"colocated_loop.py --unit-mb {co['unit_mb']} --iterations {co['iterations']}: addresses kept "
+        f"{co['addresses_kept']}, bytes kept {co['bytes_kept']}, switch {co.get('switch_ms', 0):.0f} ms, "
+        f"peak {co.get('peak_mib', 0):.0f} MiB",
+    )
+
+
+def judge_tms(tm: dict) -> tuple[str, str, str]:
+    if "skip" in tm:
+        return ("SKIP", "sleep_tms", tm["skip"])
+    if "error" in tm:
+        # torch_memory_saver is a comparison: its failure is recorded, not stepalloc's failure
+        return ("SKIP", "sleep_tms", "torch_memory_saver imported but did not complete: " + one_line(tm["error"], 400))
+    b, d = tm["backup"], tm["discard"]
+    return (
+        "PASS",
+        "sleep_tms",
+        f"torch_memory_saver {tm['version']} on the same tensors: backed up pause {b['pause_s'] * 1e3:.1f} ms, "
+        f"resume {b['resume_s'] * 1e3:.1f} ms; discarded pause {d['pause_s'] * 1e3:.1f} ms, resume "
+        f"{d['resume_s'] * 1e3:.1f} ms; ptrs_kept={tm['ptrs_kept']}, bytes_kept={tm['bytes_kept']}",
+    )
+
+
+def judge(doc: dict) -> list[tuple[str, str, str]]:
+    """The RESULT lines of the parts that ran: (status, name, detail)."""
+    res = judge_cycle(doc) if "cycle" in doc else []
+    if "colocated" in doc:
+        res.append(judge_colocated(doc["colocated"]))
+    if "tms" in doc:
+        res.append(judge_tms(doc["tms"]))
+    return res
+
+
+def host_note() -> str:
+    delay = os.environ.get("HOSTCUDA_DELAY_US", "0")
+    note = "testdrv's host-memory driver: host-memory figures"
+    if delay not in ("", "0"):
+        note += f"; HOSTCUDA_DELAY_US={delay}: every piece of queued work, each copy among them, waits that long"
+    return note
+
+
+def text_table(doc: dict) -> str:
+    """The human table of sleep.json."""
+    c = doc.get("cycle") or {}
+    if "stepalloc_backup" not in c:
+        why = c.get("skip") or c.get("error", "not run")
+        return f"sleep and wake: no figures ({str(why)[-300:]})\n"
+    s = c["sizes"]
+    lines = [
+        f"sleep and wake (gpu/sleep_check.py) on {c['device']}"
+        + (f" ({host_note()})" if doc["host_memory_driver"] else "")
+        + f": {s['backup_bytes'] / GIB:.3f} GiB backed up in {s['tensors']} tensors + "
+        f"{s['discard_bytes'] / GIB:.3f} GiB discarded, median of cycles 2..{s['cycles']}",
+        f"{'':<48} {'bytes':>9} {'pause ms':>9} {'resume ms':>10} {'pause GiB/s':>12} {'resume GiB/s':>13}",
+    ]
+    rows = [c["stepalloc_backup"], c["copy"], c["stepalloc_discard"]]
+    tm = doc.get("tms") or {}
+    if "backup" in tm:
+        rows += [tm["backup"], tm["discard"]]
+    for r in rows:
+        name = r["name"].replace("copy_() into kept pinned memory and back", "copy_() out / back, kept pinned buffer")
+        lines.append(
+            f"{name:<48} {r['bytes'] / MIB:>5.0f} MiB {r['pause_s'] * 1e3:>9.1f} {r['resume_s'] * 1e3:>10.1f}"
+            f" {r['pause_gib_s']:>12.2f} {r['resume_gib_s']:>13.2f}"
+        )
+    bw = doc["bandwidth"]
+    lines.append(
+        f"stepalloc against copy_(): pause {bw['pause_ratio']:.0%}, resume {bw['resume_ratio']:.0%} "
+        f"(target {TARGET:.0%} on a GPU: "
+        + ("not judged here)" if not bw["applies"] else ("met)" if bw["target_met"] else "MISSED)"))
+    )
+    if "skip" in tm or "error" in tm:
+        lines.append(f"torch_memory_saver: {one_line(tm.get('skip') or tm.get('error', ''), 300)}")
+    g = c["graph"]
+    lines.append(
+        f"kept: data_ptr {c['ptrs_kept']}, bytes {c['bytes_kept']}; mem_get_info at each pause of cycles 2.. gained "
+        f"{c['gained_bytes']['backup_min'] / MIB:.0f} MiB (backed up) and {c['gained_bytes']['discard_min'] / MIB:.0f} "
+        f"MiB (discarded) at least; graph replay right {g['replay_right']}, ptr kept {g['ptr_kept']}"
+    )
+    co = doc.get("colocated") or {}
+    if "addresses_kept" in co:
+        lines.append(
+            f"colocated loop: {co['iterations']} iterations of {co['unit_mb']} MiB units, switch "
+            f"{co.get('switch_ms', 0):.0f} ms, peak {co.get('peak_mib', 0):.0f} MiB, addresses kept "
+            f"{co['addresses_kept']}, bytes kept {co['bytes_kept']}"
+        )
+    elif co:
+        lines.append(f"colocated loop: {one_line(co.get('error') or co.get('skip', ''), 300)}")
+    return "\n".join(lines) + "\n"
+
+
+def bandwidth(c: dict) -> dict:
+    b, cp = c["stepalloc_backup"], c["copy"]
+    pr = b["pause_gib_s"] / cp["pause_gib_s"] if cp["pause_gib_s"] else 0.0
+    rr = b["resume_gib_s"] / cp["resume_gib_s"] if cp["resume_gib_s"] else 0.0
+    return {
+        "pause_ratio": pr,
+        "resume_ratio": rr,
+        "target": TARGET,
+        "target_met": min(pr, rr) >= TARGET,
+        "applies": not on_host_driver(),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--role", choices=["all", "cycle", "tms"], default="all")
+    host = on_host_driver()
+    for k, (gpu, small) in DEFAULTS.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=small if host else gpu)
+    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--budget", type=float, default=140.0, help="seconds for all parts together")
+    ap.add_argument("--stub-runtime", help="testdrv's libcudart.so.13 (default: found beside libcuda.so.1)")
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    if a.cycles < 2:
+        ap.error("--cycles must be at least 2 (the first cycle is warm-up)")
+    if min(a.backup_mb, a.discard_mb, a.tensors, a.graph_mb, a.unit_mb, a.iterations) < 1:
+        ap.error("sizes, --tensors and --iterations must be at least 1")
+    parts = [p for p in a.parts.split(",") if p]
+    if set(parts) - set(PARTS):
+        ap.error(f"unknown part(s) {','.join(sorted(set(parts) - set(PARTS)))}; accepted: {','.join(PARTS)}")
+    if a.role != "all":
+        return child_main(a.role, a)
+    start = time.monotonic()
+    runtime = Path(a.stub_runtime) if a.stub_runtime else (stub_runtime() if host else None)
+    doc: dict = {"host_memory_driver": host, "parts": parts}
+    skip = None
+    if host and (runtime is None or not runtime.is_file()):
+        skip = (
+            "STEPALLOC_HOSTCUDA is set but testdrv's stub runtime (runtime/libcudart.so.13 beside libcuda.so.1 "
+            "on LD_LIBRARY_PATH) is not there; build it with testdrv/build.sh"
+        )
+    env = child_env(runtime if host else None)
+
+    def left() -> float:
+        return a.budget - (time.monotonic() - start)
+
+    if "cycle" in parts:
+        doc["cycle"] = {"skip": skip} if skip else run_child("cycle", a, env, max(10.0, left() * 0.6))
+        c = doc["cycle"]
+        if "stepalloc_backup" in c:
+            doc["bandwidth"] = bandwidth(c)
+            doc["correct"] = {
+                "ptrs_kept": c["ptrs_kept"],
+                "bytes_kept": c["bytes_kept"],
+                "memory_released": c["memory_released"],
+                "discard_usable": c["discard_usable"],
+                "graph_replay_right": c["graph"]["replay_right"],
+                "graph_ptr_kept": c["graph"]["ptr_kept"],
+            }
+    no_device = skip or (doc.get("cycle") or {}).get("skip")
+    if "colocated" in parts:
+        doc["colocated"] = {"skip": no_device} if no_device else run_colocated(a, env, max(10.0, left() * 0.5))
+    if "tms" in parts:
+        doc["tms"] = {"skip": no_device} if no_device else run_child("tms", a, env, max(10.0, left() - 5))
+    results = judge(doc)
+    doc["results"] = [{"status": s, "name": n, "detail": d} for s, n, d in results]
+    doc["ok"] = not any(s == "FAIL" for s, _, _ in results)
+    doc["seconds"] = time.monotonic() - start
+    table = text_table(doc)
+    print(table, end="")
+    for s, n, d in results:
+        print(f"RESULT {s} {n} {d}", flush=True)
+    if a.json:
+        path = Path(a.json)
+        path.write_text(json.dumps(doc, indent=1) + "\n")
+        path.with_suffix(".txt").write_text(table)
+    return 0 if doc["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
