@@ -1,4 +1,4 @@
-/* hostcudart: a stub CUDA runtime (libcudart.so.13) over the host-memory driver (hostcuda.c), so
+/* hostcudart: a stub CUDA runtime (libcudart.so.13) over the host-memory driver (hostcuda*.c), so
  * that real PyTorch runs its CUDA allocation paths on a machine without a GPU: torch's libraries
  * import the runtime functions listed in testdrv/cudart_exports.txt and are bound at load time,
  * so every one of them exists here. A few dozen do real work, by forwarding to the driver (a
@@ -47,7 +47,7 @@ enum {
 enum { H2H = 0, H2D = 1, D2H = 2, D2D = 3, DEFAULT_KIND = 4 };
 
 /* ------------------------------------------------------------------------------------------ */
-/* the driver calls we forward to (hostcuda.c; linked with -lcuda) */
+/* the driver calls we forward to (hostcuda*.c; linked with -lcuda) */
 
 CUresult cuInit(unsigned);
 CUresult cuDriverGetVersion(int *);
@@ -768,7 +768,7 @@ cudaError_t cudaGraphNodeGetDependencies(void *node, void **deps, void *edges, s
 }
 
 /* ------------------------------------------------------------------------------------------ */
-/* inter-process sharing: the driver's cuIpc* calls (hostcuda.c, "inter-process sharing"). The
+/* inter-process sharing: the driver's cuIpc* calls (hostcuda_ipc.c). The
  * handles are 64 opaque bytes, passed by value as in cuda_runtime_api.h. */
 
 typedef struct { char reserved[64]; } cudaIpcMemHandle_t;

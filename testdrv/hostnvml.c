@@ -1,4 +1,4 @@
-/* hostnvml: a stub NVML (libnvidia-ml.so.1) over the host-memory driver (hostcuda.c), for real
+/* hostnvml: a stub NVML (libnvidia-ml.so.1) over the host-memory driver (hostcuda*.c), for real
  * PyTorch on a machine without a GPU: torch.cuda.device_count() asks NVML through ctypes, and
  * c10's expandable segments probe NVML for fabric handles on their first map. It answers the
  * device count, handles, UUIDs and memory from the driver, "not supported" for fabric and

@@ -79,7 +79,7 @@ def main() -> int:
     driver_names = names_in(c10, b"cu")
     for name in sorted(driver_names):
         if name not in driver and f"{name}_v2" not in driver:
-            problems.append(f"driver: {name} (c10 resolves it by name; add it to testdrv/hostcuda.c)")
+            problems.append(f"driver: {name} (c10 resolves it by name; add it to the driver, testdrv/hostcuda*.c)")
 
     nvml = exports(stub_dir / "runtime" / "libnvidia-ml.so.1")
     wanted_nvml: set[str] = set()
