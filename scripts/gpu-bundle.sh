@@ -69,7 +69,8 @@ cp cabi/tests/c/*.c cabi/tests/c/*.h cabi/tests/c/*.cpp "$OUT/cabi/tests/c/"
 
 echo "== Python package, gpu/ scripts, trace"
 mkdir -p "$OUT/python/stepalloc" "$OUT/python/examples"
-cp python_shim/stepalloc/*.py python_shim/stepalloc/py.typed "$OUT/python/stepalloc/"
+# oom_error.cpp: compiled on first use so that out-of-memory raises torch.OutOfMemoryError.
+cp python_shim/stepalloc/*.py python_shim/stepalloc/py.typed python_shim/stepalloc/oom_error.cpp "$OUT/python/stepalloc/"
 # The colocated loop, run end to end by gpu/sleep_check.py.
 cp python_shim/examples/colocated_loop.py "$OUT/python/examples/"
 cp gpu/*.py gpu/*.sh "$OUT/gpu/"

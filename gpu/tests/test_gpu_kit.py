@@ -67,6 +67,12 @@ def manifest(*args: str) -> subprocess.CompletedProcess:
 def test_bundle_holds_what_the_gpu_run_needs(bundle: Path) -> None:
     for rel in NEEDED:
         assert (bundle / rel).is_file(), f"{rel} missing from the bundle"
+    # The whole Python package, its data files too (oom_error.cpp makes out-of-memory raise
+    # torch.OutOfMemoryError).
+    package = ROOT / "python_shim" / "stepalloc"
+    for f in package.iterdir():
+        if f.is_file() and f.suffix != ".pyc":
+            assert (bundle / "python" / "stepalloc" / f.name).is_file(), f"{f.name} missing from the bundle"
     for rel in ["lib/libstepalloc.so", "bin/stepalloc-stress", "testbin/stepalloc-lib-tests", "gpu/run_all.sh"]:
         assert os.access(bundle / rel, os.X_OK) or rel.endswith(".so"), f"{rel} is not executable"
     m = json.loads((bundle / "MANIFEST.json").read_text())

@@ -116,8 +116,10 @@ class TorchMemorySaver:
         enable_cpu_backup: bool = False,
         cpu_backup_backend: str | None = None,
     ) -> Iterator[None]:
-        """``torch.cuda.graph(...)`` whose memory (the graph's pool) carries ``tag``, so it can
-        be paused with the rest; the graph replays after ``resume`` (same addresses)."""
+        """``torch.cuda.graph(...)`` captured inside a region of ``tag``: tensors the caller
+        allocates there carry the tag and pause with it, and the graph replays after ``resume``
+        (same addresses). The graph's own pool (its intermediates and outputs) is not tagged:
+        it stays on the device through a pause, where torch_memory_saver releases it too."""
         _check_backend(enable_cpu_backup, False, cpu_backup_backend)
         self._ensure_initialized()
         import torch

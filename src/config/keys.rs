@@ -114,7 +114,7 @@ pub const KEYS: &[KeyDoc] = &[
         name: "big_page_mb",
         default: "0 (off)",
         form: "0, or a multiple of 2 from 2 to 1024, with expandable_segments:True",
-        doc: "with expandable segments: once the device's peak of mapped bytes reaches big_page_after_mb, the large pool grows in segments with pages of this size (fewer driver calls for a large heap; a small one keeps large_segment_size_mb)",
+        doc: "with expandable segments: once the device's peak of mapped bytes reaches big_page_after_mb, the large pool grows in segments with pages of this size (fewer driver calls for a large heap; a small one keeps large_segment_size_mb); a tagged region's large blocks take them from the start (fewer calls per pause and resume)",
     },
     KeyDoc {
         name: "big_page_after_mb",

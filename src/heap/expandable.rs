@@ -113,11 +113,15 @@ impl Heap {
     /// The page size of the pool's expandable segments that grow now: the large pool's turns
     /// to `big_page` once the peak of mapped bytes has reached `big_page_after` (a large heap
     /// then needs fewer driver calls per byte; a small one keeps fine pages, whose partly used
-    /// ends waste less). Segments keep the page size they were created with.
+    /// ends waste less). A tagged region's ranges take big pages from the start: they hold bulk
+    /// memory (weights, KV caches) that every pause and resume unmaps and maps page by page.
+    /// Segments keep the page size they were created with.
     fn page_size(&self, small: bool) -> u64 {
         if small {
             SMALL_SEGMENT
-        } else if self.config.big_page > 0 && self.stats.reserved_bytes.peak() >= self.config.big_page_after {
+        } else if self.config.big_page > 0
+            && (self.request_tag != 0 || self.stats.reserved_bytes.peak() >= self.config.big_page_after)
+        {
             self.config.big_page
         } else {
             self.config.large_page
