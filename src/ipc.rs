@@ -131,6 +131,23 @@ fn parse_expandable(version: u8, rest: &[u8]) -> std::result::Result<Shareable, 
 mod tests {
     use super::*;
 
+    /// A handle written for torch before 2.13 (`stepalloc.ipc.handle_for_torch`: version 2, the
+    /// expandable header without its handle type) reads as the same memory.
+    #[test]
+    fn reads_version_2_handles() {
+        let e = Shareable::Expandable { pid: 77, page: 2 << 20, fds: vec![5, 6, 7] };
+        let v3 = e.encode();
+        let mut v2 = vec![2, b'e'];
+        v2.extend_from_slice(&v3[2..2 + HEADER_V3 - 8]);
+        v2.extend_from_slice(&v3[2 + HEADER_V3..]);
+        assert_eq!(v2.len(), 2 + HEADER_V2 + 12);
+        assert_eq!(Shareable::parse(&v2).unwrap(), e);
+        let c = Shareable::Legacy([9; LEGACY_HANDLE_BYTES]);
+        let mut v2 = c.encode();
+        v2[0] = 2;
+        assert_eq!(Shareable::parse(&v2).unwrap(), c);
+    }
+
     /// torch 2.15's own handles, as its allocator wrote them over testdrv (the padding after
     /// the pid and the handle type was whatever the stack held).
     #[test]

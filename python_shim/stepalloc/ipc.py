@@ -180,7 +180,7 @@ def share_storage(storage: Any) -> tuple[Any, ...]:
         need = int(library.stepalloc_ipc_share(ptr, buf, len(buf), ctypes.byref(offset)))
     if need == 0:
         raise RuntimeError(f"stepalloc cannot share this CUDA tensor with another process: {_lib.last_error()}")
-    handle = buf.raw[:need]
+    handle = handle_for_torch(buf.raw[:need], torch_handle_version(torch.__version__))
     with _lock:
         collect()
         file, slot = _take_counter()
@@ -190,6 +190,34 @@ def share_storage(storage: Any) -> tuple[Any, ...]:
             event_handle = event.ipc_handle()
         _sent.append(_Sent(storage, file, slot, event))
     return (device, handle, nbytes, int(offset.value), file.name.encode(), slot, event_handle, True)
+
+
+def torch_handle_version(version: str) -> int:
+    """The handle version the installed torch writes and the newest it opens: 3 from torch 2.13
+    (the expandable-segment header gained its handle type), 2 before. A receiving stock PyTorch
+    refuses a newer version ("received sharable handle from a future version of torch"), and
+    the producer's torch is the receiver's in the usual setup (one environment)."""
+    try:
+        major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return 3
+    return 3 if (major, minor) >= (2, 13) else 2
+
+
+_V3_HEADER = 32  # pid (+4 padding), page size, number of handles, handle type (+4 padding)
+
+
+def handle_for_torch(handle: bytes, version: int) -> bytes:
+    """The library's handle (version 3) in the format of `version`: version 2 has the same
+    ``'c'`` payload and an expandable-segment header without the handle type (POSIX file
+    descriptors, the only type stepalloc exports)."""
+    if version >= 3 or len(handle) < 2 or handle[0] != 3:
+        return handle
+    if handle[1:2] == b"c":
+        return b"\x02" + handle[1:]
+    if handle[1:2] == b"e" and len(handle) >= 2 + _V3_HEADER:
+        return b"\x02e" + handle[2 : 2 + _V3_HEADER - 8] + handle[2 + _V3_HEADER :]
+    return handle
 
 
 # ----- receiver ------------------------------------------------------------------------------

@@ -190,8 +190,9 @@ ROWS: tuple[Row, ...] = (
     Row(
         "torch.multiprocessing.reductions.reduce_tensor (CUDA)",
         WORKS,
-        "PyTorch's own handle format (a legacy IPC handle for plain segments, the pages' POSIX file "
-        "descriptors for expandable ones); the receiver may run stock PyTorch or stepalloc (stepalloc.ipc)",
+        "PyTorch's own handle format, in the installed torch's version (a legacy IPC handle for plain "
+        "segments, the pages' POSIX file descriptors for expandable ones); the receiver may run stock "
+        "PyTorch or stepalloc (stepalloc.ipc)",
     ),
     Row(
         "torch.UntypedStorage._share_cuda_",

@@ -155,3 +155,29 @@ print("collect_restored=" + str(torch.cuda.ipc_collect.__module__))
     assert "kind=c counter=/torch_" in out, out
     assert "restored=True" in out, out
     assert "collect_restored=torch.cuda" in out, out
+
+
+def test_handles_are_written_in_the_installed_torchs_version() -> None:
+    """torch before 2.13 refuses version 3 ("a future version of torch"): what a producer sends
+    is rewritten to version 2 there, with the same payload ('c') or header less the handle type
+    ('e'), which src/ipc.rs reads back as the same memory (reads_version_2_handles)."""
+    import stepalloc.ipc as ipc
+
+    assert [ipc.torch_handle_version(v) for v in ("2.11.0+cu130", "2.12.1", "2.13.0", "2.15.0", "3.0", "x")] == [
+        2,
+        2,
+        3,
+        3,
+        3,
+        3,
+    ]
+    legacy = bytes([3]) + b"c" + bytes(range(64))
+    assert ipc.handle_for_torch(legacy, 2) == bytes([2]) + b"c" + bytes(range(64))
+    assert ipc.handle_for_torch(legacy, 3) == legacy
+    header = (77).to_bytes(4, "little") + bytes(4) + (2 << 20).to_bytes(8, "little") + (2).to_bytes(8, "little")
+    fds = (5).to_bytes(4, "little") + (6).to_bytes(4, "little")
+    v3 = bytes([3]) + b"e" + header + (1).to_bytes(4, "little") + bytes(4) + fds
+    assert ipc.handle_for_torch(v3, 2) == bytes([2]) + b"e" + header + fds
+    # Anything else passes unchanged.
+    for other in (bytes(64), b"", bytes([2]) + b"c" + bytes(64), bytes([3]) + b"e" + bytes(8)):
+        assert ipc.handle_for_torch(other, 2) == other

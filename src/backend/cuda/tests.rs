@@ -321,7 +321,10 @@ fn gpu_virtual_memory_map_rules_and_shared_data() {
     }
     dev.map(b, 2 * g, h).expect("map the same memory at b");
     dev.unmap(a, 2 * g).expect("unmap a");
-    assert!(dev.unmap(a, 2 * g).is_err(), "unmapped twice");
+    // testdrv refuses a second unmap (a wrong call sequence of ours should fail a test); an
+    // H200's driver accepted it in the GPU kit, so only the host-memory driver is held to it.
+    let again = dev.unmap(a, 2 * g);
+    assert!(host.is_none() || again.is_err(), "unmapped twice");
     {
         let _current = dev.enter().expect("enter");
         // Safety: `b` is mapped read-write; the buffer has room.
