@@ -144,6 +144,13 @@ impl Heap {
         // All free blocks, ANY ones too: a merge reaches one neighbour each way, so a chain of
         // free blocks merges fully only if each of its blocks gets its turn.
         let free: Vec<BlockId> = self.arena.blocks_in_state(BlockState::Free).collect();
+        self.merge_as_any_stream(free);
+        Ok(())
+    }
+
+    /// Makes the free blocks `free` serve any stream (the caller waited for their streams'
+    /// work), then merges each with its free neighbours.
+    pub(super) fn merge_as_any_stream(&mut self, free: Vec<BlockId>) {
         // First every free block becomes ANY, so that each merge below yields ANY again.
         for &id in &free {
             self.unlist(id);
@@ -161,7 +168,6 @@ impl Heap {
             self.enlist(merged);
             self.count_merged_free(merged, absorbed, absorbed_bytes);
         }
-        Ok(())
     }
 
     /// `torch.cuda.empty_cache()`.

@@ -159,19 +159,7 @@ impl Heap {
         // `page_release`'s shortcut record may not follow pages that leave or come back whole:
         // the next release over the limit searches (as after any other mapping change).
         self.no_free_pages = false;
-        for &seg in &segments {
-            let ids: Vec<BlockId> = self.arena.segment_blocks(seg).collect();
-            for id in ids.into_iter().filter(|&id| self.arena.state(id) == BlockState::Allocated) {
-                let (small, size, requested) = {
-                    let b = self.arena.block(id);
-                    (b.class.small(), b.size, b.requested)
-                };
-                let s = &mut self.stats;
-                s.allocation.decrease(small, 1);
-                s.allocated_bytes.decrease(small, size);
-                s.requested_bytes.decrease(small, requested);
-            }
-        }
+        self.count_live_blocks(&segments, false);
         let state = self.sleep.tag(tag);
         state.backup = backups;
         out.released_bytes += self.release_live_pages(&segments, batches)?;
@@ -281,19 +269,7 @@ impl Heap {
         out.mapped_bytes = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
         self.sleep.paused &= !(1u64 << tag);
         self.no_free_pages = false;
-        for &seg in &segments {
-            let ids: Vec<BlockId> = self.arena.segment_blocks(seg).collect();
-            for id in ids.into_iter().filter(|&id| self.arena.state(id) == BlockState::Allocated) {
-                let (small, size, requested) = {
-                    let b = self.arena.block(id);
-                    (b.class.small(), b.size, b.requested)
-                };
-                let s = &mut self.stats;
-                s.allocation.increase(small, 1);
-                s.allocated_bytes.increase(small, size);
-                s.requested_bytes.increase(small, requested);
-            }
-        }
+        self.count_live_blocks(&segments, true);
         self.step.note_reserved(self.stats.reserved_bytes.current());
         let state = self.sleep.tag(tag);
         state.backup.clear();
@@ -341,6 +317,30 @@ impl Heap {
             )));
         }
         Ok(())
+    }
+
+    /// The allocated blocks of `segments` (a tag's) enter the heap's allocation statistics
+    /// (`counted`, at resume) or leave them (at pause): a paused tag's blocks count in none.
+    fn count_live_blocks(&mut self, segments: &[SegmentId], counted: bool) {
+        for &seg in segments {
+            let ids: Vec<BlockId> = self.arena.segment_blocks(seg).collect();
+            for id in ids.into_iter().filter(|&id| self.arena.state(id) == BlockState::Allocated) {
+                let (small, size, requested) = {
+                    let b = self.arena.block(id);
+                    (b.class.small(), b.size, b.requested)
+                };
+                let s = &mut self.stats;
+                if counted {
+                    s.allocation.increase(small, 1);
+                    s.allocated_bytes.increase(small, size);
+                    s.requested_bytes.increase(small, requested);
+                } else {
+                    s.allocation.decrease(small, 1);
+                    s.allocated_bytes.decrease(small, size);
+                    s.requested_bytes.decrease(small, requested);
+                }
+            }
+        }
     }
 
     /// Waits, stream-ordered, for the work queued on every stream that used the blocks of

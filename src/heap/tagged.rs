@@ -150,22 +150,7 @@ impl Heap {
             .flat_map(|&seg| self.arena.segment_blocks(seg))
             .filter(|&id| self.arena.state(id) == BlockState::Free)
             .collect();
-        for &id in &free {
-            self.unlist(id);
-            self.arena.block_mut(id).stream = ANY_STREAM;
-            self.enlist(id);
-        }
-        for id in free {
-            // An earlier merge in this loop may have absorbed this block already.
-            if self.arena.state(id) != BlockState::Free {
-                continue;
-            }
-            self.unlist(id);
-            self.split_stat_out(id);
-            let (merged, absorbed, absorbed_bytes) = self.merge_neighbours(id);
-            self.enlist(merged);
-            self.count_merged_free(merged, absorbed, absorbed_bytes);
-        }
+        self.merge_as_any_stream(free);
     }
 
     /// MemPool mode: the whole pages of a tagged free block (merged, in its list) go back to the
