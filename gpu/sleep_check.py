@@ -298,10 +298,34 @@ def graph_check(torch, stepalloc, n: int) -> dict:
     }
 
 
+def unpack_bundled_wheel() -> str | None:
+    """torch_memory_saver from the bundle's wheels/ (scripts/gpu-bundle.sh), unpacked into a
+    temporary folder put first on sys.path: a wheel is a zip, and its extension cannot load from
+    one. The wheel's name, or None when the bundle has none."""
+    import tempfile
+    import zipfile
+
+    wheels = sorted((HERE.parent / "wheels").glob("torch_memory_saver-*.whl"))
+    if not wheels:
+        return None
+    target = tempfile.mkdtemp(prefix="stepalloc-tms-")
+    with zipfile.ZipFile(wheels[-1]) as z:
+        z.extractall(target)
+    sys.path.insert(0, target)
+    return wheels[-1].name
+
+
 def tms_main(a: argparse.Namespace) -> dict:
     """Part ``tms``: torch_memory_saver's own wheel on the same tensors and bytes."""
+    source = "installed"
     try:
-        import torch_memory_saver
+        try:
+            import torch_memory_saver
+        except ImportError:
+            source = unpack_bundled_wheel()
+            if source is None:
+                raise
+            import torch_memory_saver
         from torch_memory_saver import torch_memory_saver as tms
     except Exception as e:  # noqa: BLE001 - any import failure is a reason to skip, said as such
         return {"skip": f"torch_memory_saver does not import ({type(e).__name__}: {e})"}
@@ -318,6 +342,7 @@ def tms_main(a: argparse.Namespace) -> dict:
     tms.hook_mode = "torch"  # its pluggable-allocator mode: no LD_PRELOAD needed
     out = device_info(torch)
     out["version"] = version
+    out["source"] = source
     out["hook_mode"] = "torch"
     backup, discard = a.backup_mb * MIB, a.discard_mb * MIB
     with tms.region(tag=WEIGHTS, enable_cpu_backup=True):
@@ -484,7 +509,8 @@ def judge_tms(tm: dict) -> tuple[str, str, str]:
     return (
         "PASS",
         "sleep_tms",
-        f"torch_memory_saver {tm['version']} on the same tensors: backed up pause {b['pause_s'] * 1e3:.1f} ms, "
+        f"torch_memory_saver {tm['version']} ({tm.get('source', 'installed')}) on the same tensors: "
+        f"backed up pause {b['pause_s'] * 1e3:.1f} ms, "
         f"resume {b['resume_s'] * 1e3:.1f} ms; discarded pause {d['pause_s'] * 1e3:.1f} ms, resume "
         f"{d['resume_s'] * 1e3:.1f} ms; ptrs_kept={tm['ptrs_kept']}, bytes_kept={tm['bytes_kept']}",
     )

@@ -76,6 +76,15 @@ cp python_shim/examples/colocated_loop.py "$OUT/python/examples/"
 cp gpu/*.py gpu/*.sh "$OUT/gpu/"
 cp scripts/cuda_matches_sim.py scripts/gpu_manifest.py "$OUT/scripts/"
 cp stress/tests/data/model_vlm_agent.jsonl "$OUT/traces/"
+# torch_memory_saver's wheel (abi3, CUDA 12 and 13), which gpu/sleep_check.py runs beside
+# stepalloc where it loads: from STEPALLOC_TMS_WHEEL, else from PyPI; without either, a note.
+mkdir -p "$OUT/wheels"
+if [ -n "${STEPALLOC_TMS_WHEEL:-}" ]; then
+    cp "$STEPALLOC_TMS_WHEEL" "$OUT/wheels/"
+elif ! python3 -m pip download --quiet --no-deps --only-binary :all: --platform manylinux2014_x86_64 \
+        --python-version 3.10 -d "$OUT/wheels" torch_memory_saver==0.0.10 > /dev/null 2>&1; then
+    echo "note: torch_memory_saver's wheel could not be fetched (set STEPALLOC_TMS_WHEEL); the GPU run skips it"
+fi
 cat > "$OUT/README.txt" <<'EOF'
 stepalloc GPU bundle (built by scripts/gpu-bundle.sh; see MANIFEST.json).
 Run on the GPU machine, no Rust needed:   gpu/run_all.sh . "$OUT"

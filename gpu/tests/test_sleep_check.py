@@ -65,6 +65,26 @@ def test_the_bundle_carries_what_the_step_needs(bundle: Path) -> None:
     assert "gpu/sleep_check.py" in (bundle / "gpu" / "run_all.sh").read_text()
 
 
+def test_the_bundled_torch_memory_saver_wheel_unpacks_to_an_importable_package(bundle: Path) -> None:
+    """Where no torch_memory_saver is installed for the interpreter that has torch, the step
+    imports the bundle's wheel (scripts/gpu-bundle.sh fetches it; offline, it may be absent)."""
+    wheels = list((bundle / "wheels").glob("torch_memory_saver-*.whl"))
+    if not wheels:
+        pytest.skip("the bundle has no torch_memory_saver wheel (fetched when the bundle was built)")
+    spec = importlib.util.spec_from_file_location("bundled_sleep_check", bundle / "gpu" / "sleep_check.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    before = list(sys.path)
+    try:
+        assert module.unpack_bundled_wheel() == wheels[0].name
+        folder = Path(sys.path[0])
+        assert (folder / "torch_memory_saver" / "__init__.py").is_file()
+        assert list(folder.rglob("*.so")), "the wheel's extension was unpacked"
+    finally:
+        sys.path[:] = before
+
+
 @pytest.mark.skipif(not torch_over_testdrv(), reason="needs torch and testdrv's stub runtime (testdrv/build.sh)")
 def test_the_step_over_the_host_memory_driver(bundle: Path, tmp_path: Path) -> None:
     r = sleep_check(bundle, tmp_path, *SMALL)
