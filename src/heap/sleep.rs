@@ -6,8 +6,9 @@
 //! segment, the block class and the free-list key, like the stream and the lane), and those are
 //! always virtual ranges with pages mapped on demand, as expandable segments are — even when
 //! the configuration uses plain segments (vLLM's sleep mode reserves one virtual range per
-//! allocation for the same reason). So pages never hold blocks of two tags, and a pause unmaps
-//! exactly its tag's pages. The default tag is untouched: its memory is laid out as before.
+//! allocation for the same reason); with `big_page_mb`, their large blocks take big pages from
+//! the first allocation (a pause and a resume then cost few driver calls per byte). So pages
+//! never hold blocks of two tags, and a pause unmaps exactly its tag's pages. The default tag is untouched: its memory is laid out as before.
 //!
 //! A pause, in order: wait for the pending frees' events; record an event on every stream that
 //! used the tag's blocks and wait for those (no device-wide synchronize); queue the live bytes'
