@@ -81,7 +81,7 @@ cp stress/tests/data/model_vlm_agent.jsonl "$OUT/traces/"
 mkdir -p "$OUT/wheels"
 if [ -n "${STEPALLOC_TMS_WHEEL:-}" ]; then
     cp "$STEPALLOC_TMS_WHEEL" "$OUT/wheels/"
-elif ! python3 -m pip download --quiet --no-deps --only-binary :all: --platform manylinux2014_x86_64 \
+elif ! timeout 120 python3 -m pip download --quiet --timeout 20 --retries 1 --no-deps --only-binary :all: --platform manylinux2014_x86_64 \
         --python-version 3.10 -d "$OUT/wheels" torch_memory_saver==0.0.10 > /dev/null 2>&1; then
     echo "note: torch_memory_saver's wheel could not be fetched (set STEPALLOC_TMS_WHEEL); the GPU run skips it"
 fi
