@@ -34,6 +34,8 @@ import time
 import traceback
 from pathlib import Path
 
+from testdrv_env import stub_runtime, with_stub
+
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
 # The shared tensor: after a 2 MiB + 512 B one, so that it lies at an offset in its segment
@@ -230,6 +232,10 @@ def main() -> int:
             traceback.print_exc()
             return 1
         return 0
+    runtime = stub_runtime() if os.environ.get("STEPALLOC_HOSTCUDA") == "1" else None
+    if runtime is not None and str(runtime) not in os.environ.get("LD_PRELOAD", ""):
+        # Over testdrv: again with its stub runtime, which must be loaded before torch is.
+        os.execve(sys.executable, [sys.executable, __file__, *sys.argv[1:]], with_stub(dict(os.environ), runtime))
     try:
         import torch
 

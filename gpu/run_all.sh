@@ -6,7 +6,8 @@
 #   2. checks on the CUDA backend with the bundle's stepalloc-stress: a model trace replayed on
 #      backend:cuda gives the simulated device's peaks; the random workload with device tags
 #   2b. gpu/ipc_check.py: a CUDA tensor shared between stepalloc and stock-PyTorch processes and
-#      back, bytes compared, plain and expandable segments (over testdrv through its stub runtime)
+#      back, bytes compared, plain and expandable segments (over testdrv with its stub runtime,
+#      gpu/testdrv_env.py)
 #   2c. gpu/sleep_check.py: stepalloc.pause / resume under PyTorch against a pinned copy_() of the
 #      same bytes (GiB/s, share of copy_'s), data_ptr and bytes kept, memory given back, a CUDA
 #      graph captured before a pause replayed after the resume, the colocated-loop example, and
@@ -93,23 +94,7 @@ else
 fi
 
 echo "== 2b. CUDA IPC between stepalloc and stock PyTorch (gpu/ipc_check.py)"
-# Over testdrv (STEPALLOC_HOSTCUDA=1) torch finds CUDA through the stub runtime beside the
-# driver, preloaded as gpu/sleep_check.py preloads it for its children, with the stub NVML
-# beside it (stock PyTorch's expandable segments ask NVML); a GPU needs neither.
-IPC_PRELOAD=${LD_PRELOAD:-}
-IPC_LIBRARY_PATH=${LD_LIBRARY_PATH:-}
-if [ "${STEPALLOC_HOSTCUDA:-}" = 1 ]; then
-    IFS=: read -r -a dirs <<< "${LD_LIBRARY_PATH:-}"
-    for d in "${dirs[@]}"; do
-        if [ -n "$d" ] && [ -f "$d/libcuda.so.1" ] && [ -f "$d/runtime/libcudart.so.13" ]; then
-            IPC_PRELOAD="$d/runtime/libcudart.so.13${IPC_PRELOAD:+:$IPC_PRELOAD}"
-            IPC_LIBRARY_PATH="$d/runtime:$IPC_LIBRARY_PATH"
-            break
-        fi
-    done
-fi
-LD_PRELOAD="$IPC_PRELOAD" LD_LIBRARY_PATH="$IPC_LIBRARY_PATH" timeout -k 5 150 "$PYTHON" "$BUNDLE/gpu/ipc_check.py" \
-    --json "$CHECKS/ipc_check.json" > "$CHECKS/ipc_check.log" 2>&1
+timeout -k 5 150 "$PYTHON" "$BUNDLE/gpu/ipc_check.py" --json "$CHECKS/ipc_check.json" > "$CHECKS/ipc_check.log" 2>&1
 rc=$?
 grep -E '^RESULT ' "$CHECKS/ipc_check.log" | sed 's/^RESULT //' | while read -r line; do result "$line"; done
 if [ $rc -ne 0 ] && ! grep -q '^RESULT FAIL' "$CHECKS/ipc_check.log"; then

@@ -53,6 +53,8 @@ import time
 import traceback
 from pathlib import Path
 
+from testdrv_env import stub_runtime, with_stub
+
 HERE = Path(__file__).resolve().parent
 MIB = 1 << 20
 GIB = 1 << 30
@@ -90,21 +92,10 @@ def example_path() -> Path | None:
     return path if path is not None and path.is_file() else None
 
 
-def stub_runtime() -> Path | None:
-    """testdrv's stub CUDA runtime beside the host-memory driver found on LD_LIBRARY_PATH."""
-    for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):
-        if d and (Path(d) / "libcuda.so.1").exists() and (Path(d) / "runtime" / "libcudart.so.13").is_file():
-            return Path(d) / "runtime" / "libcudart.so.13"
-    return None
-
-
 def child_env(runtime: Path | None) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (python_path(), env.get("PYTHONPATH", "")) if p)
-    if runtime is not None:
-        env["LD_PRELOAD"] = os.pathsep.join(p for p in (str(runtime), env.get("LD_PRELOAD", "")) if p)
-        env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(runtime.parent), env.get("LD_LIBRARY_PATH", "")) if p)
-    return env
+    return with_stub(env, runtime) if runtime is not None else env
 
 
 # --- in the child processes ---------------------------------------------------------------------

@@ -330,9 +330,10 @@ fn free_blocks_of_different_streams_in_a_paused_tag_go_whole() {
     }
 }
 
-/// With `page_release` and a cache limit, frees that complete during a resume may give back a
-/// paused tag's range left wholly unmapped (its blocks freed while paused): the resume lists the
-/// tag's ranges after them, and the release record follows the pages that leave and come back.
+/// With `page_release` and a cache limit, untagged frees pending on a second stream and a
+/// tag's blocks freed while paused (its range left wholly unmapped, which a release over the
+/// limit may give back) leave the heap's records whole: the resume maps nothing and every
+/// invariant holds.
 #[test]
 fn pause_and_resume_under_page_release_and_a_cache_limit() {
     let a = sim(&format!(",{},page_release:True,cache_limit_mb:1", stepalloc::config::RECOMMENDED));

@@ -71,12 +71,14 @@ def test_the_bundled_torch_memory_saver_wheel_unpacks_to_an_importable_package(b
     wheels = list((bundle / "wheels").glob("torch_memory_saver-*.whl"))
     if not wheels:
         pytest.skip("the bundle has no torch_memory_saver wheel (fetched when the bundle was built)")
-    spec = importlib.util.spec_from_file_location("bundled_sleep_check", bundle / "gpu" / "sleep_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
     before = list(sys.path)
+    # As when run as a script: its folder first, for its sibling testdrv_env.py.
+    sys.path.insert(0, str(bundle / "gpu"))
     try:
+        spec = importlib.util.spec_from_file_location("bundled_sleep_check", bundle / "gpu" / "sleep_check.py")
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
         assert module.unpack_bundled_wheel() == wheels[0].name
         folder = Path(sys.path[0])
         assert (folder / "torch_memory_saver" / "__init__.py").is_file()

@@ -181,24 +181,6 @@ impl Heap {
             return Ok(SleepOutcome { skipped: true, ..Default::default() });
         }
         let started = Instant::now();
-        // Blocks freed before the pause whose events completed while paused became free blocks
-        // over released pages: their whole pages become unmapped now (no driver call), so resume
-        // maps only the pages that hold live bytes or share a page with them.
-        self.process_events()?;
-        let free: Vec<BlockId> = self
-            .tag_segments(tag)
-            .iter()
-            .flat_map(|&seg| self.arena.segment_blocks(seg))
-            .filter(|&id| self.arena.state(id) == BlockState::Free)
-            .collect();
-        for id in free {
-            // A merge in this loop may have absorbed the block, or its slot now holds a piece of
-            // a split: any free block of the tag is fine to pass.
-            if self.arena.state(id) == BlockState::Free && self.arena.block(id).class.tag() == tag {
-                self.unmap_free_pages(id, ReleaseReason::Pause)?;
-            }
-        }
-        // Listed now: the frees above may have given back a range left wholly unmapped.
         let segments = self.tag_segments(tag);
         // Every unmapped page under a block that is not an unmapped one: (address, segment, index).
         let mut wanted: Vec<(u64, SegmentId, usize)> = Vec::new();
