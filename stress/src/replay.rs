@@ -530,6 +530,7 @@ impl<'a> Runner<'a> {
         r.step_fragmentation_mean = mean(self.steps.iter().map(|s| s.fragmentation));
         r.external_fragmentation_mean = mean(self.ext_frag_at_step_end.iter().copied());
         r.internal_fragmentation_mean = mean(self.int_frag_samples.iter().copied());
+        r.cached_free_mean = mean(self.timeline.iter().map(|s| s.reserved.saturating_sub(s.allocated) as f64));
         r.wall_s = wall;
         r.ops_per_s = if wall > 0.0 { r.ops as f64 / wall } else { 0.0 };
         r.steps = self.steps;

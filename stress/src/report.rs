@@ -60,6 +60,9 @@ pub struct RunReport {
     pub steps_count: u64,
     pub reserved_at_step_begin_mean: f64,
     pub reserved_at_step_end_mean: f64,
+    /// Mean over timeline samples (every device summed) of reserved minus allocated bytes:
+    /// what the cache holds through the run, not only at step boundaries.
+    pub cached_free_mean: f64,
     /// Mean over steps of 1 - largest free block / cached free bytes, at each step's end.
     pub external_fragmentation_mean: f64,
     /// Mean over timeline samples of 1 - requested / allocated.
@@ -324,6 +327,7 @@ pub fn table(report: &Report) -> String {
         ("reserved / floor", |r| format!("{:.3}x", r.worst.reserved_over_floor)),
         ("reserved at step begin (mean), GiB", |r| gib(r.reserved_at_step_begin_mean as u64)),
         ("reserved at step end (mean), GiB", |r| gib(r.reserved_at_step_end_mean as u64)),
+        ("cached free (mean over the run), GiB", |r| gib(r.cached_free_mean as u64)),
         ("external fragmentation (step ends)", |r| pct(r.external_fragmentation_mean)),
         ("internal fragmentation", |r| pct(r.internal_fragmentation_mean)),
         ("step fragmentation", |r| pct(r.step_fragmentation_mean)),
