@@ -1,5 +1,7 @@
 //! The cached path: one malloc + free pair of mixed sizes served from the cache (no device
-//! call), on the simulated device, with 10 k and 100 k other blocks live. The allocator's cost
+//! call), on the simulated device, with 10 k and 100 k other blocks live, with PyTorch's
+//! defaults and with the recommended configuration (expandable segments: the free blocks
+//! holding whole pages are filed for page reuse and the cache limit too). The allocator's cost
 //! must not grow with the number of cached or live blocks.
 //!
 //! Run: `cargo bench --bench cached_path` (figures in docs/performance.md).
@@ -11,9 +13,10 @@ use stepalloc::{Allocator, Config, Stream};
 /// Request sizes the measured pairs cycle through: small-pool and large-pool, odd sizes too.
 const SIZES: [u64; 8] = [512, 3000, 65_536, 200_000, 1 << 20, 3 << 20, 12_345_678, 40 << 20];
 
-fn setup(live_blocks: usize) -> (Allocator, Vec<(u64, u64)>) {
+fn setup(conf: &str, live_blocks: usize) -> (Allocator, Vec<(u64, u64)>) {
     // 16 TiB simulated device, so 100 k live blocks fit whatever their sizes.
-    let a = Allocator::new(Config::parse("backend:sim,sim_capacity_mb:16777216").expect("config")).expect("sim");
+    let text = format!("backend:sim,sim_capacity_mb:16777216,{conf}");
+    let a = Allocator::new(Config::parse(&text).expect("config")).expect("sim");
     let mut x = 0x9E37_79B9_7F4A_7C15u64;
     let mut live = Vec::with_capacity(live_blocks);
     for _ in 0..live_blocks {
@@ -42,9 +45,17 @@ fn setup(live_blocks: usize) -> (Allocator, Vec<(u64, u64)>) {
 }
 
 fn cached_path(c: &mut Criterion) {
-    let mut group = c.benchmark_group("cached_malloc_free_pair");
+    for (group_name, conf) in
+        [("cached_malloc_free_pair", ""), ("cached_malloc_free_pair_recommended", stepalloc::config::RECOMMENDED)]
+    {
+        pairs(c, group_name, conf);
+    }
+}
+
+fn pairs(c: &mut Criterion, group_name: &str, conf: &str) {
+    let mut group = c.benchmark_group(group_name);
     for live in [10_000usize, 100_000] {
-        let (a, _kept) = setup(live);
+        let (a, _kept) = setup(conf, live);
         let device_allocs = a.stats(0).expect("stats").heap.num_device_alloc;
         let mut i = 0usize;
         group.bench_with_input(BenchmarkId::from_parameter(format!("{}k_live", live / 1000)), &live, |b, _| {

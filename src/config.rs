@@ -39,6 +39,8 @@ const MAX_SIM_MB: u64 = 1 << 24;
 /// Pages of expandable segments: multiples of the 2 MiB granularity, at most 1 GiB.
 const LARGE_PAGE_STEP: u64 = 2 * MIB;
 const MAX_LARGE_PAGE: u64 = 1024 * MIB;
+/// Largest `page_release_grace` (allocations).
+const MAX_PAGE_RELEASE_GRACE: u64 = 1 << 20;
 
 /// Which device backend the allocator drives.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -78,6 +80,7 @@ pub struct Config {
     pub per_process_memory_fraction: f64,
     pub cache_limit_bytes: u64,
     pub cache_limit_fraction: f64,
+    pub page_release_grace: u64,
     pub release_idle_steps: u64,
     pub phase_trim: bool,
     pub phase_trim_margin: f64,
@@ -138,6 +141,7 @@ impl Default for Config {
             per_process_memory_fraction: 1.0,
             cache_limit_bytes: 0,
             cache_limit_fraction: 0.0,
+            page_release_grace: 64,
             release_idle_steps: 0,
             phase_trim: false,
             phase_trim_margin: 0.1,
@@ -338,6 +342,9 @@ impl Config {
                 self.cache_limit_bytes = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?
             }
             "cache_limit_fraction" => self.cache_limit_fraction = parse_unit_interval(value).ok_or_else(bad)?,
+            "page_release_grace" => {
+                self.page_release_grace = parse_u64(value).filter(|&n| n <= MAX_PAGE_RELEASE_GRACE).ok_or_else(bad)?
+            }
             "release_idle_steps" => self.release_idle_steps = parse_u64(value).ok_or_else(bad)?,
             "phase_trim" => self.phase_trim = parse_bool(value).ok_or_else(bad)?,
             "phase_trim_margin" => {

@@ -21,6 +21,7 @@
 //! - `events.rs`: stream-ordered reuse (events, `record_stream`) and work deferred by captures;
 //! - `expandable.rs`: expandable segments (pages mapped on demand, page reuse, address space);
 //! - `release.rs`: giving memory back (OOM steps, `empty_cache`, limits, GC) and CUDA-graph pools;
+//! - `limit.rs`: `page_release` with a cache limit (whole free pages over it, oldest first);
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool`: use counts, another allocator's
 //!   segments, `use_on_oom`);
 //! - `steps.rs`: the step-boundary release policies;
@@ -53,6 +54,7 @@ mod expandable;
 mod grow;
 mod inspect;
 mod ipc;
+mod limit;
 mod lists;
 mod pools;
 mod release;
@@ -132,10 +134,15 @@ pub struct Heap {
     pub(crate) step_clock: u64,
     /// `param_lane`: rounded sizes of the blocks live when the first step began.
     param_sizes: rustc_hash::FxHashSet<u64>,
-    /// `page_release` over the cache limit: no free block holds a whole page and no expandable
-    /// range is wholly unmapped, as the last release over the limit left it (see
-    /// `release_pages_over_limit`).
-    no_free_pages: bool,
+    /// The free blocks of expandable segments (tagged ones too) holding whole pages and their
+    /// bytes, kept by `enlist` and `unlist` (`heap/limit.rs`): what page reuse, the cache
+    /// limit and `empty_cache` take.
+    free_pages: limit::FreePages,
+    /// `page_release` with a cache limit (`heap/limit.rs`).
+    page_limit: bool,
+    /// `alloc_clock` at which the release a free over the cache limit scheduled runs
+    /// (`page_release_grace`); `u64::MAX` when none is due.
+    page_release_due: u64,
     /// Expandable segments: bytes of the last range the address space had no room for in the
     /// request in progress (0 = none), for its out-of-memory report.
     address_space_short: u64,
@@ -173,7 +180,9 @@ impl Heap {
             idle_pages: Vec::new(),
             step_clock: 0,
             param_sizes: Default::default(),
-            no_free_pages: false,
+            free_pages: limit::FreePages::default(),
+            page_limit: false,
+            page_release_due: u64::MAX,
             address_space_short: 0,
             ipc: Default::default(),
             request_tag: 0,
@@ -189,6 +198,7 @@ impl Heap {
         if config.expandable_segments {
             heap.check_virtual_memory();
         }
+        heap.page_limit = heap.config.expandable_segments && config.page_release && heap.cache_limit() > 0;
         heap
     }
 
@@ -256,7 +266,11 @@ impl Heap {
             }
             None => self.grow(pool_index, small, stream, rounded, size)?,
         };
-        Ok(self.hand_out(id, rounded, size, stream))
+        let ptr = self.hand_out(id, rounded, size, stream);
+        if self.alloc_clock >= self.page_release_due {
+            self.release_due_pages();
+        }
+        Ok(ptr)
     }
 
     /// A cached block for the request: this stream's list first, then blocks any stream may use;
@@ -489,8 +503,8 @@ impl Heap {
         } else if self.mempool_mode && class.tag() != 0 && self.captures_underway == 0 {
             // MemPool mode: a tagged segment's free pages go back as a plain segment would.
             self.release_tagged_free(id)?;
-        } else if self.config.page_release && class.expandable() {
-            self.release_pages_over_limit(id)?;
+        } else if self.page_limit && class.expandable() && self.free_pages.bytes > self.cache_limit() {
+            self.schedule_page_release()?;
         }
         Ok(())
     }

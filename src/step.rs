@@ -9,7 +9,8 @@
 //!   phase's recorded peak (plus `phase_trim_margin`), releasing first the segments the phase
 //!   never used (a rollout's KV-cache blocks when training starts), then the least recently used;
 //! - `cache_limit_mb` / `cache_limit_fraction` — at step end, cached free bytes are brought
-//!   under the limit, least recently used segments first.
+//!   under the limit, least recently used segments first (with `page_release`, the whole free
+//!   pages too: `heap/limit.rs`).
 //!
 //! Only whole free segments are released; live blocks and blocks waiting on events are never
 //! touched.

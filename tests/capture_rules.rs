@@ -394,7 +394,10 @@ fn a_segment_goes_back_only_after_its_stream_work_completed() {
 
 #[test]
 fn page_release_waits_for_the_capture_to_end() {
-    let (a, watch) = watched("expandable_segments:True,large_segment_size_mb:2,page_release:True,cache_limit_mb:4");
+    // A grace of 0: the free asks for the release at once, which the capture holds back.
+    let (a, watch) = watched(
+        "expandable_segments:True,large_segment_size_mb:2,page_release:True,cache_limit_mb:4,page_release_grace:0",
+    );
     let p = a.malloc(0, 20 * MIB, S0).unwrap();
     let q = a.malloc(0, 2 * MIB, S0).unwrap();
     begin_capture(&a, &watch, POOL);

@@ -280,17 +280,111 @@ fn page_release_unmaps_pages_idle_for_a_step() {
     a.check_invariants().unwrap();
 }
 
+/// `page_release` with a 4 MiB cache limit and a grace of `grace` allocations.
+fn limited(grace: u64) -> Allocator {
+    sim(&format!(
+        "sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_release:True,cache_limit_mb:4,page_release_grace:{grace}"
+    ))
+}
+
+fn released_for_the_limit(a: &Allocator) -> u64 {
+    stats(a).heap.released_bytes[stepalloc::stats::ReleaseReason::Limit as usize]
+}
+
 #[test]
-fn cache_limit_unmaps_free_pages_with_page_release() {
-    let a =
-        sim("sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_release:True,cache_limit_mb:4");
+fn cache_limit_unmaps_free_pages_with_page_release_at_the_free_with_no_grace() {
+    let a = limited(0);
     let p = a.malloc(0, 10 * MIB, S0).unwrap();
     let q = a.malloc(0, 10 * MIB, S0).unwrap();
     a.free(0, p, 10 * MIB).unwrap();
     let s = stats(&a);
     assert!(s.cached_free <= 4 * MIB, "cached free {} over the limit", s.cached_free);
+    assert_eq!(released_for_the_limit(&a), 6 * MIB, "down to the limit: the block's top three pages");
     a.free(0, q, 10 * MIB).unwrap();
     assert!(stats(&a).cached_free <= 4 * MIB);
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn free_pages_over_the_cache_limit_go_back_after_the_grace() {
+    let a = limited(3);
+    let p = a.malloc(0, 10 * MIB, S0).unwrap();
+    let _q = a.malloc(0, 10 * MIB, S0).unwrap();
+    a.free(0, p, 10 * MIB).unwrap();
+    assert_eq!(stats(&a).cached_free, 10 * MIB, "kept through the grace");
+    // Two allocations on another stream, which cannot take the freed block: still kept.
+    let small: Vec<u64> = (0..2).map(|_| a.malloc(0, 2 * MIB, S1).unwrap()).collect();
+    assert_eq!(stats(&a).cached_free, 10 * MIB);
+    assert_eq!(released_for_the_limit(&a), 0);
+    // The third allocation since the free: the release runs after it took what it needed.
+    let r = a.malloc(0, 2 * MIB, S1).unwrap();
+    assert!(stats(&a).cached_free <= 4 * MIB, "cached free {} over the limit", stats(&a).cached_free);
+    assert_eq!(released_for_the_limit(&a), 6 * MIB);
+    for x in small.into_iter().chain([r]) {
+        a.free(0, x, 2 * MIB).unwrap();
+    }
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn a_block_freed_over_the_cache_limit_and_asked_for_again_is_not_unmapped() {
+    let a = limited(16);
+    let _kept = a.malloc(0, 10 * MIB, S0).unwrap();
+    let before = stats(&a).heap;
+    // A training step's activation, freed and asked for again layer after layer.
+    for _ in 0..100 {
+        let p = a.malloc(0, 64 * MIB, S0).unwrap();
+        a.free(0, p, 64 * MIB).unwrap();
+    }
+    let after = stats(&a).heap;
+    assert_eq!(after.num_map - before.num_map, 32, "mapped once (32 pages of 2 MiB)");
+    assert_eq!(after.num_unmap, before.num_unmap, "never unmapped within the grace");
+    // With no grace, every free gives the pages back and every allocation maps them again.
+    let strict = limited(0);
+    let _kept = strict.malloc(0, 10 * MIB, S0).unwrap();
+    for _ in 0..100 {
+        let p = strict.malloc(0, 64 * MIB, S0).unwrap();
+        strict.free(0, p, 64 * MIB).unwrap();
+    }
+    assert!(stats(&strict).heap.num_map >= 100 * 30, "{}", stats(&strict).heap.num_map);
+    a.check_invariants().unwrap();
+    strict.check_invariants().unwrap();
+}
+
+#[test]
+fn free_bytes_in_partly_used_pages_do_not_count_against_the_cache_limit() {
+    let a = sim(
+        "sim_capacity_mb:1024,expandable_segments:True,large_segment_size_mb:2,page_release:True,cache_limit_mb:3,page_release_grace:0",
+    );
+    // Five 3 MiB blocks end to end over 2 MiB pages: [0,3) [3,6) [6,9) [9,12) [12,15), and
+    // 1 MiB free in the last page.
+    let b: Vec<u64> = (0..5).map(|_| a.malloc(0, 3 * MIB, S0).unwrap()).collect();
+    assert_eq!(b[4], b[0] + 12 * MIB);
+    // [3,6) free: one whole page [4,6) and 1 MiB beside B0. 4 MiB cached, over the 3 MiB
+    // limit, but only 2 MiB of it could go back: nothing is unmapped.
+    a.free(0, b[1], 3 * MIB).unwrap();
+    let s = stats(&a);
+    assert_eq!(s.cached_free, 4 * MIB);
+    assert_eq!(s.heap.num_unmap, 0);
+    // [9,12) free too: 4 MiB of whole pages, over the limit. The page freed longest ago goes.
+    a.free(0, b[3], 3 * MIB).unwrap();
+    assert_eq!(released_for_the_limit(&a), 2 * MIB);
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 14 * MIB);
+    let r = a.malloc(0, 3 * MIB, S0).unwrap();
+    assert_eq!(r, b[3], "the block at [9,12) is whole: its page stayed mapped, [4,6) went");
+    a.check_invariants().unwrap();
+}
+
+#[test]
+fn step_end_applies_the_cache_limit_whatever_the_grace() {
+    let a = limited(1000);
+    a.step_begin("train").unwrap();
+    let p = a.malloc(0, 10 * MIB, S0).unwrap();
+    let _q = a.malloc(0, 10 * MIB, S0).unwrap();
+    a.free(0, p, 10 * MIB).unwrap();
+    assert_eq!(stats(&a).cached_free, 10 * MIB);
+    a.step_end().unwrap();
+    assert!(stats(&a).cached_free <= 4 * MIB, "cached free {} over the limit", stats(&a).cached_free);
     a.check_invariants().unwrap();
 }
 

@@ -21,8 +21,9 @@ fuzz_target!(|data: &[u8]| {
         "pytorch".to_string(),
         "stepalloc".to_string(),
         // A small address space: PyTorch-size ranges (1.125 GiB) never fit, so every range is
-        // sized to its pages, and the input's streams can exhaust it before memory.
-        "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True,cache_limit_mb:1,sim_address_space_mb:256".to_string(),
+        // sized to its pages, and the input's streams can exhaust it before memory. Free pages
+        // over the cache limit go three allocations after the free that went over it.
+        "expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True,cache_limit_mb:1,page_release_grace:3,sim_address_space_mb:256".to_string(),
         // A device of three pages.
         "sim_capacity_mb:6,expandable_segments:True,large_segment_size_mb:2,pack_small:True".to_string(),
     ];

@@ -171,6 +171,12 @@ pub const KEYS: &[KeyDoc] = &[
         doc: "the same limit as a share of device memory",
     },
     KeyDoc {
+        name: "page_release_grace",
+        default: "64",
+        form: "integer 0..1048576",
+        doc: "with page_release and a cache limit: free pages over the limit go back after this many allocations (0: at the free); free bytes in pages that hold live blocks do not count",
+    },
+    KeyDoc {
         name: "release_idle_steps",
         default: "0 (off)",
         form: "integer",

@@ -132,9 +132,7 @@ impl Heap {
             let order = self.releasable_segments();
             self.release_in_order(order, ReleaseReason::Limit, |h| !h.over_cache_limit())?;
         }
-        if self.config.page_release && self.over_cache_limit() {
-            self.release_free_pages(ReleaseReason::Limit, |_| true, |h| !h.over_cache_limit())?;
-        }
+        self.release_pages_over_limit(ReleaseReason::Limit)?;
         Ok(())
     }
 

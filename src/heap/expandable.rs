@@ -47,7 +47,7 @@ const MAX_REUSE_SOURCES: usize = 64;
 
 /// What to keep of pages being unmapped.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Unmapped {
+pub(super) enum Unmapped {
     /// Release the physical chunks to the device.
     Release(ReleaseReason),
     /// Keep them in `idle_pages` to map elsewhere (`page_reuse`).
@@ -279,8 +279,6 @@ impl Heap {
         let block = Block::unlinked(addr, bytes, seg, class, stream, self.alloc_clock);
         let id = self.arena.new_block(block, BlockState::Unmapped);
         self.arena.add_unmapped(id);
-        // Wholly unmapped until its pages are mapped (a full release would free it).
-        self.no_free_pages = false;
         self.arena.segment_mut(seg).first = id;
         self.pages.insert(seg, vec![None; pages]);
         self.stats.segment.increase(small, 1);
@@ -433,8 +431,6 @@ impl Heap {
             self.stats.num_oom_rejections += 1;
             return Ok(None);
         }
-        // New free pages: the next release over the cache limit looks at every block again.
-        self.no_free_pages = false;
         let first = ((addr - seg_addr) / page) as usize;
         let pages = (map_bytes / page) as usize;
         // A map operation is this heap's device malloc: timed like one (modelled on the sim).
@@ -533,21 +529,32 @@ impl Heap {
         Ok(())
     }
 
-    /// Free large-pool blocks of at least `min` bytes, outside `exclude`, in segments whose page
-    /// size `keep` accepts: the blocks whose whole pages page reuse may take, largest first (the
-    /// fewest blocks cut for the pages needed; least recently freed first made fewer moves but
-    /// higher peaks on the model traces and agent presets), equal sizes highest address first
-    /// (an order of the heap's contents, not of where their records happen to lie).
+    /// Free blocks of the general pool of at least `min` bytes that hold whole pages, outside
+    /// `exclude`, in segments whose page size `keep` accepts: the blocks whose whole pages page
+    /// reuse may take, the `MAX_REUSE_SOURCES` largest first (the fewest blocks cut for the
+    /// pages needed; least recently freed first made fewer moves but higher peaks on the model
+    /// traces and agent presets), equal sizes highest address first (an order of the heap's
+    /// contents, not of where their records happen to lie). From `free_pages`, so the cost is
+    /// that of the blocks with pages to give, not of every free block.
     fn page_sources(&self, min: u64, exclude: &[BlockId], keep: impl Fn(u64) -> bool) -> Vec<(u64, BlockId)> {
-        let mut sources: Vec<(u64, BlockId)> = Vec::new();
-        for list in &self.lists {
-            if list.key.pool() == 0 {
-                list.collect_at_least(&self.arena.blocks, min, &mut sources);
-            }
+        let mut sources: Vec<(u64, BlockId)> = self
+            .free_pages
+            .iter()
+            .filter(|&id| {
+                let b = self.arena.block(id);
+                b.class.pool() == 0
+                    && b.size >= min
+                    && !exclude.contains(&id)
+                    && keep(self.arena.segment(b.segment).page)
+            })
+            .map(|id| (self.arena.block(id).size, id))
+            .collect();
+        let order = |&(size, id): &(u64, BlockId)| std::cmp::Reverse((size, self.arena.block(id).addr));
+        if sources.len() > MAX_REUSE_SOURCES {
+            sources.select_nth_unstable_by_key(MAX_REUSE_SOURCES, order);
+            sources.truncate(MAX_REUSE_SOURCES);
         }
-        sources
-            .retain(|&(_, id)| !exclude.contains(&id) && keep(self.arena.segment(self.arena.block(id).segment).page));
-        sources.sort_unstable_by_key(|&(size, id)| std::cmp::Reverse((size, self.arena.block(id).addr)));
+        sources.sort_unstable_by_key(order);
         sources
     }
 
@@ -590,7 +597,7 @@ impl Heap {
     }
 
     /// The whole pages inside the free block `id` of an expandable segment, as `[lo, hi)`.
-    fn whole_pages(&self, id: BlockId) -> Option<(u64, u64)> {
+    pub(super) fn whole_pages(&self, id: BlockId) -> Option<(u64, u64)> {
         if self.arena.state(id) != BlockState::Free {
             return None;
         }
@@ -607,7 +614,7 @@ impl Heap {
 
     /// Unmaps `[start, end)`, whole pages inside the free block `id` (in its list), after the
     /// work that used it completed. The block is cut into free pieces around an unmapped one.
-    fn unmap_range(
+    pub(super) fn unmap_range(
         &mut self,
         id: BlockId,
         start: u64,
@@ -657,10 +664,6 @@ impl Heap {
         self.arena.set_state(middle, BlockState::Unmapped);
         self.arena.add_unmapped(middle);
         self.arena.segment_mut(seg_id).mapped -= bytes;
-        if self.arena.segment(seg_id).mapped == 0 {
-            // A wholly unmapped range, which a full release frees.
-            self.no_free_pages = false;
-        }
         let s = &mut self.stats;
         s.reserved_bytes.decrease(small, bytes);
         s.num_device_free += 1;
@@ -688,38 +691,21 @@ impl Heap {
     }
 
     /// Unmaps and releases the whole pages inside free blocks of expandable segments that
-    /// `pick` selects (all of them for `empty_cache`), until `enough` says so; then frees the
-    /// ranges left wholly unmapped. Returns the bytes unmapped.
-    pub(crate) fn release_free_pages(
-        &mut self,
-        reason: ReleaseReason,
-        pick: impl Fn(&Block) -> bool,
-        enough: impl Fn(&Heap) -> bool,
-    ) -> Result<u64> {
+    /// `pick` selects (all of them for `empty_cache`), then frees the ranges left wholly
+    /// unmapped. Returns the bytes unmapped.
+    pub(crate) fn release_free_pages(&mut self, reason: ReleaseReason, pick: impl Fn(&Block) -> bool) -> Result<u64> {
         if self.captures_underway > 0 {
-            // No unmap during a capture: `run_deferred_work` applies the cache limit after it.
+            // No unmap during a capture: `run_deferred_work` releases after it.
             self.deferred_work = true;
             return Ok(0);
         }
-        // Free blocks of a page or more (the smallest page is 2 MiB) from the free lists, in
-        // block order: the blocks that can hold a whole page, without a scan of every block.
-        let mut listed = Vec::new();
-        for list in &self.lists {
-            list.collect_at_least(&self.arena.blocks, SMALL_SEGMENT, &mut listed);
-        }
-        let mut candidates: Vec<BlockId> = listed
-            .into_iter()
-            .map(|(_, id)| id)
-            .filter(|&id| self.whole_pages(id).is_some() && pick(self.arena.block(id)))
-            .collect();
+        // In block order: an order of the heap's contents, not of when blocks were filed.
+        let mut candidates: Vec<BlockId> = self.free_pages.iter().filter(|&id| pick(self.arena.block(id))).collect();
         candidates.sort_unstable();
         let mut synced = Vec::new();
         let mut released = 0;
         for id in candidates {
-            if enough(self) {
-                break;
-            }
-            // Earlier cuts never move a free block's start, but check the state again.
+            // A paused tag's blocks hold no pages to release.
             let Some((lo, hi)) = self.whole_pages(id) else { continue };
             self.unmap_range(id, lo, hi, Unmapped::Release(reason), &mut synced)?;
             released += hi - lo;
@@ -728,56 +714,8 @@ impl Heap {
         Ok(released)
     }
 
-    /// `page_release` over the cache limit, at the free that made (or merged into) the free
-    /// block `freed`: unmaps whole free pages, in block order, until the cache is within the
-    /// limit. Flat per free: once a release has unmapped every free whole page and is still
-    /// over the limit (the cached bytes sit in partly used pages), `no_free_pages` records that
-    /// nothing is left to release; until something else maps pages, merges free blocks across
-    /// streams or leaves a range wholly unmapped (each of which clears it), the only free whole
-    /// pages are those of the blocks frees make, so a free looks at its own block alone, with
-    /// the same result as the whole search.
-    pub(crate) fn release_pages_over_limit(&mut self, freed: BlockId) -> Result<()> {
-        if !self.over_cache_limit() {
-            // Within the limit nothing is released, but the block may now hold whole pages.
-            if self.no_free_pages && self.whole_pages(freed).is_some() {
-                self.no_free_pages = false;
-            }
-            return Ok(());
-        }
-        if self.no_free_pages && self.captures_underway == 0 {
-            let Some((lo, hi)) = self.whole_pages(freed) else { return Ok(()) };
-            self.unmap_range(freed, lo, hi, Unmapped::Release(ReleaseReason::Limit), &mut Vec::new())?;
-            self.free_unmapped_segments()?;
-            self.no_free_pages = true;
-            return Ok(());
-        }
-        let limit = self.cache_limit();
-        self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
-        // Still over the limit after a search that stops only at the limit: every candidate
-        // went (a capture defers the search instead).
-        self.no_free_pages = self.captures_underway == 0 && self.cached_free() > limit;
-        Ok(())
-    }
-
-    /// Whether `no_free_pages` holds: no free block of an expandable segment holds a whole
-    /// page and no expandable range is wholly unmapped (for the heap's invariant check).
-    pub(super) fn check_no_free_pages(&self) -> std::result::Result<(), String> {
-        if !self.no_free_pages {
-            return Ok(());
-        }
-        if let Some(id) = self.arena.blocks_in_state(BlockState::Free).find(|&id| self.whole_pages(id).is_some()) {
-            return Err(format!("free block {:#x} holds whole pages, but none is recorded", self.arena.block(id).addr));
-        }
-        let empty =
-            self.arena.live_segment_ids().map(|s| self.arena.segment(s)).find(|s| s.expandable() && s.mapped == 0);
-        match empty {
-            Some(seg) => Err(format!("range {:#x} is wholly unmapped, but none is recorded", seg.addr)),
-            None => Ok(()),
-        }
-    }
-
     /// Frees the address range of every expandable segment with nothing mapped.
-    fn free_unmapped_segments(&mut self) -> Result<()> {
+    pub(super) fn free_unmapped_segments(&mut self) -> Result<()> {
         let empty: Vec<SegmentId> = self
             .arena
             .live_segment_ids()
@@ -805,7 +743,7 @@ impl Heap {
     /// `page_release` at step end: the free pages no allocation touched during the step.
     pub(crate) fn release_idle_pages_at_step_end(&mut self) -> Result<u64> {
         let since = self.step_clock;
-        self.release_free_pages(ReleaseReason::Step, |b| b.freed_at < since, |_| false)
+        self.release_free_pages(ReleaseReason::Step, |b| b.freed_at < since)
     }
 
     /// Bytes mapped in expandable segments (a paused tag's hold none).

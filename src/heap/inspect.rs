@@ -226,7 +226,7 @@ impl Heap {
                 }
             }
         }
-        self.check_no_free_pages()?;
+        self.check_free_pages()?;
         if unmapped != self.arena.unmapped_filed() {
             return Err(format!("{unmapped} unmapped blocks, {} in their index", self.arena.unmapped_filed()));
         }

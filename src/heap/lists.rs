@@ -6,6 +6,7 @@
 use super::Heap;
 use crate::freelist::{FreeList, ListKey};
 use crate::segment::{Block, BlockId, BlockState};
+use crate::sizeclass::SMALL_SEGMENT;
 
 impl Heap {
     // ----- free lists ----------------------------------------------------------------------
@@ -43,6 +44,10 @@ impl Heap {
             None => self.new_list(key),
         };
         self.lists[li].insert(&mut self.arena.blocks, id, oversize);
+        let bytes = self.whole_page_bytes(id);
+        if bytes > 0 {
+            self.free_pages.file(id, bytes);
+        }
     }
 
     #[cold]
@@ -63,6 +68,35 @@ impl Heap {
         if let Some(li) = li {
             self.lists[li].remove(&mut self.arena.blocks, id, oversize);
         }
+        let bytes = self.whole_page_bytes(id);
+        if bytes > 0 {
+            self.free_pages.unfile(id, bytes);
+        }
+    }
+
+    /// Bytes of the whole pages inside block `id` when it lies in an expandable segment: what
+    /// it gives back if it is free and its pages are released (`heap/limit.rs`). Depends only
+    /// on the block's place, which does not change while it is in a list. On the hot path: a
+    /// block smaller than a page is answered without dividing, power-of-two pages (the usual
+    /// ones) with shifts.
+    #[inline(always)]
+    pub(super) fn whole_page_bytes(&self, id: BlockId) -> u64 {
+        let b = self.arena.block(id);
+        if !b.class.expandable() || b.size < SMALL_SEGMENT {
+            return 0;
+        }
+        let seg = self.arena.segment(b.segment);
+        let (page, start, end) = (seg.page, b.addr - seg.addr, b.addr - seg.addr + b.size);
+        if b.size < page {
+            return 0;
+        }
+        let pages = if page.is_power_of_two() {
+            let shift = page.trailing_zeros();
+            (end >> shift).saturating_sub((start + page - 1) >> shift)
+        } else {
+            (end / page).saturating_sub(start.div_ceil(page))
+        };
+        pages * page
     }
 
     /// Inactive-split accounting: a free block counts while its segment is split.

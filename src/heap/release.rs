@@ -116,7 +116,7 @@ impl Heap {
         if self.has_stranded_free_blocks() {
             self.settle_free_streams()?;
         }
-        let mut released = self.release_free_pages(reason, |_| true, |_| false)?;
+        let mut released = self.release_free_pages(reason, |_| true)?;
         for seg in self.releasable_segments() {
             released += self.release_segment(seg, reason)?;
         }
@@ -137,8 +137,6 @@ impl Heap {
     /// Waits for the whole device; then no stream has work queued, every free block may serve
     /// any stream, and neighbours that could not merge before are merged.
     pub(super) fn settle_free_streams(&mut self) -> Result<()> {
-        // Merges below may join partial pages into whole ones.
-        self.no_free_pages = false;
         self.backend.synchronize()?;
         self.stats.num_device_synchronize += 1;
         // All free blocks, ANY ones too: a merge reaches one neighbour each way, so a chain of

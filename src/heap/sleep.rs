@@ -157,9 +157,6 @@ impl Heap {
         }
         // From here on the tag is paused: its live blocks leave the heap's statistics.
         self.sleep.paused |= 1u64 << tag;
-        // `page_release`'s shortcut record may not follow pages that leave or come back whole:
-        // the next release over the limit searches (as after any other mapping change).
-        self.no_free_pages = false;
         self.count_live_blocks(&segments, false);
         let state = self.sleep.tag(tag);
         state.backup = backups;
@@ -251,7 +248,6 @@ impl Heap {
         }
         out.mapped_bytes = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
         self.sleep.paused &= !(1u64 << tag);
-        self.no_free_pages = false;
         self.count_live_blocks(&segments, true);
         self.step.note_reserved(self.stats.reserved_bytes.current());
         let state = self.sleep.tag(tag);

@@ -79,9 +79,7 @@ impl Heap {
         let mut order = self.releasable_segments();
         order.sort_by_key(|&s| self.arena.segment_use(s).last_used_step);
         let mut released = self.release_in_order(order, ReleaseReason::Limit, |h| h.cached_free() <= limit)?;
-        if self.config.page_release {
-            released += self.release_free_pages(ReleaseReason::Limit, |_| true, |h| h.cached_free() <= limit)?;
-        }
+        released += self.release_pages_over_limit(ReleaseReason::Limit)?;
         Ok(released)
     }
 

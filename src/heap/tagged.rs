@@ -210,10 +210,6 @@ impl Heap {
         self.arena.set_state(middle, BlockState::Unmapped);
         self.arena.add_unmapped(middle);
         self.arena.segment_mut(seg_id).mapped -= hi - lo;
-        if self.arena.segment(seg_id).mapped == 0 {
-            // A wholly unmapped range, which a full release frees (`page_release`'s record).
-            self.no_free_pages = false;
-        }
         if released > 0 {
             self.stats.num_device_free += 1;
             self.trace.record(TraceAction::SegmentUnmap, lo, hi - lo, 0, stream.0, 0);
