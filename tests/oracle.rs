@@ -101,13 +101,15 @@ const CONFIGS: &[&str] = &[
     // requests packed into the large pool.
     "backend:sim,sim_devices:2,sim_capacity_mb:160,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,big_page_mb:8,big_page_after_mb:16,pack_small:True,close_holes:True,param_lane:True,sim_fail_prob:0.02,sim_fail_map_prob:0.03,sim_event_delay_us:20",
     // A small address space: three PyTorch-size ranges (180 MiB) fit in 600 MiB, so later
-    // streams and pools get ranges sized to their pages, and the address space runs out. The
-    // cache limit's pages go at the free (no grace).
-    "backend:sim,sim_devices:2,sim_capacity_mb:160,sim_address_space_mb:600,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True,cache_limit_mb:8,page_release_grace:0,close_holes:True,sim_fail_map_prob:0.02,sim_event_delay_us:20",
-    // Tiny devices: one small page; a few pages with expandable segments (the cache limit's
-    // pages go three allocations after the free).
+    // streams and pools get ranges sized to their pages, and the address space runs out.
+    "backend:sim,sim_devices:2,sim_capacity_mb:160,sim_address_space_mb:600,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True,cache_limit_mb:8,close_holes:True,sim_fail_map_prob:0.02,sim_event_delay_us:20",
+    // Tiny devices: one small page; a few pages with expandable segments.
     "backend:sim,sim_devices:2,sim_capacity_mb:2,sim_fail_prob:0.02",
-    "backend:sim,sim_devices:2,sim_capacity_mb:6,sim_address_space_mb:24,expandable_segments:True,large_segment_size_mb:2,pack_small:True,page_release:True,cache_limit_mb:1,page_release_grace:3",
+    "backend:sim,sim_devices:2,sim_capacity_mb:6,sim_address_space_mb:24,expandable_segments:True,large_segment_size_mb:2,pack_small:True,page_release:True,cache_limit_mb:1",
+    // `page_release` under a cache limit whose pages go at the free (no grace), and three
+    // allocations after it, on a few pages.
+    "backend:sim,sim_devices:2,sim_capacity_mb:64,expandable_segments:True,large_segment_size_mb:2,page_reuse:True,page_release:True,cache_limit_mb:4,page_release_grace:0,sim_event_delay_us:20",
+    "backend:sim,sim_devices:2,sim_capacity_mb:32,expandable_segments:True,large_segment_size_mb:2,pack_small:True,page_release:True,cache_limit_mb:2,page_release_grace:3,sim_fail_map_prob:0.02",
 ];
 
 #[derive(Clone, Copy)]
