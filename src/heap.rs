@@ -21,7 +21,8 @@
 //! - `events.rs`: stream-ordered reuse (events, `record_stream`) and work deferred by captures;
 //! - `expandable.rs`: expandable segments (pages mapped on demand, page reuse, address space);
 //! - `release.rs`: giving memory back (OOM steps, `empty_cache`, limits, GC) and CUDA-graph pools;
-//! - `limit.rs`: `page_release` with a cache limit (whole free pages over it, oldest first);
+//! - `limit.rs`: the free blocks holding whole pages (what page reuse, `empty_cache` and the
+//!   cache limit take) and `page_release` under a cache limit;
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool`: use counts, another allocator's
 //!   segments, `use_on_oom`);
 //! - `steps.rs`: the step-boundary release policies;

@@ -705,7 +705,7 @@ impl Heap {
         let mut synced = Vec::new();
         let mut released = 0;
         for id in candidates {
-            // A paused tag's blocks hold no pages to release.
+            // Filed blocks hold whole pages (`check_free_pages`); checked again all the same.
             let Some((lo, hi)) = self.whole_pages(id) else { continue };
             self.unmap_range(id, lo, hi, Unmapped::Release(reason), &mut synced)?;
             released += hi - lo;
