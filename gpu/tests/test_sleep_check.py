@@ -20,6 +20,16 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import check_gpu_run  # noqa: E402
 
+# Every correctness check of the step, passed.
+ALL_CORRECT = {
+    "ptrs_kept": True,
+    "bytes_kept": True,
+    "memory_released": True,
+    "discard_usable": True,
+    "graph_replay_right": True,
+    "graph_ptr_kept": True,
+}
+
 SMALL = ["--backup-mb", "12", "--tensors", "9", "--discard-mb", "6", "--cycles", "3", "--graph-mb", "2"]
 SMALL += ["--unit-mb", "4", "--iterations", "2"]
 
@@ -96,14 +106,7 @@ def test_the_step_over_the_host_memory_driver(bundle: Path, tmp_path: Path) -> N
     assert status["sleep_bandwidth"] == "SKIP"  # the 80% target is a GPU's
     doc = json.loads((tmp_path / "sleep.json").read_text())
     assert doc["host_memory_driver"] is True and doc["ok"] is True
-    assert doc["correct"] == {
-        "ptrs_kept": True,
-        "bytes_kept": True,
-        "memory_released": True,
-        "discard_usable": True,
-        "graph_replay_right": True,
-        "graph_ptr_kept": True,
-    }
+    assert doc["correct"] == ALL_CORRECT
     c = doc["cycle"]
     assert c["sizes"] == {"backup_bytes": 12 << 20, "tensors": 9, "discard_bytes": 6 << 20, "cycles": 3}
     for name in ("stepalloc_backup", "stepalloc_discard", "copy"):
@@ -155,14 +158,7 @@ def test_the_summary_has_a_sleep_section_and_the_check_reads_it(tmp_path: Path) 
     (tmp_path / "checks" / "results").write_text("RESULT PASS sleep_cycle ok\n")
     row = {"pause_s": 0.1, "resume_s": 0.2, "pause_gib_s": 10.0, "resume_gib_s": 5.0}
     sleep = {
-        "correct": {
-            "ptrs_kept": True,
-            "bytes_kept": True,
-            "memory_released": True,
-            "discard_usable": True,
-            "graph_replay_right": True,
-            "graph_ptr_kept": True,
-        },
+        "correct": ALL_CORRECT,
         "cycle": {"stepalloc_backup": row, "stepalloc_discard": row, "copy": row},
         "bandwidth": {"pause_ratio": 0.9, "resume_ratio": 0.85, "target_met": True},
     }

@@ -607,8 +607,7 @@ impl Heap {
         if !seg.expandable() || self.sleep.is_paused(seg.tag) {
             return None;
         }
-        let lo = seg.addr + (b.addr - seg.addr).div_ceil(seg.page) * seg.page;
-        let hi = seg.addr + (b.addr + b.size - seg.addr) / seg.page * seg.page;
+        let (lo, hi) = seg.whole_pages(b.addr, b.size);
         (hi > lo).then_some((lo, hi))
     }
 

@@ -31,12 +31,11 @@ pub(crate) struct FreePages {
     links: Vec<[BlockId; 2]>,
     head: BlockId,
     tail: BlockId,
-    filed: usize,
 }
 
 impl Default for FreePages {
     fn default() -> FreePages {
-        FreePages { bytes: 0, links: Vec::new(), head: NIL, tail: NIL, filed: 0 }
+        FreePages { bytes: 0, links: Vec::new(), head: NIL, tail: NIL }
     }
 }
 
@@ -55,7 +54,6 @@ impl FreePages {
         }
         self.tail = id;
         self.bytes += bytes;
-        self.filed += 1;
     }
 
     /// Takes out block `id`, filed with `bytes` of whole pages.
@@ -71,7 +69,6 @@ impl FreePages {
         }
         self.links[id as usize] = [NIL, NIL];
         self.bytes -= bytes;
-        self.filed -= 1;
     }
 
     /// The block filed longest ago.
@@ -86,21 +83,18 @@ impl FreePages {
 
     /// The filed blocks, oldest first (for the invariant check), or why the links are broken.
     fn walk(&self) -> std::result::Result<Vec<BlockId>, String> {
-        let mut out = Vec::with_capacity(self.filed);
+        let mut out = Vec::new();
         let (mut prev, mut at) = (NIL, self.head);
         while at != NIL {
-            if out.len() == self.filed || self.links[at as usize][0] != prev {
+            // More blocks than slots: the links go round in a circle.
+            if out.len() == self.links.len() || self.links[at as usize][0] != prev {
                 return Err(format!("the list of free blocks with whole pages is broken at block {at}"));
             }
             out.push(at);
             (prev, at) = (at, self.links[at as usize][1]);
         }
-        if prev != self.tail || out.len() != self.filed {
-            return Err(format!(
-                "the list of free blocks with whole pages ends early ({} of {})",
-                out.len(),
-                self.filed
-            ));
+        if prev != self.tail {
+            return Err("the list of free blocks with whole pages does not end at its tail".into());
         }
         Ok(out)
     }

@@ -77,26 +77,15 @@ impl Heap {
     /// Bytes of the whole pages inside block `id` when it lies in an expandable segment: what
     /// it gives back if it is free and its pages are released (`heap/limit.rs`). Depends only
     /// on the block's place, which does not change while it is in a list. On the hot path: a
-    /// block smaller than a page is answered without dividing, power-of-two pages (the usual
-    /// ones) with shifts.
+    /// block smaller than the smallest page is answered without loading its segment.
     #[inline(always)]
     pub(super) fn whole_page_bytes(&self, id: BlockId) -> u64 {
         let b = self.arena.block(id);
         if !b.class.expandable() || b.size < SMALL_SEGMENT {
             return 0;
         }
-        let seg = self.arena.segment(b.segment);
-        let (page, start, end) = (seg.page, b.addr - seg.addr, b.addr - seg.addr + b.size);
-        if b.size < page {
-            return 0;
-        }
-        let pages = if page.is_power_of_two() {
-            let shift = page.trailing_zeros();
-            (end >> shift).saturating_sub((start + page - 1) >> shift)
-        } else {
-            (end / page).saturating_sub(start.div_ceil(page))
-        };
-        pages * page
+        let (lo, hi) = self.arena.segment(b.segment).whole_pages(b.addr, b.size);
+        hi.saturating_sub(lo)
     }
 
     /// Inactive-split accounting: a free block counts while its segment is split.

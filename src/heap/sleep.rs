@@ -8,7 +8,8 @@
 //! the configuration uses plain segments (vLLM's sleep mode reserves one virtual range per
 //! allocation for the same reason); with `big_page_mb`, their large blocks take big pages from
 //! the first allocation (a pause and a resume then cost few driver calls per byte). So pages
-//! never hold blocks of two tags, and a pause unmaps exactly its tag's pages. The default tag is untouched: its memory is laid out as before.
+//! never hold blocks of two tags, and a pause unmaps exactly its tag's pages. The default tag
+//! is untouched: its memory is laid out as before.
 //!
 //! A pause, in order: wait for the pending frees' events; record an event on every stream that
 //! used the tag's blocks and wait for those (no device-wide synchronize); queue the live bytes'
@@ -302,12 +303,9 @@ impl Heap {
     /// (`counted`, at resume) or leave them (at pause): a paused tag's blocks count in none.
     fn count_live_blocks(&mut self, segments: &[SegmentId], counted: bool) {
         for &seg in segments {
-            let ids: Vec<BlockId> = self.arena.segment_blocks(seg).collect();
-            for id in ids.into_iter().filter(|&id| self.arena.state(id) == BlockState::Allocated) {
-                let (small, size, requested) = {
-                    let b = self.arena.block(id);
-                    (b.class.small(), b.size, b.requested)
-                };
+            for id in self.arena.segment_blocks(seg).filter(|&id| self.arena.state(id) == BlockState::Allocated) {
+                let b = self.arena.block(id);
+                let (small, size, requested) = (b.class.small(), b.size, b.requested);
                 let s = &mut self.stats;
                 if counted {
                     s.allocation.increase(small, 1);

@@ -176,8 +176,7 @@ impl Heap {
             let s = self.arena.segment(seg_id);
             (s.addr, s.page, s.small, s.stream)
         };
-        let lo = seg_addr + (addr - seg_addr).div_ceil(page) * page;
-        let hi = seg_addr + (addr + size - seg_addr) / page * page;
+        let (lo, hi) = self.arena.segment(seg_id).whole_pages(addr, size);
         if hi <= lo {
             return Ok(0);
         }

@@ -179,6 +179,21 @@ impl Segment {
     pub fn expandable(&self) -> bool {
         self.page != 0
     }
+
+    /// The whole pages of this expandable segment inside `[addr, addr + size)`, as `[lo, hi)`
+    /// (empty when `hi <= lo`). On the free lists' path: power-of-two pages (the usual ones)
+    /// with shifts, others by dividing.
+    #[inline(always)]
+    pub fn whole_pages(&self, addr: u64, size: u64) -> (u64, u64) {
+        let (page, start, end) = (self.page, addr - self.addr, addr - self.addr + size);
+        let (first, last) = if page.is_power_of_two() {
+            let shift = page.trailing_zeros();
+            ((start + page - 1) >> shift, end >> shift)
+        } else {
+            (start.div_ceil(page), end / page)
+        };
+        (self.addr + first * page, self.addr + last * page)
+    }
 }
 
 /// What every allocation from a segment updates, kept densely beside the segment records (which
