@@ -10,6 +10,11 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # No two modules use each other (src/, stress/src/, python_shim/stepalloc/), read from the code.
 python3 scripts/import_cycles.py
+# No leftover of a merge or an editor is tracked (*.orig, *.rej, backups, swap files).
+if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
+    stray=$(git ls-files | grep -E '\.(orig|rej|bak|swp|swo)$|~$|(^|/)\.#' || true)
+    [ -z "$stray" ] || { printf 'tracked leftovers of a merge or an editor:\n%s\n' "$stray"; exit 1; }
+fi
 # The C ABI and Python tests load the release library.
 cargo build --release -p stepalloc-cabi
 cargo test --workspace
