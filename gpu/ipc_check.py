@@ -9,7 +9,10 @@ Per pairing and segment kind (plain: ``expandable_segments:False``; expandable: 
   drops its tensor and allocates the same size: another address), and once the receiver
   dropped it and the producer ran ``torch.cuda.ipc_collect()`` it is (stepalloc producer);
 - the receiver sends a tensor of its own back, which the producer reads;
-- the receiver cannot pass the received tensor on (PyTorch's own refusal, same message).
+- the receiver cannot pass the received tensor on (PyTorch's own refusal, same message);
+- a stepalloc receiver refuses a storage outside the shared mapping (the offset moved 1 TiB
+  past it, or the size set to 1 TiB) with an error naming offset, size and the mapping's size,
+  before it opens the real one.
 Runs on a GPU and over testdrv's host-memory driver (kernels never run: data moves by copies).
 
 Output: one line ``RESULT PASS|FAIL ipc_<producer>_to_<receiver>_<segment> <detail>`` per
@@ -102,6 +105,24 @@ def digest(t) -> str:
     return hashlib.sha256(t.cpu().numpy().tobytes()).hexdigest()
 
 
+def tamper_refusals(fn, args) -> list:
+    """What a stepalloc receiver says to the producer's tuple with the storage moved outside
+    the shared mapping (rebuild_cuda_tensor's args: 8 is the storage's size, 9 its offset);
+    each entry is the error text, or "opened" when it handed out a storage."""
+    import stepalloc
+
+    said = []
+    for at, value in ((9, args[9] + (1 << 40)), (8, 1 << 40)):
+        bad = list(args)
+        bad[at] = value
+        try:
+            fn(*bad)
+            said.append("opened")
+        except stepalloc.StepallocError as e:
+            said.append(str(e))
+    return said
+
+
 def receiver_main(kind: str, segment: str) -> None:
     channel_in, channel_out = sys.stdin.buffer, sys.stdout.buffer
     sys.stdout = sys.stderr  # prints go to stderr; stdout is the channel
@@ -110,6 +131,7 @@ def receiver_main(kind: str, segment: str) -> None:
     from torch.multiprocessing.reductions import reduce_tensor
 
     fn, args = receive(channel_in)
+    tampered = tamper_refusals(fn, args) if kind == "stepalloc" else []
     t = fn(*args)
     got = digest(t)
     try:  # PyTorch refuses to pass on a received tensor (clone it first); so must stepalloc
@@ -120,7 +142,8 @@ def receiver_main(kind: str, segment: str) -> None:
     t[:4096].copy_(torch.full((4096,), MARK, dtype=torch.uint8))
     torch.cuda.synchronize()
     back = pattern(torch, SHARED_BYTES, 2).cuda()
-    send(channel_out, {"got": got, "size": t.numel(), "resend": resend, "back": reduce_tensor(back)})
+    reply = {"got": got, "size": t.numel(), "resend": resend, "back": reduce_tensor(back), "tampered": tampered}
+    send(channel_out, reply)
     assert receive(channel_in) == "drop"
     del t, fn, args
     import gc
@@ -159,6 +182,13 @@ def producer(kind: str, receiver: str, segment: str) -> dict:
         out["resend_refused"] = reply["resend"].startswith(
             "Attempted to send CUDA tensor received from another process"
         )
+        if receiver == "stepalloc":
+            offset, size = args[9], args[8]
+            wanted = [f"{size} bytes at offset {offset + (1 << 40)}", f"{1 << 40} bytes at offset {offset}"]
+            out["tampered"] = reply["tampered"]
+            out["tampered_refused"] = len(reply["tampered"]) == 2 and all(
+                w in e and "shared mapping (" in e for w, e in zip(wanted, reply["tampered"])
+            )
         seen = x[:4096].cpu()
         out["producer_sees_write"] = bool((seen == MARK).all())
         back_fn, back_args = reply["back"]
@@ -195,6 +225,8 @@ def passed(r: dict) -> bool:
     keys = ["receiver_read_bytes", "producer_sees_write", "back_bytes_equal", "not_reused_while_held", "resend_refused"]
     if r["producer"] == "stepalloc":
         keys.append("reused_after_release")
+    if r["receiver"] == "stepalloc":
+        keys.append("tampered_refused")
     return all(r.get(k) for k in keys) and r.get("receiver_status") == 0
 
 

@@ -42,23 +42,34 @@ pub enum Shareable {
 }
 
 impl Shareable {
-    /// The handle bytes torch 2.15's `rebuild_cuda_tensor` opens.
+    /// The handle bytes torch 2.15's `rebuild_cuda_tensor` opens (the newest version).
     pub fn encode(&self) -> Vec<u8> {
+        self.encode_as(VERSION)
+    }
+
+    /// The handle bytes in the layout of handle `version` (2: torch 2.4 to 2.12, whose
+    /// expandable header has no handle type; 3: torch 2.13 on), for the receiver's torch: a
+    /// stock PyTorch refuses a newer version than its own ("from a future version of torch").
+    /// Any other version is written as the newest.
+    pub fn encode_as(&self, version: u8) -> Vec<u8> {
+        let version = if version == 2 { 2 } else { VERSION };
         match self {
             Shareable::Legacy(handle) => {
-                let mut out = vec![VERSION, TYPE_CUDA_MALLOC];
+                let mut out = vec![version, TYPE_CUDA_MALLOC];
                 out.extend_from_slice(handle);
                 out
             }
             Shareable::Expandable { pid, page, fds } => {
                 let mut out = Vec::with_capacity(2 + HEADER_V3 + 4 * fds.len());
-                out.extend_from_slice(&[VERSION, TYPE_EXPANDABLE]);
+                out.extend_from_slice(&[version, TYPE_EXPANDABLE]);
                 out.extend_from_slice(&pid.to_ne_bytes());
                 out.extend_from_slice(&[0; 4]);
                 out.extend_from_slice(&page.to_ne_bytes());
                 out.extend_from_slice(&(fds.len() as u64).to_ne_bytes());
-                out.extend_from_slice(&HANDLE_TYPE_POSIX_FD.to_ne_bytes());
-                out.extend_from_slice(&[0; 4]);
+                if version >= 3 {
+                    out.extend_from_slice(&HANDLE_TYPE_POSIX_FD.to_ne_bytes());
+                    out.extend_from_slice(&[0; 4]);
+                }
                 for fd in fds {
                     out.extend_from_slice(&fd.to_ne_bytes());
                 }
@@ -88,6 +99,20 @@ impl Shareable {
             TYPE_EXPANDABLE => parse_expandable(*version, rest).map_err(bad),
             other => Err(bad(format!("unknown handle type {other:#x}"))),
         }
+    }
+}
+
+/// Whether `size` bytes at `offset` lie inside a shared mapping of `mapped` bytes; a receiver
+/// checks this before it hands out memory, since offset and size travel beside the handle and
+/// nothing else bounds them (a storage past the mapping faults at its first use, or reads
+/// another allocation's bytes).
+pub fn check_range(offset: u64, size: u64, mapped: u64) -> Result<()> {
+    match offset.checked_add(size) {
+        Some(end) if end <= mapped => Ok(()),
+        _ => Err(Error::InvalidArgument(format!(
+            "CUDA IPC: the received storage ({size} bytes at offset {offset}) lies outside the shared \
+             mapping ({mapped} bytes); the handle's offset or size does not belong to it"
+        ))),
     }
 }
 
@@ -146,6 +171,40 @@ mod tests {
         let mut v2 = c.encode();
         v2[0] = 2;
         assert_eq!(Shareable::parse(&v2).unwrap(), c);
+    }
+
+    /// What a producer writes for a receiver's torch before 2.13: version 2, the same `'c'`
+    /// payload, the expandable header less its handle type; any other version is the newest.
+    #[test]
+    fn encodes_each_version_exactly() {
+        let c = Shareable::Legacy(std::array::from_fn(|i| i as u8));
+        let mut want = vec![2, b'c'];
+        want.extend(0..64u8);
+        assert_eq!(c.encode_as(2), want);
+        assert_eq!(c.encode_as(3), c.encode());
+        assert_eq!(c.encode_as(0), c.encode(), "0: the newest");
+        let e = Shareable::Expandable { pid: 77, page: 2 << 20, fds: vec![5, 6] };
+        let mut want = vec![2, b'e'];
+        want.extend_from_slice(&77i32.to_ne_bytes());
+        want.extend_from_slice(&[0; 4]);
+        want.extend_from_slice(&(2u64 << 20).to_ne_bytes());
+        want.extend_from_slice(&2u64.to_ne_bytes());
+        want.extend_from_slice(&5i32.to_ne_bytes());
+        want.extend_from_slice(&6i32.to_ne_bytes());
+        assert_eq!(e.encode_as(2), want);
+        assert_eq!(Shareable::parse(&want).unwrap(), e);
+        assert_eq!(e.encode_as(9), e.encode());
+    }
+
+    #[test]
+    fn a_range_must_lie_inside_the_mapping() {
+        assert!(check_range(0, 100, 100).is_ok());
+        assert!(check_range(100, 0, 100).is_ok());
+        assert!(check_range(40, 60, 100).is_ok());
+        for (offset, size) in [(1, 100), (101, 0), (1 << 40, 1), (0, 1 << 40), (u64::MAX, 2), (2, u64::MAX)] {
+            let e = check_range(offset, size, 100).unwrap_err().to_string();
+            assert!(e.contains(&format!("{size} bytes at offset {offset}")) && e.contains("(100 bytes)"), "{e}");
+        }
     }
 
     /// torch 2.15's own handles, as its allocator wrote them over testdrv (the padding after

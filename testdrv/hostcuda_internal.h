@@ -116,7 +116,14 @@ struct alloc { unsigned long long addr, size, charged; int dev, fd, ipc_pid, ipc
 /* `warm`: its pages were touched before; `handle_types`: cuMemCreate's requestedHandleTypes;
  * `imported` from another process's file descriptor (not charged here: the exporter's device
  * holds the charge); `exported`: its descriptor went to another process (never kept warm). */
-struct phys { int fd, dev, released, maps, warm, handle_types, imported, exported; unsigned long long size; };
+/* An imported chunk shares its descriptor with the other imports of the same file (`fd_refs`
+ * counts them; `ino` names the file): a driver holds no descriptor per import, so a receiver of
+ * thousands of handles must not run out of descriptors here either. */
+struct phys {
+    int fd, dev, released, maps, warm, handle_types, imported, exported;
+    unsigned long long size, ino;
+    int *fd_refs;
+};
 struct mapping { unsigned long long addr, size, offset; struct phys *p; int prot; };
 
 /* Everything from here to the matching pop is internal to libcuda.so.1. */

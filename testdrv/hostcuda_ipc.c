@@ -258,11 +258,27 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *out, void 
     struct stat st;
     if (dev < 0 || fstat(theirs, &st) || st.st_size <= 0 || (unsigned long long)st.st_size % GRANULARITY)
         RETURN(E_INVALID_VALUE); /* not a descriptor from cuMemExportToShareableHandle */
-    int fd = fcntl(theirs, F_DUPFD_CLOEXEC, 0);
-    if (fd < 0) RETURN(E_OUT_OF_MEMORY);
     struct phys *p = calloc(1, sizeof *p);
-    if (!p || hc_reg_add(&hc_physs, p)) { free(p); close(fd); RETURN(E_OUT_OF_MEMORY); }
-    p->fd = fd;
+    if (!p) RETURN(E_OUT_OF_MEMORY);
+    for (size_t i = 0; i < hc_physs.n && !p->fd_refs; i++) {
+        struct phys *q = hc_physs.v[i];
+        if (q->imported && q->ino == (unsigned long long)st.st_ino) {
+            p->fd = q->fd;
+            p->fd_refs = q->fd_refs;
+        }
+    }
+    if (!p->fd_refs) {
+        p->fd_refs = calloc(1, sizeof *p->fd_refs);
+        p->fd = p->fd_refs ? fcntl(theirs, F_DUPFD_CLOEXEC, 0) : -1;
+        if (p->fd < 0) { free(p->fd_refs); free(p); RETURN(E_OUT_OF_MEMORY); }
+    }
+    if (hc_reg_add(&hc_physs, p)) {
+        if (*p->fd_refs == 0) { close(p->fd); free(p->fd_refs); }
+        free(p);
+        RETURN(E_OUT_OF_MEMORY);
+    }
+    ++*p->fd_refs;
+    p->ino = (unsigned long long)st.st_ino;
     p->dev = dev;
     p->size = (unsigned long long)st.st_size;
     p->handle_types = HANDLE_TYPE_POSIX_FD;

@@ -115,7 +115,10 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *out, size_t size, const struc
 
 static void phys_free(struct phys *p) {
     if (p->imported) {
-        close(p->fd);
+        if (--*p->fd_refs == 0) {
+            close(p->fd);
+            free(p->fd_refs);
+        }
     } else {
         if (p->exported) close(p->fd);
         else hc_warm_chunk_put(p->fd, p->dev, p->size);

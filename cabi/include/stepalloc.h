@@ -198,22 +198,34 @@ const char *stepalloc_version(void);
 // Shares the allocation that starts at `ptr`: writes the handle bytes that PyTorch's
 // `rebuild_cuda_tensor` opens (a legacy `cudaIpcMemHandle_t` for a plain segment, the
 // expandable-segment header with POSIX file descriptors for an expandable one) into `buf`
-// when they fit in `cap`, and the block's offset in the shared range into `*offset`. Returns
-// the handle's length (a caller whose buffer was too small calls again with one that size),
-// or 0 with the last error set. The descriptors stay open in this process until the pages
-// are released; keeping the block allocated while a receiver holds it is the caller's part.
+// when they fit in `cap`, and the block's offset in the shared range into `*offset`.
+// `version` is the receiver's torch's handle version: 2 for torch 2.4 to 2.12 (which refuse
+// version 3), 3 (or 0) for the newest. The same block shared again gives the same bytes.
+// Returns the handle's length (a caller whose buffer was too small calls again with one that
+// size), or 0 with the last error set. The descriptors stay open in this process until the
+// pages are released; keeping the block allocated while a receiver holds it is the caller's
+// part.
 //
 // # Safety
 // `buf` must be NULL or point to `cap` writable bytes; `offset` must point to a `uint64_t`.
-size_t stepalloc_ipc_share(void *ptr, char *buf, size_t cap, uint64_t *offset);
+size_t stepalloc_ipc_share(void *ptr, int version, char *buf, size_t cap, uint64_t *offset);
 
 // Maps on `device` the range another process shared (`handle`, `len` bytes, from PyTorch or
-// stepalloc) and writes its base address here to `*out`; the caller adds the offset sent with
-// it. The same handle opened again maps once and is counted. Returns a status.
+// stepalloc) for the storage of `size` bytes at `offset` in it (both sent beside the handle),
+// and writes the range's base address here to `*out`: the storage is at `*out + offset`, and
+// `stepalloc_ipc_close` takes the base. A storage that does not lie inside what the handle
+// maps is refused (`STEPALLOC_INVALID_ARGUMENT`, naming offset, size and the mapping's size)
+// and nothing stays mapped. The same handle opened again maps once and is counted. Returns a
+// status.
 //
 // # Safety
 // `handle` must point to `len` readable bytes; `out` must point to a `void *`.
-int stepalloc_ipc_open(int device, const char *handle, size_t len, void **out);
+int stepalloc_ipc_open(int device,
+                       const char *handle,
+                       size_t len,
+                       uint64_t offset,
+                       uint64_t size,
+                       void **out);
 
 // Closes one `stepalloc_ipc_open` of the range at `base` on `device`; the last close unmaps
 // it. Returns a status.

@@ -191,8 +191,13 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_pool_use_count": ([c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
         "stepalloc_pool_set_segment_allocator": ([c_int, ctypes.c_uint64, ctypes.c_uint64, c_void_p, c_void_p], c_int),
         "stepalloc_pool_set_use_on_oom": ([c_int, ctypes.c_uint64, ctypes.c_uint64, c_int], c_int),
-        "stepalloc_ipc_share": ([c_void_p, c_char_p, c_size_t, ctypes.POINTER(ctypes.c_uint64)], c_size_t),
-        "stepalloc_ipc_open": ([c_int, c_char_p, c_size_t, ctypes.POINTER(c_void_p)], c_int),
+        # CUDA IPC (ipc.py): share(ptr, handle version, buf, cap, &offset);
+        # open(device, handle, len, offset, size, &base).
+        "stepalloc_ipc_share": ([c_void_p, c_int, c_char_p, c_size_t, ctypes.POINTER(ctypes.c_uint64)], c_size_t),
+        "stepalloc_ipc_open": (
+            [c_int, c_char_p, c_size_t, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(c_void_p)],
+            c_int,
+        ),
         "stepalloc_ipc_close": ([c_int, c_void_p], c_int),
     }
     for name, (argtypes, restype) in table.items():

@@ -173,14 +173,15 @@ def share_storage(storage: Any) -> tuple[Any, ...]:
         raise RuntimeError(RECEIVED_MESSAGE)
     library = _lib.lib()
     offset = ctypes.c_uint64(0)
+    version = torch_handle_version(torch.__version__)
     buf = ctypes.create_string_buffer(256)
-    need = int(library.stepalloc_ipc_share(ptr, buf, len(buf), ctypes.byref(offset)))
+    need = int(library.stepalloc_ipc_share(ptr, version, buf, len(buf), ctypes.byref(offset)))
     if need > len(buf):
         buf = ctypes.create_string_buffer(need)
-        need = int(library.stepalloc_ipc_share(ptr, buf, len(buf), ctypes.byref(offset)))
+        need = int(library.stepalloc_ipc_share(ptr, version, buf, len(buf), ctypes.byref(offset)))
     if need == 0:
         raise RuntimeError(f"stepalloc cannot share this CUDA tensor with another process: {_lib.last_error()}")
-    handle = handle_for_torch(buf.raw[:need], torch_handle_version(torch.__version__))
+    handle = buf.raw[:need]
     with _lock:
         collect()
         file, slot = _take_counter()
@@ -196,28 +197,13 @@ def torch_handle_version(version: str) -> int:
     """The handle version the installed torch writes and the newest it opens: 3 from torch 2.13
     (the expandable-segment header gained its handle type), 2 before. A receiving stock PyTorch
     refuses a newer version ("received sharable handle from a future version of torch"), and
-    the producer's torch is the receiver's in the usual setup (one environment)."""
+    the producer's torch is the receiver's in the usual setup (one environment). The library
+    writes the handle in this version (``stepalloc_ipc_share``)."""
     try:
         major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
     except ValueError:
         return 3
     return 3 if (major, minor) >= (2, 13) else 2
-
-
-_V3_HEADER = 32  # pid (+4 padding), page size, number of handles, handle type (+4 padding)
-
-
-def handle_for_torch(handle: bytes, version: int) -> bytes:
-    """The library's handle (version 3) in the format of `version`: version 2 has the same
-    ``'c'`` payload and an expandable-segment header without the handle type (POSIX file
-    descriptors, the only type stepalloc exports)."""
-    if version >= 3 or len(handle) < 2 or handle[0] != 3:
-        return handle
-    if handle[1:2] == b"c":
-        return b"\x02" + handle[1:]
-    if handle[1:2] == b"e" and len(handle) >= 2 + _V3_HEADER:
-        return b"\x02e" + handle[2 : 2 + _V3_HEADER - 8] + handle[2 + _V3_HEADER :]
-    return handle
 
 
 # ----- receiver ------------------------------------------------------------------------------
@@ -278,10 +264,18 @@ def open_storage(
     event_sync_required: bool | None,
 ) -> Any:
     """``_new_shared_cuda`` under stepalloc: the storage of `size` bytes at `offset` in the range
-    `handle` names (from stepalloc or stock PyTorch)."""
+    `handle` names (from stepalloc or stock PyTorch). A storage that does not lie inside what
+    the handle maps raises ``StepallocError`` (naming offset, size and the mapping's size) and
+    leaves nothing mapped."""
     import torch
 
-    device = int(device)
+    device, offset, size = int(device), int(offset), int(size)
+    if not 0 <= offset < 1 << 64 or not 0 <= size < 1 << 64:
+        raise _lib.ConfigError(
+            f"CUDA IPC: the received storage ({size} bytes at offset {offset}) has a negative or "
+            "out-of-range offset or size",
+            _lib.INVALID_ARGUMENT,
+        )
     if event_sync_required and event_handle:
         event = torch.cuda.Event.from_ipc_handle(device, event_handle)
         torch.cuda.current_stream(device).wait_event(event)
@@ -289,8 +283,8 @@ def open_storage(
         return None
     library = _lib.lib()
     base = ctypes.c_void_p(0)
-    _lib.check(int(library.stepalloc_ipc_open(device, handle, len(handle), ctypes.byref(base))))
-    owner = _Opened(device, int(base.value or 0), int(base.value or 0) + int(offset), int(size), counter, int(slot))
+    _lib.check(int(library.stepalloc_ipc_open(device, handle, len(handle), offset, size, ctypes.byref(base))))
+    owner = _Opened(device, int(base.value or 0), int(base.value or 0) + offset, size, counter, int(slot))
     with torch.cuda.device(device):
         tensor = torch.as_tensor(owner, device=f"cuda:{device}")
     return tensor.untyped_storage()

@@ -530,7 +530,7 @@ impl Backend for CudaDevice {
         ipc::export(self, handle)
     }
 
-    fn ipc_open(&mut self, handle: &[u8; 64]) -> Result<u64> {
+    fn ipc_open(&mut self, handle: &[u8; 64]) -> Result<(u64, u64)> {
         ipc::open(self, handle)
     }
 

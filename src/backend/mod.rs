@@ -181,8 +181,10 @@ pub trait Backend: Send {
         Err(no_ipc())
     }
 
-    /// Maps another process's `cudaIpcMemHandle_t` here; returns its address.
-    fn ipc_open(&mut self, _handle: &[u8; 64]) -> Result<u64> {
+    /// Maps another process's `cudaIpcMemHandle_t` here; returns its address and the length of
+    /// what was mapped (the whole allocation the handle names), which bounds what a receiver
+    /// may read there.
+    fn ipc_open(&mut self, _handle: &[u8; 64]) -> Result<(u64, u64)> {
         Err(no_ipc())
     }
 

@@ -12,6 +12,10 @@
 //!   reference counter in shared memory; `python_shim/stepalloc/ipc.py` holds the storage).
 //! - Opened ranges are cached by handle bytes and counted, as PyTorch caches its
 //!   `ipcMemHandle_to_devptr`: the same handle opened twice maps once.
+//! - A receiver maps only what the handle names (the pages exported, or the one allocation of a
+//!   legacy handle), never a device-sized reservation, and every open checks the storage's
+//!   offset and size, which travel beside the handle, against the mapped length: memory outside
+//!   the mapping is never handed out.
 
 use super::Heap;
 use crate::backend::PhysHandle;
@@ -31,6 +35,8 @@ pub(crate) struct IpcState {
 
 struct Opened {
     handle: Vec<u8>,
+    /// Bytes mapped at the base.
+    len: u64,
     /// Opens not yet closed.
     refs: u32,
     /// `None`: a legacy handle (the driver unmaps it); else the imported pages of `page` bytes.
@@ -82,25 +88,48 @@ impl Heap {
         })
     }
 
-    /// Maps a range another process shared (`handle`: PyTorch's bytes) and returns its base
-    /// here; the caller adds the offset that came with it.
-    pub fn open_shared(&mut self, handle: &[u8]) -> Result<u64> {
+    /// Maps a range another process shared (`handle`: PyTorch's bytes) for the storage of
+    /// `size` bytes at `offset` in it, and returns the range's base here (the caller adds the
+    /// offset and closes the base). A storage that does not lie inside the mapping is refused
+    /// and the open undone, so a refused open changes nothing.
+    pub fn open_shared(&mut self, handle: &[u8], offset: u64, size: u64) -> Result<u64> {
         if let Some(&base) = self.ipc.by_handle.get(handle) {
             if let Some(opened) = self.ipc.opened.get_mut(&base) {
-                opened.refs += 1;
+                crate::ipc::check_range(offset, size, opened.len)?;
+                opened.refs = opened.refs.checked_add(1).ok_or_else(|| {
+                    Error::InvalidArgument(format!("CUDA IPC: the range at {base:#x} is open {} times", u32::MAX))
+                })?;
                 return Ok(base);
             }
         }
-        let (base, pages) = match Shareable::parse(handle)? {
-            Shareable::Legacy(h) => (self.backend.ipc_open(&h)?, None),
+        let (base, len, pages) = match Shareable::parse(handle)? {
+            Shareable::Legacy(h) => {
+                let (base, len) = self.backend.ipc_open(&h)?;
+                if let Err(e) = crate::ipc::check_range(offset, size, len) {
+                    // Best effort: the refusal is the error worth reporting.
+                    let _ = self.backend.ipc_close(base);
+                    return Err(e);
+                }
+                (base, len, None)
+            }
             Shareable::Expandable { pid, page, fds } => {
+                // The length is known before anything is mapped.
+                let len = page.saturating_mul(fds.len() as u64);
+                crate::ipc::check_range(offset, size, len)?;
                 let (base, handles) = self.map_shared_pages(pid, page, &fds)?;
-                (base, Some((page, handles)))
+                (base, len, Some((page, handles)))
             }
         };
         self.ipc.by_handle.insert(handle.to_vec(), base);
-        self.ipc.opened.insert(base, Opened { handle: handle.to_vec(), refs: 1, pages });
+        self.ipc.opened.insert(base, Opened { handle: handle.to_vec(), len, refs: 1, pages });
         Ok(base)
+    }
+
+    /// The ranges other processes shared that are open here: (base, bytes mapped, opens).
+    pub fn shared_ranges(&self) -> Vec<(u64, u64, u32)> {
+        let mut ranges: Vec<_> = self.ipc.opened.iter().map(|(&base, o)| (base, o.len, o.refs)).collect();
+        ranges.sort_unstable();
+        ranges
     }
 
     /// Closes one open of the range at `base`; the last one unmaps it.
@@ -221,6 +250,6 @@ mod tests {
         let Shareable::Expandable { fds: fb, .. } = sb else { panic!("{sb:?}") };
         assert_eq!((fb.len(), ob), (2, MIB));
         assert_eq!(fb[0], fa[1], "the page both touch is one chunk");
-        assert!(h.open_shared(&Shareable::Expandable { pid: 1, page: 2 * MIB, fds: fa }.encode()).is_err());
+        assert!(h.open_shared(&Shareable::Expandable { pid: 1, page: 2 * MIB, fds: fa }.encode(), 0, 1).is_err());
     }
 }

@@ -442,25 +442,32 @@ static void scenario_ipc(void) {
     CHECK(pad != NULL && x != NULL, "%s", last_error());
     /* Measure, then fill: PyTorch's legacy format, version 3, type 'c', 64 handle bytes. */
     uint64_t offset = 7;
-    size_t n = p_stepalloc_ipc_share(x, NULL, 0, &offset);
+    size_t n = p_stepalloc_ipc_share(x, 0, NULL, 0, &offset);
     CHECK(n == 66 && offset == (uint64_t)((char *)x - (char *)pad), "share: %zu bytes, offset %llu: %s", n,
           (unsigned long long)offset, last_error());
     char handle[66];
-    CHECK(p_stepalloc_ipc_share(x, handle, sizeof handle, &offset) == 66 && handle[0] == 3 && handle[1] == 'c',
+    CHECK(p_stepalloc_ipc_share(x, 0, handle, sizeof handle, &offset) == 66 && handle[0] == 3 && handle[1] == 'c',
           "handle %d %c", handle[0], handle[1]);
+    /* For a receiver's torch before 2.13: version 2, the same payload; the same bytes again. */
+    char v2[66];
+    CHECK(p_stepalloc_ipc_share(x, 2, v2, sizeof v2, &offset) == 66 && v2[0] == 2 && memcmp(v2 + 1, handle + 1, 65) == 0,
+          "version 2 handle %d %c", v2[0], v2[1]);
+    CHECK(p_stepalloc_ipc_share(x, 7, v2, sizeof v2, &offset) == 0 && status() == STEPALLOC_INVALID_ARGUMENT &&
+              strstr(last_error(), "handle version 7") != NULL,
+          "version 7: %s", last_error());
     /* Misuse: a NULL offset, an interior pointer, NULL arguments, a malformed handle. */
-    CHECK(p_stepalloc_ipc_share(x, handle, sizeof handle, NULL) == 0 && status() == STEPALLOC_INVALID_ARGUMENT,
+    CHECK(p_stepalloc_ipc_share(x, 3, handle, sizeof handle, NULL) == 0 && status() == STEPALLOC_INVALID_ARGUMENT,
           "NULL offset: %d", status());
-    CHECK(p_stepalloc_ipc_share((char *)x + 512, handle, sizeof handle, &offset) == 0 &&
+    CHECK(p_stepalloc_ipc_share((char *)x + 512, 3, handle, sizeof handle, &offset) == 0 &&
               status() == STEPALLOC_UNKNOWN_POINTER,
           "interior pointer: %d", status());
     void *opened = NULL;
-    CHECK(p_stepalloc_ipc_open(0, NULL, 66, &opened) == STEPALLOC_INVALID_ARGUMENT, "NULL handle");
-    CHECK(p_stepalloc_ipc_open(0, handle, 66, NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL out");
-    CHECK(p_stepalloc_ipc_open(0, handle, 5, &opened) == STEPALLOC_INVALID_ARGUMENT &&
+    CHECK(p_stepalloc_ipc_open(0, NULL, 66, 0, 1, &opened) == STEPALLOC_INVALID_ARGUMENT, "NULL handle");
+    CHECK(p_stepalloc_ipc_open(0, handle, 66, 0, 1, NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL out");
+    CHECK(p_stepalloc_ipc_open(0, handle, 5, 0, 1, &opened) == STEPALLOC_INVALID_ARGUMENT &&
               strstr(last_error(), "CUDA IPC handle") != NULL,
           "short handle: %s", last_error());
-    CHECK(p_stepalloc_ipc_open(0, handle, 66, &opened) != STEPALLOC_OK && opened == NULL, "the sim opened a handle");
+    CHECK(p_stepalloc_ipc_open(0, handle, 66, 0, 1, &opened) != STEPALLOC_OK && opened == NULL, "the sim opened a handle");
     CHECK(p_stepalloc_ipc_close(0, x) == STEPALLOC_UNKNOWN_POINTER, "close of a range never opened: %d", status());
     p_stepalloc_free(x, 3 * MIB, 0, NULL);
     p_stepalloc_free(pad, 2 * MIB, 0, NULL);

@@ -117,6 +117,7 @@ driver_api! {
     ipc_get_mem_handle = "cuIpcGetMemHandle": fn(*mut ipc::IpcMemHandle, u64);
     ipc_open_mem_handle = "cuIpcOpenMemHandle_v2": fn(*mut u64, ipc::IpcMemHandle, c_uint);
     ipc_close_mem_handle = "cuIpcCloseMemHandle": fn(u64);
+    mem_get_address_range = "cuMemGetAddressRange_v2": fn(*mut u64, *mut usize, u64);
     mem_export_to_shareable_handle = "cuMemExportToShareableHandle": fn(*mut c_void, u64, c_int, u64);
     mem_import_from_shareable_handle = "cuMemImportFromShareableHandle": fn(*mut u64, *mut c_void, c_int);
 }

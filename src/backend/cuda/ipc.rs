@@ -88,14 +88,28 @@ pub(super) fn forget_export(dev: &mut CudaDevice, handle: PhysHandle) {
     }
 }
 
-pub(super) fn open(dev: &mut CudaDevice, handle: &[u8; 64]) -> Result<u64> {
+/// Opens a legacy handle; returns the mapped address and the allocation's length there.
+pub(super) fn open(dev: &mut CudaDevice, handle: &[u8; 64]) -> Result<(u64, u64)> {
     let _current = dev.enter()?;
     let mut ptr: u64 = 0;
     // Safety: one out-pointer to a local; the handle is passed by value in the driver's layout.
     check("cuIpcOpenMemHandle", unsafe {
         (dev.api.ipc_open_mem_handle)(&mut ptr, IpcMemHandle { reserved: *handle }, CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS)
     })?;
-    Ok(ptr)
+    let (mut base, mut len) = (0u64, 0usize);
+    // Safety: two out-pointers to locals; `ptr` was just mapped by the driver.
+    let range = check("cuMemGetAddressRange", unsafe { (dev.api.mem_get_address_range)(&mut base, &mut len, ptr) });
+    match range {
+        // The mapping starts at the allocation's base (the handle names a whole allocation).
+        Ok(()) if base == ptr => Ok((ptr, len as u64)),
+        failed => {
+            // Safety: `ptr` came from cuIpcOpenMemHandle above and is closed once.
+            let _ = unsafe { (dev.api.ipc_close_mem_handle)(ptr) };
+            Err(failed.err().unwrap_or_else(|| {
+                Error::InvalidArgument(format!("cuIpcOpenMemHandle mapped {ptr:#x} inside an allocation at {base:#x}"))
+            }))
+        }
+    }
 }
 
 pub(super) fn close(dev: &mut CudaDevice, addr: u64) -> Result<()> {
@@ -199,5 +213,89 @@ mod tests {
         let refused = dev.ipc_open(&handle).expect_err("a handle of this process");
         assert!(refused.to_string().contains("cuIpcOpenMemHandle"), "{refused}");
         dev.release(base, 2 << 20).expect("free");
+    }
+}
+
+/// The receiver's side at scale, through the heap: PyTorch's expandable segments reserve 9/8 of
+/// the device's memory of address space per imported handle and run out after ~1,450 imports
+/// (PyTorch #186213); stepalloc maps only the pages a handle exports.
+#[cfg(test)]
+mod scale_tests {
+    use super::super::{driver_present, open_devices};
+    use crate::config::Config;
+    use crate::heap::Heap;
+    use crate::ipc::Shareable;
+
+    /// The open descriptors of this process.
+    fn open_fds() -> usize {
+        std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+    }
+
+    /// 10,000 handles (two pages each, of 101 pages another heap exported) open at once in one
+    /// receiver, each range exactly the 4 MiB it names; a storage outside a mapping is refused
+    /// whether or not the handle is open already, and changes nothing; the same handle opened
+    /// twice maps once; closing every open unmaps everything and closes every descriptor.
+    #[test]
+    fn gpu_ten_thousand_imports_map_only_what_was_exported() {
+        let on = |name: &str| std::env::var(name).as_deref() == Ok("1");
+        if !(on("STEPALLOC_GPU_TESTS") || on("STEPALLOC_HOSTCUDA")) || !driver_present() {
+            eprintln!("skipped: set STEPALLOC_GPU_TESTS=1 or STEPALLOC_HOSTCUDA=1 with a driver");
+            return;
+        }
+        let mut devices = open_devices().expect("devices");
+        let receiver_device = devices.pop().expect("a device");
+        let producer_device = open_devices().expect("devices").swap_remove(0);
+        let config = Config::parse("backend:cuda,expandable_segments:True,large_segment_size_mb:2").unwrap();
+        let mut producer = Heap::new(0, &config, Box::new(producer_device));
+        let mut receiver = Heap::new(devices.len(), &config, Box::new(receiver_device));
+        let handles = 10_000;
+
+        let page = 2u64 << 20;
+        let blocks: Vec<u64> =
+            (0..101).map(|_| producer.malloc(page, crate::backend::Stream::DEFAULT, None).unwrap()).collect();
+        let mut fds = Vec::new();
+        let mut pid = 0;
+        for &b in &blocks {
+            let (shared, offset) = producer.share(b).unwrap();
+            assert_eq!(producer.share(b).unwrap(), (shared.clone(), offset), "the same block, the same handle");
+            let Shareable::Expandable { pid: p, page: pg, fds: f } = shared else { panic!("{shared:?}") };
+            assert_eq!((pg, f.len(), offset), (page, 1, 0));
+            pid = p;
+            fds.push(f[0]);
+        }
+        let pairs = (0..fds.len()).flat_map(|i| (0..fds.len()).filter(move |&j| j != i).map(move |j| (i, j)));
+        let encoded: Vec<Vec<u8>> = pairs
+            .take(handles)
+            .map(|(i, j)| Shareable::Expandable { pid, page, fds: vec![fds[i], fds[j]] }.encode())
+            .collect();
+
+        let before = open_fds();
+        let refused = receiver.open_shared(&encoded[0], page + 1, page).unwrap_err().to_string();
+        assert!(refused.contains(&format!("{page} bytes at offset {}", page + 1)), "{refused}");
+        assert!(refused.contains(&format!("({} bytes)", 2 * page)), "{refused}");
+        assert!(receiver.shared_ranges().is_empty(), "a refused open maps nothing");
+        let mut bases = Vec::with_capacity(encoded.len());
+        for handle in &encoded {
+            bases.push(receiver.open_shared(handle, page / 2, page).expect("open"));
+        }
+        let ranges = receiver.shared_ranges();
+        assert_eq!(ranges.len(), handles);
+        assert!(ranges.iter().all(|&(_, len, refs)| len == 2 * page && refs == 1), "only the exported pages");
+        assert!(ranges.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0), "disjoint ranges");
+        assert_eq!(receiver.open_shared(&encoded[7], 0, 2 * page).unwrap(), bases[7], "mapped once");
+        let e = receiver.open_shared(&encoded[7], 1 << 40, 1).unwrap_err().to_string();
+        assert!(e.contains("1 bytes at offset 1099511627776"), "{e}");
+        let mut twice = ranges.clone();
+        twice.iter_mut().filter(|r| r.0 == bases[7]).for_each(|r| r.2 = 2);
+        assert_eq!(receiver.shared_ranges(), twice, "the refused open changed nothing");
+        receiver.close_shared(bases[7]).unwrap();
+        for base in bases {
+            receiver.close_shared(base).unwrap();
+        }
+        assert!(receiver.shared_ranges().is_empty());
+        assert_eq!(open_fds(), before, "every imported descriptor closed");
+        for b in blocks {
+            producer.free(b, page).unwrap();
+        }
     }
 }
