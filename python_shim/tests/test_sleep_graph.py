@@ -146,3 +146,49 @@ def test_an_untagged_graph_pool_stays_through_a_pause() -> None:
     v = run_torch(code)
     assert int(v["gained"]) < int(v["pool_bytes"]), v
     assert v["replayed"] == "True" and v["replayed2"] == "True", v
+
+
+@needs_torch
+def test_an_agent_loop_over_many_cycles_holds_memory_flat() -> None:
+    # vLLM #21336 over real PyTorch (short; the 300-cycle run is tests/sleep_cycles.rs): each
+    # cycle a KV cache of a new size (discarded), default-tag churn, backed-up weights.
+    v = run_torch(
+        """
+        stepalloc.install("backend:cuda," + stepalloc.RECOMMENDED)
+        import random
+        rng = random.Random(5)
+        sizes = [3 * MIB + 17, MIB, 5 * MIB + 4096, 7 * MIB]
+        host = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(i)) for i, n in enumerate(sizes)]
+        with stepalloc.region("loop_weights", backup=True):
+            ws = [h.cuda() for h in host]
+        ptrs = [w.data_ptr() for w in ws]
+        params = torch.empty(16 * MIB, dtype=torch.uint8, device="cuda")  # the trainer's, default tag
+        seen = set()
+        kv = None
+        for cycle in range(40):
+            with stepalloc.region("loop_kv"):
+                kv = torch.empty((8 + rng.randrange(96)) * MIB + rng.randrange(MIB), dtype=torch.uint8, device="cuda")
+            scratch = [torch.empty(1 + rng.randrange(24 * MIB), dtype=torch.uint8, device="cuda") for _ in range(rng.randrange(1, 6))]
+            del scratch
+            if cycle % 2:
+                del kv
+                kv = None
+            r = stepalloc.pause()
+            free_paused = torch.cuda.mem_get_info()[0]
+            t = stepalloc.tags()["loop_weights"]
+            seen.add((free_paused, t["host_bytes"], t["backup_bytes"], r.copied_bytes))
+            grads = [torch.empty(1 + rng.randrange(32 * MIB), dtype=torch.uint8, device="cuda") for _ in range(rng.randrange(1, 6))]
+            del grads
+            stepalloc.resume()
+            kv = None
+        say("distinct", len(seen))
+        say("seen", sorted(seen))
+        say("ptrs_kept", ptrs == [w.data_ptr() for w in ws])
+        say("bytes_kept", all(torch.equal(w.cpu(), h) for w, h in zip(ws, host)))
+        say("copied", sum(sizes))
+        """
+    )
+    # One (free while paused, host held, backed-up bytes, copied) for all 40 cycles.
+    assert v["distinct"] == "1", v
+    assert v["ptrs_kept"] == "True" and v["bytes_kept"] == "True", v
+    assert f", {v['copied']})" in v["seen"], v
