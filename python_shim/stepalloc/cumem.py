@@ -21,6 +21,10 @@ Invariants:
   graph-style private pool, which carries no tag of its own).
 - vLLM's ``"default"`` tag is ``cumem.default`` in the library, whose ``"default"`` is the
   untagged memory outside every region (which vLLM's allocator never sees either).
+- In MemPool mode PyTorch's cache sits in front: a tensor freed inside a pool leaves its segment
+  cached by PyTorch, which stepalloc sees as live, so a ``sleep`` backs it up (or discards it)
+  with the tag. vLLM's allocator gives such segments back when ``use_memory_pool`` exits; under
+  ``install()`` there is no such cache.
 - A ``wake_up`` that finds the device full raises ``torch.cuda.OutOfMemoryError`` (a
   ``RuntimeError``); the tags it could not resume stay paused with their backups, so calling
   it again once memory is free loses nothing. Tags it resumed before the failure stay resumed
