@@ -21,6 +21,9 @@ Parts, each in its own child process (the allocator is chosen once per process):
     resume with the right result: copies from a paused tensor into its own output and into a
     paused tensor, and on a GPU also an elementwise kernel into a paused tensor (testdrv's
     graphs replay copies only; it runs no kernels).
+  * the graph-pool release (``graph_pool_check``): a graph captured inside a region has its
+    private pool under the tag; pausing the tag gives the pool's bytes back per
+    ``mem_get_info`` and the same graph replays right after the resume, with no recapture.
 - ``colocated``: the example ``colocated_loop.py`` (``python/examples`` in a bundle) end to end
   with ``--unit-mb`` and ``--iterations``: addresses and bytes kept, switch time, peak.
 - ``tms``: torch_memory_saver's own wheel (``hook_mode = "torch"``, its defaults) on the same
@@ -32,7 +35,7 @@ On testdrv (``STEPALLOC_HOSTCUDA=1``) the children preload its stub CUDA runtime
 ``--stub-runtime``), and the default sizes are small.
 
 Output: ``RESULT PASS|FAIL|SKIP <name> <detail>`` lines (sleep_cycle, sleep_bandwidth, sleep_graph,
-sleep_colocated, sleep_tms), the table on stdout, and with ``--json FILE`` the figures there and
+sleep_graph_pool, sleep_colocated, sleep_tms), the table on stdout, and with ``--json FILE`` the figures there and
 the table beside it (FILE with ``.txt``). Exit status 1 when a check failed: a correctness
 check, or on a GPU the bandwidth target (torch_memory_saver failing is recorded as a skip: it
 is a comparison, not a check of stepalloc).
@@ -232,6 +235,7 @@ def cycle_main(a: argparse.Namespace) -> dict:
     out["memory_released"] = min(gained_w[1:]) >= backup and min(gained_kv[1:]) >= discard
     out["discard_usable"] = all(int(k[-1:].cpu()) == 7 and int(k[:1].cpu()) == 7 for k in kv)
     out["graph"] = graph_check(torch, stepalloc, a.graph_mb * MIB)
+    out["graph_pool"] = graph_pool_check(torch, stepalloc, a.graph_mb * MIB)
     return out
 
 
@@ -240,7 +244,8 @@ def graph_check(torch, stepalloc, n: int) -> dict:
     (test_sleep.py's check): it reads a paused tensor and writes both a paused tensor and its
     own output (in the graph's private pool), plus on a GPU a kernel into a paused tensor.
     Where the capture's own allocations counted (the tag, so paused with it, or untagged and
-    resident: src/heap.rs leaves CUDA-graph pools untagged) is recorded, not judged
+    resident: a capture begun inside a region tags its pool, src/heap/graphs.rs) is recorded,
+    not judged
     (``pool_tagged``, ``capture_growth``)."""
     kernels = not on_host_driver()
     with stepalloc.region(GRAPH, backup=True):
@@ -286,6 +291,70 @@ def graph_check(torch, stepalloc, n: int) -> dict:
         "capture_growth": {"tag": growth(GRAPH), "default": growth("default")},
         "ptr_kept": ptrs == [t.data_ptr() for t in [static_in, *outputs]],
         "replay_right": bool(right),
+    }
+
+
+def graph_pool_check(torch, stepalloc, n: int) -> dict:
+    """CUDA-graph memory released without recapture: a graph captured inside a region of
+    ``sleep_graph_pool`` (no backup) has its private pool under the tag. Its intermediates
+    (``a``, ``b``: freed inside the capture, kept by the pool for the graph) and its output hold
+    at least ``2 n`` bytes; pausing the tag must give them back to the device
+    (``torch.cuda.mem_get_info``) and, after the resume, the same graph must replay with the
+    right result over the same addresses (twice, with new inputs each time). The input lives
+    outside the region, so it stays resident. On a GPU the graph also runs a kernel on an
+    intermediate of the pool."""
+    kernels = not on_host_driver()
+    tag = GRAPH + "_pool"
+    static_in = torch.zeros(n, dtype=torch.uint8, device="cuda")
+    xf = torch.zeros(n // 4, dtype=torch.float32, device="cuda") if kernels else None
+
+    def body():
+        a = static_in.clone()
+        b = a.clone()
+        del a
+        out = b.clone()
+        del b
+        z = torch.add(xf * 2, 1) if xf is not None else None  # xf * 2: an intermediate of the pool
+        return out, z
+
+    body()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with stepalloc.region(tag):
+        with torch.cuda.graph(graph):
+            static_out, z = body()
+    torch.cuda.synchronize()
+    ptrs = [t.data_ptr() for t in (static_in, static_out)]
+    free0 = torch.cuda.mem_get_info()[0]
+    paused = stepalloc.pause(tag)
+    gained = torch.cuda.mem_get_info()[0] - free0
+    resumed = stepalloc.resume(tag)
+    right = []
+    for seed in (7, 8):
+        if seed == 8:
+            stepalloc.pause(tag)
+            stepalloc.resume(tag)
+        src = torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+        static_in.copy_(src)
+        xs = torch.randn(n // 4, generator=torch.Generator().manual_seed(seed))
+        if xf is not None:
+            xf.copy_(xs)
+        graph.replay()
+        torch.cuda.synchronize()
+        ok = torch.equal(static_out.cpu(), src)
+        if z is not None:
+            ok = ok and torch.allclose(z.cpu(), xs * 2 + 1)
+        right.append(bool(ok))
+    return {
+        "bytes": n,
+        "kernel": kernels,
+        "released_bytes": paused.released_bytes,
+        "mapped_bytes": resumed.mapped_bytes,
+        "gained_bytes": gained,
+        "released": gained >= 2 * n and paused.released_bytes >= 2 * n,
+        "mapped_back": resumed.mapped_bytes >= 2 * n,
+        "ptr_kept": ptrs == [t.data_ptr() for t in (static_in, static_out)],
+        "replay_right": all(right),
     }
 
 
@@ -468,10 +537,20 @@ def judge_cycle(doc: dict) -> list[tuple[str, str, str]]:
         + ("paused with the tag" if g["pool_tagged"] else "untagged, stays resident")
     )
     graph_ok = g["replay_right"] and g["ptr_kept"] and g["released"]
+    gp = c["graph_pool"]
+    pool = (
+        f"{gp['bytes'] / MIB:.0f} MiB graph ({'copies and a kernel' if gp['kernel'] else 'copies'}) captured in a "
+        f"region: pause released {gp['released_bytes'] / MIB:.1f} MiB (mem_get_info gained "
+        f"{gp['gained_bytes'] / MIB:.1f} MiB, at least {2 * gp['bytes'] / MIB:.0f} wanted), resume mapped "
+        f"{gp['mapped_bytes'] / MIB:.1f} MiB; replay_right={gp['replay_right']}, ptr_kept={gp['ptr_kept']}, "
+        "no recapture"
+    )
+    pool_ok = gp["released"] and gp["mapped_back"] and gp["replay_right"] and gp["ptr_kept"]
     return [
         ("PASS" if ok else "FAIL", "sleep_cycle", cycle),
         bandwidth_line,
         ("PASS" if graph_ok else "FAIL", "sleep_graph", graph),
+        ("PASS" if pool_ok else "FAIL", "sleep_graph_pool", pool),
     ]
 
 
@@ -634,6 +713,8 @@ def main() -> int:
                 "discard_usable": c["discard_usable"],
                 "graph_replay_right": c["graph"]["replay_right"],
                 "graph_ptr_kept": c["graph"]["ptr_kept"],
+                "graph_pool_released": c["graph_pool"]["released"],
+                "graph_pool_replay_right": c["graph_pool"]["replay_right"],
             }
     no_device = skip or (doc.get("cycle") or {}).get("skip")
     if "colocated" in parts:

@@ -109,6 +109,8 @@ impl Allocator {
         // A failure here must not fail the capture; the work is retried at the next malloc/free.
         let _ = heap.run_deferred_work();
         heap.begin_pool(pool);
+        // A capture begun inside a region puts the graph's pool under its tag (`heap/graphs.rs`).
+        heap.tag_pool(pool, crate::tags::current());
         Ok(())
     }
 

@@ -21,6 +21,8 @@
 //! - `events.rs`: stream-ordered reuse (events, `record_stream`) and work deferred by captures;
 //! - `expandable.rs`: expandable segments (pages mapped on demand, page reuse, address space);
 //! - `release.rs`: giving memory back (OOM steps, `empty_cache`, limits, GC) and CUDA-graph pools;
+//! - `graphs.rs`: a CUDA graph's private pool under a tag (paged ranges a pause releases and a
+//!   resume maps again, the graph still valid);
 //! - `limit.rs`: the free blocks holding whole pages (what page reuse, `empty_cache` and the
 //!   cache limit take) and `page_release` under a cache limit;
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool`: use counts, another allocator's
@@ -52,6 +54,7 @@ use std::collections::VecDeque;
 
 mod events;
 mod expandable;
+mod graphs;
 mod grow;
 mod inspect;
 mod ipc;
@@ -89,6 +92,8 @@ struct PrivatePool {
     source: Option<Box<dyn SegmentSource>>,
     /// A general allocation that finds no memory may take its free blocks (`MemPool(use_on_oom)`).
     use_on_oom: bool,
+    /// The tag its memory carries (`heap/graphs.rs`); 0: none, plain segments as PyTorch's.
+    tag: u8,
 }
 
 pub struct Heap {
@@ -152,6 +157,9 @@ pub struct Heap {
     /// The tag of the request growing the heap now (`sleep`): the segments `find_expandable`
     /// may use or create. 0 between calls.
     request_tag: u8,
+    /// The private pool of the request growing the heap now when it is a tagged one
+    /// (`heap/graphs.rs`): the segments `find_expandable` may use or create. 0 between calls.
+    request_pool: u32,
     /// Paused tags, their backups and per-tag figures (`heap/sleep.rs`).
     pub(crate) sleep: sleep::SleepState,
 }
@@ -187,6 +195,7 @@ impl Heap {
             address_space_short: 0,
             ipc: Default::default(),
             request_tag: 0,
+            request_pool: 0,
             sleep: Default::default(),
             deferred_frees: Vec::new(),
             deferred_work: false,
@@ -222,8 +231,8 @@ impl Heap {
     }
 
     /// `malloc` for tag `tag` (`crate::tags`; 0 is "default"). A tagged request in the general
-    /// pool is served from its tag's own segments (`heap/sleep.rs`); CUDA-graph pools are
-    /// untagged.
+    /// pool is served from its tag's own segments (`heap/sleep.rs`); a request in a CUDA-graph
+    /// pool carries the pool's tag (`heap/graphs.rs`), whatever `tag` says.
     #[inline]
     pub fn malloc_tagged(&mut self, size: u64, stream: Stream, pool: Option<PoolId>, tag: u8) -> Result<u64> {
         if size > MAX_REQUEST || size > self.device_total {
@@ -243,7 +252,7 @@ impl Heap {
         };
         let rounded = sizeclass::round_size(size, &self.config);
         let small = sizeclass::is_small(rounded);
-        let tag = if pool_index == 0 { tag } else { 0 };
+        let tag = if pool_index == 0 { tag } else { self.pool_tag(pool_index) };
         if tag != 0 && self.sleep.is_paused(tag) {
             return Err(self.paused_error(tag, size));
         }
@@ -259,6 +268,9 @@ impl Heap {
             Some(id) => {
                 self.stats.num_cache_hits += 1;
                 id
+            }
+            None if tag != 0 && pool_index != 0 => {
+                self.grow_tagged_pool(pool_index, small, stream, rounded, size, tag)?
             }
             None if tag != 0 => self.grow_tagged(small, stream, rounded, size, tag)?,
             None if self.config.expandable_segments && pool_index == 0 => {
@@ -504,6 +516,9 @@ impl Heap {
         } else if self.mempool_mode && class.tag() != 0 && self.captures_underway == 0 {
             // MemPool mode: a tagged segment's free pages go back as a plain segment would.
             self.release_tagged_free(id)?;
+        } else if class.pool() > 0 && class.expandable() {
+            // A tagged graph pool's pages stay with the graph until the pool is released.
+            self.release_if_pool_released(id)?;
         } else if self.page_limit && class.expandable() && self.free_pages.bytes > self.cache_limit() {
             self.schedule_page_release()?;
         }

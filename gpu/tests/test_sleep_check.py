@@ -28,6 +28,8 @@ ALL_CORRECT = {
     "discard_usable": True,
     "graph_replay_right": True,
     "graph_ptr_kept": True,
+    "graph_pool_released": True,
+    "graph_pool_replay_right": True,
 }
 
 SMALL = ["--backup-mb", "12", "--tensors", "9", "--discard-mb", "6", "--cycles", "3", "--graph-mb", "2"]
@@ -103,6 +105,7 @@ def test_the_step_over_the_host_memory_driver(bundle: Path, tmp_path: Path) -> N
     assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
     status = results(r.stdout)
     assert status["sleep_cycle"] == status["sleep_graph"] == status["sleep_colocated"] == "PASS", r.stdout
+    assert status["sleep_graph_pool"] == "PASS", r.stdout
     assert status["sleep_bandwidth"] == "SKIP"  # the 80% target is a GPU's
     doc = json.loads((tmp_path / "sleep.json").read_text())
     assert doc["host_memory_driver"] is True and doc["ok"] is True

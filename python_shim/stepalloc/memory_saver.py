@@ -116,16 +116,17 @@ class TorchMemorySaver:
         enable_cpu_backup: bool = False,
         cpu_backup_backend: str | None = None,
     ) -> Iterator[None]:
-        """``torch.cuda.graph(...)`` captured inside a region of ``tag``: tensors the caller
-        allocates there carry the tag and pause with it, and the graph replays after ``resume``
-        (same addresses). The graph's own pool (its intermediates and outputs) is not tagged:
-        it stays on the device through a pause, where torch_memory_saver releases it too."""
+        """``torch.cuda.graph(...)`` captured inside a region of ``tag``: the graph's private
+        pool (its intermediates and outputs) is put under the tag, so pausing the tag gives that
+        memory back and ``resume`` maps it again at the same addresses: the graph replays with
+        no recapture. The region is entered before the capture begins, which is when the pool
+        takes its tag."""
         _check_backend(enable_cpu_backup, False, cpu_backup_backend)
         self._ensure_initialized()
         import torch
 
         graph = torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
-        with graph, sleep.region(_tag(tag), backup=enable_cpu_backup):
+        with sleep.region(_tag(tag), backup=enable_cpu_backup), graph:
             self._tags.add(_tag(tag))
             yield
 

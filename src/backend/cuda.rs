@@ -21,8 +21,9 @@
 //!   makes it current and then restores the caller's context, because PyTorch reads the
 //!   current device from the thread and does not set it before free. `mem_info` on a device
 //!   whose primary context is not active creates none (it is an OOM report's detail only).
-//! - cuMemAlloc runs in relaxed stream-capture mode (see `RelaxedCapture`), so a CUDA graph's
-//!   private pool can grow while the graph is being captured, as with PyTorch's allocator.
+//! - cuMemAlloc, cuMemAddressReserve, cuMemCreate and cuMemMap run in relaxed stream-capture
+//!   mode (see `RelaxedCapture`), so a CUDA graph's private pool (plain, or paged under a tag)
+//!   can grow while the graph is being captured, as with PyTorch's allocator.
 //! - Events are created once with `CU_EVENT_DISABLE_TIMING` and pooled per context; `Event`
 //!   holds the `CUevent` handle itself (`Event(0)` is an event that has already completed).
 //!   An event is recorded in the context of the stream it is recorded on (`cuStreamGetCtx`):
@@ -431,6 +432,9 @@ impl Backend for CudaDevice {
         let _current = self.enter()?;
         let granularity = self.vmm()?;
         let (size, align) = (to_usize(bytes)?, to_usize(granularity)?);
+        // A tagged CUDA-graph pool grows through these calls during its capture: relaxed mode,
+        // as for cuMemAlloc in `reserve` (heap/graphs.rs).
+        let _relaxed = RelaxedCapture::enter(self.api)?;
         let start = Instant::now();
         let mut addr: u64 = 0;
         // Safety: one out-pointer to a local; no fixed address requested.
@@ -456,6 +460,7 @@ impl Backend for CudaDevice {
         self.vmm()?;
         let size = to_usize(bytes).map_err(|_| Error::OutOfMemory(Box::default()))?;
         let prop = self.allocation_prop();
+        let _relaxed = RelaxedCapture::enter(self.api)?; // see `reserve_address`
         let start = Instant::now();
         let mut handle: u64 = 0;
         // Safety: one out-pointer to a local; `prop` lives for the call.
@@ -479,6 +484,7 @@ impl Backend for CudaDevice {
         let _current = self.enter()?;
         self.vmm()?;
         let size = to_usize(bytes)?;
+        let _relaxed = RelaxedCapture::enter(self.api)?; // see `reserve_address`
         let start = Instant::now();
         // Safety: plain values; the driver checks the range and the handle.
         let mapped = check("cuMemMap", unsafe { (self.api.mem_map)(addr, size, 0, handle.0, 0) });

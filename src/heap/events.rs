@@ -128,6 +128,7 @@ impl Heap {
         for seg in order {
             self.release_segment(seg, ReleaseReason::EmptyCache)?;
         }
+        self.release_released_pools_pages()?;
         if self.over_cache_limit() {
             let order = self.releasable_segments();
             self.release_in_order(order, ReleaseReason::Limit, |h| !h.over_cache_limit())?;

@@ -218,7 +218,7 @@ impl Heap {
                 let seg = self.arena.segment(s);
                 seg.expandable()
                     && seg.small == small
-                    && seg.pool == 0
+                    && seg.pool == self.request_pool
                     && seg.stream == stream
                     && seg.page == page
                     && seg.lane == lane
@@ -263,7 +263,7 @@ impl Heap {
                 addr,
                 size: bytes,
                 small,
-                pool: 0,
+                pool: self.request_pool,
                 stream,
                 first: NIL,
                 oversize: false,
@@ -275,7 +275,7 @@ impl Heap {
             },
             self.step.step,
         );
-        let class = BlockClass::new(0, small, true).in_lane(lane).with_tag(self.request_tag);
+        let class = BlockClass::new(self.request_pool, small, true).in_lane(lane).with_tag(self.request_tag);
         let block = Block::unlinked(addr, bytes, seg, class, stream, self.alloc_clock);
         let id = self.arena.new_block(block, BlockState::Unmapped);
         self.arena.add_unmapped(id);
@@ -283,6 +283,7 @@ impl Heap {
         self.pages.insert(seg, vec![None; pages]);
         self.stats.segment.increase(small, 1);
         self.stats.virtual_reserved_bytes += bytes;
+        self.count_pool_segment(self.request_pool, true);
         Ok(Some(id))
     }
 
@@ -603,8 +604,9 @@ impl Heap {
         }
         let b = self.arena.block(id);
         let seg = self.arena.segment(b.segment);
-        // A paused tag's pages are not mapped: nothing to take or release (`heap/sleep.rs`).
-        if !seg.expandable() || self.sleep.is_paused(seg.tag) {
+        // A paused tag's pages are not mapped: nothing to take or release (`heap/sleep.rs`); a
+        // graph pool's free pages are the graph's (`heap/graphs.rs`).
+        if !seg.expandable() || self.sleep.is_paused(seg.tag) || seg.pool != 0 {
             return None;
         }
         let (lo, hi) = seg.whole_pages(b.addr, b.size);
@@ -724,9 +726,9 @@ impl Heap {
             })
             .collect();
         for seg_id in empty {
-            let (addr, size, small, first) = {
+            let (addr, size, small, first, pool) = {
                 let seg = self.arena.segment(seg_id);
-                (seg.addr, seg.size, seg.small, seg.first)
+                (seg.addr, seg.size, seg.small, seg.first, seg.pool)
             };
             self.backend.free_address(addr, size)?;
             self.arena.remove_unmapped(first);
@@ -735,6 +737,7 @@ impl Heap {
             self.pages.remove(&seg_id);
             self.stats.segment.decrease(small, 1);
             self.stats.virtual_reserved_bytes -= size;
+            self.count_pool_segment(pool, false);
         }
         Ok(())
     }

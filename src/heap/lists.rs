@@ -81,7 +81,8 @@ impl Heap {
     #[inline(always)]
     pub(super) fn whole_page_bytes(&self, id: BlockId) -> u64 {
         let b = self.arena.block(id);
-        if !b.class.expandable() || b.size < SMALL_SEGMENT {
+        // A graph pool's free pages are the graph's until the pool is released (`heap/graphs.rs`).
+        if !b.class.expandable() || b.size < SMALL_SEGMENT || b.class.pool() != 0 {
             return 0;
         }
         let (lo, hi) = self.arena.segment(b.segment).whole_pages(b.addr, b.size);

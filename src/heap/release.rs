@@ -294,7 +294,7 @@ impl Heap {
             p.use_count += 1;
             return;
         }
-        let pool = PrivatePool { id, use_count: 1, segments: 0, capturing: 0, source: None, use_on_oom: false };
+        let pool = PrivatePool { id, use_count: 1, segments: 0, capturing: 0, source: None, use_on_oom: false, tag: 0 };
         match self.private_pools.iter().position(Option::is_none) {
             Some(i) => self.private_pools[i] = Some(pool),
             None => self.private_pools.push(Some(pool)),
@@ -331,7 +331,7 @@ impl Heap {
         for seg in free {
             self.release_segment(seg, ReleaseReason::EmptyCache)?;
         }
-        Ok(())
+        self.release_pool_pages(number)
     }
 
     pub(super) fn private_pool_index(&mut self, id: PoolId) -> u32 {

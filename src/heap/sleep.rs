@@ -149,7 +149,12 @@ impl Heap {
         // merge, so that a page only free blocks share goes whole.
         self.settle_tag_free_streams(&segments);
         // Free pages need no copy: they go while the copies run.
+        // (A graph pool's free pages are the graph's: they go with the live pages, below, and a
+        // resume maps them again; `heap/graphs.rs`.)
         for &seg in &segments {
+            if self.arena.segment(seg).pool != 0 {
+                continue;
+            }
             let free: Vec<BlockId> =
                 self.arena.segment_blocks(seg).filter(|&id| self.arena.state(id) == BlockState::Free).collect();
             for id in free {

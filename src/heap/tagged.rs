@@ -137,7 +137,9 @@ impl Heap {
         let (merged, absorbed, absorbed_bytes) = self.merge_neighbours(id);
         self.enlist(merged);
         self.count_merged_free(merged, absorbed, absorbed_bytes);
-        self.unmap_free_pages(merged, ReleaseReason::Pause)?;
+        if !self.graph_keeps(merged) {
+            self.unmap_free_pages(merged, ReleaseReason::Pause)?;
+        }
         Ok(())
     }
 

@@ -291,6 +291,12 @@ pub const METRICS: &[MetricSpec] = &[
         help: "Bytes of the paused tag's blocks held in pinned host memory.",
     },
     MetricSpec {
+        name: "stepalloc_tag_backup_host_bytes",
+        kind: Kind::Gauge,
+        labels: DT,
+        help: "Pinned host memory kept for the tag's backups (kept across pauses; freed by release_backup).",
+    },
+    MetricSpec {
         name: "stepalloc_tag_paused",
         kind: Kind::Gauge,
         labels: DT,
@@ -528,6 +534,7 @@ fn add_device(out: &mut [MetricFamily], r: &DeviceReading) {
         w.gauge("stepalloc_tag_live_bytes", &tag, f.live_bytes as f64);
         w.gauge("stepalloc_tag_paused_bytes", &tag, f.paused_bytes as f64);
         w.gauge("stepalloc_tag_backup_bytes", &tag, f.backup_bytes as f64);
+        w.gauge("stepalloc_tag_backup_host_bytes", &tag, f.host_bytes as f64);
         w.gauge("stepalloc_tag_paused", &tag, f64::from(u8::from(f.paused)));
         w.counter("stepalloc_tag_pauses_total", &tag, f.pauses as f64);
         w.counter("stepalloc_tag_resumes_total", &tag, f.resumes as f64);
