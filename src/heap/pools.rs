@@ -62,6 +62,30 @@ impl Heap {
         Ok(())
     }
 
+    /// The tag an allocation inside a region of `tag` carries when it is routed to private pool
+    /// number `pool`. A CUDA graph's pool holds no tags (a capture inside a region allocates
+    /// the graph's memory untagged, as torch_memory_saver's torch mode does); a pool entered
+    /// with `use_mem_pool` inside a region is refused, since a pause of the tag could not give
+    /// back the pool's blocks and would report the tag paused with its bytes still on the device.
+    pub(super) fn pool_tag(&self, pool: u32, tag: u8) -> Result<u8> {
+        let Some(p) = (pool as usize).checked_sub(1).and_then(|i| self.private_pools.get(i)).and_then(Option::as_ref)
+        else {
+            return Ok(0);
+        };
+        if tag == 0 || p.capturing > 0 {
+            return Ok(0);
+        }
+        Err(Error::InvalidArgument(format!(
+            "an allocation inside region {:?} is routed to memory pool ({}, {}) (torch.cuda.use_mem_pool): a \
+             pool's blocks cannot carry a tag, so pause({:?}) could not give them back. Allocate the region's \
+             tensors outside use_mem_pool, or enter use_mem_pool outside the region",
+            crate::tags::name(tag),
+            p.id.0,
+            p.id.1,
+            crate::tags::name(tag)
+        )))
+    }
+
     /// The id of private pool number `number` (1-based, as segments record it); (0, 0) for the
     /// general pool or a pool that is gone.
     pub(crate) fn pool_id_of(&self, number: u32) -> PoolId {

@@ -72,7 +72,8 @@ impl Heap {
             .filter(|&s| self.segment_is_free(s))
             .filter(|&s| {
                 let pool = self.arena.segment(s).pool;
-                pool == 0 || self.private_pools[pool as usize - 1].as_ref().is_none_or(|p| p.use_count == 0)
+                pool == 0
+                    || self.private_pools[pool as usize - 1].as_ref().is_none_or(|p| p.use_count == 0 || !p.captured)
             })
             .collect()
     }
@@ -259,6 +260,26 @@ impl Heap {
         self.add_pool_reference(id);
         if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) {
             p.capturing += 1;
+            p.captured = true;
+        }
+    }
+
+    /// A route into pool `id` begins (`use_mem_pool`, `beginAllocateToPool` with a filter that
+    /// claims the default stream: no capture): creates the pool or takes another reference. No
+    /// capture is counted, so events, releases and `empty_cache` go on while it lasts.
+    pub fn begin_route(&mut self, id: PoolId) {
+        // The C ABI drops an older entry of the pool at a begin; a capture's counts as ended.
+        self.abandon_capture(id);
+        self.add_pool_reference(id);
+        if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) {
+            p.routes += 1;
+        }
+    }
+
+    /// The route into pool `id` ends; the pool keeps its references until `release_pool`.
+    pub fn end_route(&mut self, id: PoolId) {
+        if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id && p.routes > 0) {
+            p.routes -= 1;
         }
     }
 
@@ -294,7 +315,16 @@ impl Heap {
             p.use_count += 1;
             return;
         }
-        let pool = PrivatePool { id, use_count: 1, segments: 0, capturing: 0, source: None, use_on_oom: false };
+        let pool = PrivatePool {
+            id,
+            use_count: 1,
+            segments: 0,
+            capturing: 0,
+            routes: 0,
+            captured: false,
+            source: None,
+            use_on_oom: false,
+        };
         match self.private_pools.iter().position(Option::is_none) {
             Some(i) => self.private_pools[i] = Some(pool),
             None => self.private_pools.push(Some(pool)),
