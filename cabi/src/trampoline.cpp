@@ -21,8 +21,8 @@
 // - A failed capture never calls end (PyTorch calls `cudaStreamEndCapture` first and stops when
 //   it fails), so its entry would stay forever and keep the core's out-of-memory path off.
 //   Entries are reconciled at begin and release: a begin of the same pool drops the pool's old
-//   entry (the core counts that capture as ended); a release drops the pool's entries when the
-//   core no longer counts a capture into it (its last reference went, so a capture that never
+//   entry (the core counts that capture as ended); a release drops the pool's capture entries
+//   (not its routes) when the core no longer counts a capture into it (its last reference went, so a capture that never
 //   ended failed); a begin drops entries of other pools whose claimed stream the device says
 //   is no longer capturing. The core is asked without the table's mutex held (it takes the
 //   device lock).
@@ -211,9 +211,10 @@ extern "C" void stepalloc_release_pool(int device, MempoolId mempool_id) {
         return;  // the failure stays in the last error
     }
     if (stepalloc_internal_pool_captures(device, mempool_id.first, mempool_id.second) == 0) {
-        // No capture into this pool is underway any more: one that never ended is over.
+        // No capture into this pool is underway any more: one that never ended is over. A
+        // route is no capture; its own end removes it.
         std::lock_guard<std::mutex> lock(table_mutex());
-        erase_entries(device, [&](const Capture &c) { return c.pool == mempool_id; });
+        erase_entries(device, [&](const Capture &c) { return c.pool == mempool_id && !c.route; });
     }
 }
 
