@@ -67,13 +67,25 @@ impl Heap {
 
     /// Free segments that may be released (not held by an active graph pool).
     pub(crate) fn releasable_segments(&self) -> Vec<SegmentId> {
+        self.releasable_segments_of(true)
+    }
+
+    /// The free segments that may go back: the general pool's, those of pools nobody
+    /// references, and — with `active_pools` — those of referenced pools no CUDA graph captured
+    /// into (a captured graph may replay into its pool's free blocks). `empty_cache` and the
+    /// step and limit policies pass true, so a pool in use does not strand its free memory
+    /// (PyTorch's `empty_cache` frees nothing while a pool is in use); the out-of-memory path
+    /// passes false and, as PyTorch's, leaves a live pool to `use_on_oom`.
+    pub(crate) fn releasable_segments_of(&self, active_pools: bool) -> Vec<SegmentId> {
         self.arena
             .live_segment_ids()
             .filter(|&s| self.segment_is_free(s))
             .filter(|&s| {
                 let pool = self.arena.segment(s).pool;
                 pool == 0
-                    || self.private_pools[pool as usize - 1].as_ref().is_none_or(|p| p.use_count == 0 || !p.captured)
+                    || self.private_pools[pool as usize - 1]
+                        .as_ref()
+                        .is_none_or(|p| p.use_count == 0 || (active_pools && !p.captured))
             })
             .collect()
     }
@@ -85,7 +97,7 @@ impl Heap {
             return Ok(false);
         }
         let mut candidates: Vec<(u64, SegmentId)> = self
-            .releasable_segments()
+            .releasable_segments_of(false)
             .into_iter()
             .filter(|&s| self.arena.segment(s).oversize)
             .map(|s| (self.arena.segment(s).size, s))
@@ -118,7 +130,7 @@ impl Heap {
             self.settle_free_streams()?;
         }
         let mut released = self.release_free_pages(reason, |_| true)?;
-        for seg in self.releasable_segments() {
+        for seg in self.releasable_segments_of(!matches!(reason, ReleaseReason::Oom)) {
             released += self.release_segment(seg, reason)?;
         }
         Ok(released)
