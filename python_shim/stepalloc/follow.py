@@ -21,7 +21,10 @@ Routing follows the device thread, so no other thread is captured (a weight-sync
 second engine): not by stream (the default stream is everyone's) and not device-wide
 (``_cuda_beginAllocateToPool``). What it cannot tell apart: a second backward of another thread
 running on the same device thread at the same time (the engine interleaves their nodes), and
-nodes of the graph on a second device (only the roots' device thread follows).
+nodes of the graph on a second device (only the roots' device thread follows). While the call
+runs, the caller's own pool route is the device thread's: what the caller allocates on the
+device meanwhile (it runs the CPU nodes; final callbacks may run on either thread) is not
+routed; its tag stays.
 
 Invariants:
 - Only ``Variable._execution_engine`` (every Python ``backward`` / ``grad`` goes through its
