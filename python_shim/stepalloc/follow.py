@@ -73,8 +73,11 @@ def follow_pool(pool_id: Any) -> None:
 
 
 def ensure() -> None:
-    """Puts the wrappers in place if torch is imported already (a region needs no torch) and
+    """A region was entered: from now on a backward asks the library for the caller's tag. Puts
+    the wrappers in place if torch is imported already (a region needs no torch) and
     ``disable()`` did not turn the follow off."""
+    global _regions_used
+    _regions_used = True
     if _installed is None and _wanted and "torch" in sys.modules:
         _install()
 
@@ -160,13 +163,16 @@ def _original(name: str) -> Any:
 
 
 _lend_declared = False
+# Whether any region was entered in this process: until then a backward has no tag to lend and
+# skips the library call.
+_regions_used = False
 
 
 def _lend() -> int:
     """The caller's region tag lent (a lease token), or 0: no region, or no library loaded
     (then no region was ever entered)."""
     global _lend_declared
-    if getattr(_lib, "_lib", None) is None:
+    if not _regions_used or getattr(_lib, "_lib", None) is None:
         return 0
     cdll = _lib.lib()
     if not hasattr(cdll, "stepalloc_region_lend"):
