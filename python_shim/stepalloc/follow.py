@@ -271,6 +271,8 @@ class _Engine:
         follow = _plan()
         if follow is None:
             return self._engine.run_backward(t_outputs, *args, **kwargs)
+        if not isinstance(t_outputs, (tuple, list)):
+            t_outputs = tuple(t_outputs)  # read twice: for the roots, then by the engine
         return follow.run(self._engine, t_outputs, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
@@ -286,7 +288,11 @@ def _plan() -> _Follow | None:
         return None
     stack = getattr(_routes, "stack", None)
     route = stack[-1] if stack and stack[-1][1] in _pools else None
-    lease = _lend()
+    try:
+        lease = _lend()
+    except _lib.StepallocError as e:  # e.g. 64 leases open: backward runs, unfollowed
+        warnings.warn(f"stepalloc: autograd's thread cannot borrow this thread's tag: {e}", RuntimeWarning, stacklevel=4)
+        lease = 0
     if route is None and lease == 0:
         return None
     return _Follow(route, lease)
