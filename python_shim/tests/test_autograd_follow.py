@@ -242,3 +242,58 @@ def test_empty_cache_and_step_release_reach_the_free_memory_of_an_active_pool() 
     assert int(v["step_left"]) <= 20 << 20, v  # the live block's segment only
     assert v["live_intact"] == "True", v
     assert v["use_count"] == "1", v
+
+
+def test_gradient_checkpointing_recomputes_inside_the_pool() -> None:
+    """Gradient checkpointing (the e2e loop uses it) recomputes the forward during backward: with
+    ``use_reentrant=True`` on autograd's thread through a nested ``backward()`` there, which
+    follows as the thread does; with ``use_reentrant=False`` from saved-tensor hooks."""
+    out = run_torch(
+        """
+        import os, sys, threading
+        from torch.utils.checkpoint import checkpoint
+        keep = {}
+        class F(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x):
+                keep.setdefault("forward", []).append(
+                    (threading.current_thread() is threading.main_thread(),
+                     torch.empty(2 * MIB, dtype=torch.uint8, device="cuda")))
+                return torch.empty(MIB, device="cuda")
+            @staticmethod
+            def backward(ctx, g):
+                keep["scratch"] = torch.empty(5 * MIB, dtype=torch.uint8, device="cuda")
+                return torch.empty(MIB, device="cuda")
+        stepalloc.configure("backend:cuda")
+        pool = stepalloc.mempool()
+        def where(ptr, segments):
+            for s in segments:
+                if s["address"] <= ptr < s["address"] + s["total_size"]:
+                    return tuple(s["segment_pool_id"]) == pool.id
+            raise AssertionError(hex(ptr))
+        for follow in (False, True):
+            (stepalloc.follow.enable if follow else stepalloc.follow.disable)()
+            for reentrant in (True, False):
+                keep.clear()
+                with torch.cuda.use_mem_pool(pool):
+                    x = torch.empty(MIB, device="cuda", requires_grad=True)
+                    y = checkpoint(F.apply, x, use_reentrant=reentrant, preserve_rng_state=False)
+                    y.backward(torch.empty(MIB, device="cuda"))
+                segments = torch.cuda.memory_snapshot()
+                key = ("on" if follow else "off") + ("_reentrant" if reentrant else "_plain")
+                recomputed = [where(t.data_ptr(), segments) for main, t in keep["forward"] if not main]
+                print(key + "_recomputed=" + str(recomputed))
+                print(key + "_scratch=" + str(where(keep["scratch"].data_ptr(), segments)))
+                print(key + "_grad=" + str(where(x.grad.data_ptr(), segments)))
+                print(key + "_use_count=" + str(pool.use_count()))
+                del x, y
+        sys.stdout.flush()
+        os._exit(0)
+        """
+    )
+    v = values(out)
+    assert v["off_reentrant_scratch"] == "False" and v["off_reentrant_recomputed"] == "[False]", v
+    assert v["on_reentrant_recomputed"] == "[True]", v  # the forward recomputed on autograd's thread
+    for kind in ("reentrant", "plain"):
+        assert v[f"on_{kind}_scratch"] == "True" and v[f"on_{kind}_grad"] == "True", v
+        assert v[f"on_{kind}_use_count"] == "1", v
