@@ -14,7 +14,7 @@ episodes (gradient checkpointing, AdamW). Every configuration runs in its own pr
   native_expandable  PyTorch's allocator, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   stepalloc          stepalloc.install() (process-wide, the recommended configuration)
   stepalloc_mempool  stepalloc.mempool() around the loop (MemPool mode; the autograd thread's
-                     allocations stay in PyTorch's default pool, as torch.cuda.use_mem_pool says)
+                     allocations follow the pool: stepalloc.follow)
 
 Per configuration: peak reserved, peak allocated, reserved / allocated, the driver's peak used
 memory, the median step time, device mallocs (maps and creates under stepalloc) per steady

@@ -20,6 +20,7 @@ def fmt(v, spec: str) -> str:
 def evaluate(res: dict) -> list[dict]:
     """The end-to-end loop's targets: met, missed or not measurable."""
     n, x, s = res.get("native", {}), res.get("native_expandable", {}), res.get("stepalloc", {})
+    m = res.get("stepalloc_mempool", {})
 
     def target(name, ok, detail):
         return {"target": name, "status": "n/a" if ok is None else ("MET" if ok else "MISSED"), "detail": detail}
@@ -30,6 +31,7 @@ def evaluate(res: dict) -> list[dict]:
     pr, px, ps = n.get("peak_reserved"), x.get("peak_reserved"), s.get("peak_reserved")
     tn, ts = n.get("median_step_s"), s.get("median_step_s")
     hn, hx, hs = (r.get("headroom", {}).get("largest_batch") for r in (n, x, s))
+    pm, dm, ds = m.get("peak_reserved"), m.get("peak_device_used"), s.get("peak_device_used")
     return [
         target(
             "peak reserved >= 15% below native",
@@ -45,6 +47,12 @@ def evaluate(res: dict) -> list[dict]:
             "median step time within 2% of native",
             ts <= 1.02 * tn if both(tn, ts) else None,
             f"stepalloc {fmt(ts, '.3f')} s vs native {fmt(tn, '.3f')} s",
+        ),
+        target(
+            # Autograd's thread follows use_mem_pool (stepalloc.follow): one cache, not two.
+            "MemPool mode's peak within 2% of process-wide stepalloc",
+            pm <= 1.02 * ps if both(pm, ps) else None,
+            f"mempool {gib(pm)} vs stepalloc {gib(ps)} reserved; driver peak used {gib(dm)} vs {gib(ds)}",
         ),
         target(
             "headroom above both native configurations",

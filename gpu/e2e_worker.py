@@ -176,7 +176,9 @@ def worker(a: argparse.Namespace) -> int:
                 pool = stepalloc.mempool()
                 pool_ctx = torch.cuda.use_mem_pool(pool)
                 notes.append(
-                    "MemPool mode: backward's allocations (the autograd thread) stay in PyTorch's default pool"
+                    "MemPool mode: backward's allocations (the autograd thread) follow the pool"
+                    if stepalloc.follow.enabled()
+                    else "MemPool mode: backward's allocations (the autograd thread) stay in PyTorch's default pool"
                 )
             result["stepalloc_library"] = stepalloc.library_path()
         else:

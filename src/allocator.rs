@@ -114,6 +114,20 @@ impl Allocator {
         Ok(())
     }
 
+    /// A route into `pool` begins (`use_mem_pool`; `beginAllocateToPool` whose filter claims
+    /// the default stream, which no capture can): the pool gets a reference, and nothing that a
+    /// capture holds back (events, releases, `empty_cache`) waits for it.
+    pub fn begin_route_to_pool(&self, device: usize, pool: PoolId) -> Result<()> {
+        self.heap(device)?.begin_route(pool);
+        Ok(())
+    }
+
+    /// The route into `pool` ends; the pool keeps its references until `release_pool`.
+    pub fn end_route_to_pool(&self, device: usize, pool: PoolId) -> Result<()> {
+        self.heap(device)?.end_route(pool);
+        Ok(())
+    }
+
     /// The capture into `pool` ends; when it was the last one, what captures held back runs.
     pub fn end_allocate_to_pool(&self, device: usize, pool: PoolId) -> Result<()> {
         let mut heap = self.heap(device)?;

@@ -88,6 +88,13 @@ struct PrivatePool {
     segments: u32,
     /// Captures into it begun and neither ended nor abandoned (counted in `captures_underway`).
     capturing: u32,
+    /// Routes into it underway (`use_mem_pool`, `beginAllocateToPool`): not captures, so they
+    /// hold back nothing that a capture holds back.
+    routes: u32,
+    /// A CUDA graph captured into it: a captured graph replays into blocks that are free to the
+    /// heap, so its segments stay until its last reference goes (as in PyTorch). A pool never
+    /// captured into gives its free segments back like the general pool.
+    captured: bool,
     /// Where its segments come from (`heap/pools.rs`); None: the device.
     source: Option<Box<dyn SegmentSource>>,
     /// A general allocation that finds no memory may take its free blocks (`MemPool(use_on_oom)`).
@@ -252,7 +259,7 @@ impl Heap {
         };
         let rounded = sizeclass::round_size(size, &self.config);
         let small = sizeclass::is_small(rounded);
-        let tag = if pool_index == 0 { tag } else { self.pool_tag(pool_index) };
+        let tag = if pool_index == 0 { tag } else { self.pool_tag(pool_index, tag)? };
         if tag != 0 && self.sleep.is_paused(tag) {
             return Err(self.paused_error(tag, size));
         }

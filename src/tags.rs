@@ -9,6 +9,8 @@
 //! - the current tag is one thread-local byte, read by `malloc` without allocating or locking;
 //!   the region stack behind it is only touched by `enter` and `exit`.
 
+pub mod lend;
+
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::cell::{Cell, RefCell};
@@ -101,10 +103,14 @@ pub fn registered() -> Vec<(TagId, String)> {
     REGISTRY.lock().iter().enumerate().map(|(i, e)| ((i + 1) as TagId, e.name.clone())).collect()
 }
 
-/// The calling thread's current tag: what its allocations carry. One thread-local load.
+/// The calling thread's current tag: what its allocations carry. Its own innermost region, else
+/// a tag it borrowed (`lend`: autograd's thread during a backward of a thread inside a region).
 #[inline]
 pub fn current() -> TagId {
-    CURRENT.with(Cell::get)
+    match CURRENT.with(Cell::get) {
+        DEFAULT => lend::borrowed(),
+        own => own,
+    }
 }
 
 /// Enters a region of `name` on the calling thread (registering the name, setting its backup

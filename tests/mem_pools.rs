@@ -105,9 +105,11 @@ fn a_pools_segments_come_from_its_source_and_go_back_to_it() {
         a.free(0, ptr, size).unwrap();
     }
     a.empty_cache().unwrap();
-    assert!(calls.lock().frees.is_empty(), "the pool is referenced: its segments stay");
-    a.release_pool(0, POOL).unwrap();
+    // The pool is referenced but no graph captured into it: its free segments go back (issue
+    // 33, release while a pool is active), through its source.
     let frees = calls.lock().frees.clone();
+    a.release_pool(0, POOL).unwrap();
+    assert_eq!(calls.lock().frees.len(), 2, "nothing left for the release");
     assert_eq!(frees.len(), 2);
     for (device, _, bytes, stream) in &frees {
         assert_eq!((*device, *stream), (0, S1));
@@ -184,4 +186,83 @@ fn snapshots_name_a_segments_pool_by_its_id() {
     };
     assert_eq!(pool_of(p), Some(POOL));
     assert_eq!(pool_of(q), Some((0, 0)));
+}
+
+/// Issue 33, release while a pool is active: PyTorch's `empty_cache` frees nothing while a pool
+/// is in use (vLLM PR #49151). Here a `use_mem_pool` route is no capture: `empty_cache` and a
+/// step release give back the free segments of every pool, the active one included, and leave
+/// its live blocks alone; a pool a graph captured into keeps its segments until released.
+#[test]
+fn empty_cache_and_step_release_return_free_memory_of_an_active_pool() {
+    let a = sim("release_idle_steps:1");
+    create(&a, POOL);
+    a.begin_route_to_pool(0, POOL).unwrap(); // use_mem_pool enters, and stays
+    let live = a.malloc_in_pool(0, 3 * MIB, S0, Some(POOL)).unwrap();
+    let big = a.malloc_in_pool(0, 30 * MIB, S0, Some(POOL)).unwrap();
+    let general = a.malloc(0, 30 * MIB, S0).unwrap();
+    a.free(0, big, 30 * MIB).unwrap();
+    a.free(0, general, 30 * MIB).unwrap();
+    assert_eq!(a.stats(0).unwrap().heap.reserved_bytes.all.current, 20 * MIB + 30 * MIB + 30 * MIB);
+    let released = a.empty_cache().unwrap();
+    assert_eq!(released, 60 * MIB, "the pool's free segment and the general one");
+    assert_eq!(a.stats(0).unwrap().heap.reserved_bytes.all.current, 20 * MIB, "the live block's segment stays");
+    // Step release while the route lasts.
+    let again = a.malloc_in_pool(0, 30 * MIB, S0, Some(POOL)).unwrap();
+    a.step_begin("train").unwrap();
+    a.free(0, again, 30 * MIB).unwrap();
+    a.step_end().unwrap();
+    a.step_begin("train").unwrap();
+    a.step_end().unwrap();
+    assert_eq!(a.stats(0).unwrap().heap.reserved_bytes.all.current, 20 * MIB, "step release reached the pool");
+    a.end_route_to_pool(0, POOL).unwrap();
+    a.release_pool(0, POOL).unwrap();
+    a.free(0, live, 3 * MIB).unwrap();
+    a.check_invariants().unwrap();
+
+    // A graph's pool: its free blocks may be replayed into, so they stay while it is referenced.
+    let graph = (0, 8);
+    a.begin_allocate_to_pool(0, graph).unwrap();
+    let scratch = a.malloc_in_pool(0, 30 * MIB, S1, Some(graph)).unwrap();
+    a.free(0, scratch, 30 * MIB).unwrap();
+    a.end_allocate_to_pool(0, graph).unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(a.with_heap(0, |h| h.pool_use_count(graph)).unwrap(), 1);
+    assert!(a.stats(0).unwrap().heap.reserved_bytes.all.current >= 30 * MIB, "the graph's segment stays");
+    a.release_pool(0, graph).unwrap();
+    a.check_invariants().unwrap();
+}
+
+/// Issue 33 / 31 item 4: an allocation inside a region routed to a `use_mem_pool` pool is
+/// refused, naming the region and the pool (before: it went to the pool untagged, and a pause
+/// of the tag reported it paused while its bytes stayed on the device). A capture's pool inside
+/// a region stays untagged (torch_memory_saver's `cuda_graph`).
+#[test]
+fn a_region_inside_use_mem_pool_is_refused_and_a_capture_inside_one_is_untagged() {
+    let a = sim("");
+    create(&a, POOL);
+    a.begin_route_to_pool(0, POOL).unwrap();
+    stepalloc::tags::enter("pools_region", false).unwrap();
+    let err = a.malloc_in_pool(0, MIB, S0, Some(POOL)).unwrap_err();
+    let text = err.to_string();
+    assert!(text.contains("pools_region") && text.contains("(0, 7)") && text.contains("use_mem_pool"), "{text}");
+    assert!(!err.is_out_of_memory());
+    // Nothing of the tag is anywhere, so a pause releases nothing and says so.
+    let tagged = a.malloc(0, 2 * MIB, S0).unwrap();
+    stepalloc::tags::exit().unwrap();
+    a.end_route_to_pool(0, POOL).unwrap();
+    a.release_pool(0, POOL).unwrap();
+    let report = a.pause(Some("pools_region"), Some(false)).unwrap();
+    assert!(report.released_bytes >= 2 * MIB, "{report:?}");
+    a.resume(Some("pools_region")).unwrap();
+    a.free(0, tagged, 2 * MIB).unwrap();
+
+    let graph = (0, 9);
+    stepalloc::tags::enter("pools_region", false).unwrap();
+    a.begin_allocate_to_pool(0, graph).unwrap();
+    let in_graph = a.malloc_in_pool(0, MIB, S1, Some(graph)).unwrap();
+    a.end_allocate_to_pool(0, graph).unwrap();
+    stepalloc::tags::exit().unwrap();
+    a.free(0, in_graph, MIB).unwrap();
+    a.release_pool(0, graph).unwrap();
+    a.check_invariants().unwrap();
 }

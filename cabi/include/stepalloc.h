@@ -319,6 +319,25 @@ void *stepalloc_backup_pointer(const void *ptr, size_t n);
 // `buf` must be NULL or point to `cap` writable bytes.
 size_t stepalloc_tags_json(char *buf, size_t cap);
 
+// Lends the calling thread's current tag (its innermost region) for a while: autograd runs
+// `backward()` on its own device thread, which borrows the tag (`stepalloc_region_borrow`) so
+// that what backward allocates for this thread carries it. Writes the lease's token to
+// `*lease`, or 0 when the thread is in no region (nothing to lend). End it with
+// `stepalloc_region_lend_end`. At most 64 leases are open at once. Returns a status.
+//
+// # Safety
+// `lease` must be NULL or point to a writable `uint64_t`.
+int stepalloc_region_lend(uint64_t *lease);
+
+// The calling thread borrows the tag of `lease` (from `stepalloc_region_lend` on another
+// thread) until the lease ends: what it allocates outside its own regions carries the tag.
+// `STEPALLOC_INVALID_ARGUMENT` for a lease that ended. Returns a status.
+int stepalloc_region_borrow(uint64_t lease);
+
+// Ends `lease`: the threads that borrowed it allocate under their own tags again (they see it
+// at their next allocation). `STEPALLOC_INVALID_ARGUMENT` for a lease not open. Returns a status.
+int stepalloc_region_lend_end(uint64_t lease);
+
 // Allocates `size` bytes on `device` for use on `stream`; returns NULL when it fails (out of
 // memory after the whole out-of-memory path, or a bad argument) and sets the last error.
 //

@@ -160,3 +160,46 @@ pub unsafe extern "C" fn stepalloc_tags_json(buf: *mut c_char, cap: usize) -> us
     // Safety: forwarded caller contract.
     guard(|| Ok(unsafe { write_text(&allocator()?.tags_json(), buf, cap) }))
 }
+
+/// Lends the calling thread's current tag (its innermost region) for a while: autograd runs
+/// `backward()` on its own device thread, which borrows the tag (`stepalloc_region_borrow`) so
+/// that what backward allocates for this thread carries it. Writes the lease's token to
+/// `*lease`, or 0 when the thread is in no region (nothing to lend). End it with
+/// `stepalloc_region_lend_end`. At most 64 leases are open at once. Returns a status.
+///
+/// # Safety
+/// `lease` must be NULL or point to a writable `uint64_t`.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_region_lend(lease: *mut u64) -> c_int {
+    guard_status(|| {
+        if lease.is_null() {
+            return Err(AbiError::invalid("region_lend: lease is NULL".to_string()));
+        }
+        let tag = stepalloc::tags::current();
+        let token = if tag == stepalloc::tags::DEFAULT { 0 } else { stepalloc::tags::lend::lend(tag)? };
+        // Safety: checked non-NULL; the caller's contract makes it writable.
+        unsafe { lease.write(token) };
+        Ok(())
+    })
+}
+
+/// The calling thread borrows the tag of `lease` (from `stepalloc_region_lend` on another
+/// thread) until the lease ends: what it allocates outside its own regions carries the tag.
+/// `STEPALLOC_INVALID_ARGUMENT` for a lease that ended. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_region_borrow(lease: u64) -> c_int {
+    guard_status(|| {
+        stepalloc::tags::lend::borrow(lease)?;
+        Ok(())
+    })
+}
+
+/// Ends `lease`: the threads that borrowed it allocate under their own tags again (they see it
+/// at their next allocation). `STEPALLOC_INVALID_ARGUMENT` for a lease not open. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_region_lend_end(lease: u64) -> c_int {
+    guard_status(|| {
+        stepalloc::tags::lend::end(lease)?;
+        Ok(())
+    })
+}

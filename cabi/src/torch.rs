@@ -154,22 +154,33 @@ pub extern "C" fn stepalloc_record_stream(ptr: *mut c_void, stream: cudaStream_t
 // ----- called by trampoline.cpp only (exported as a side effect of `no_mangle`; not in the
 // ----- header, not part of the interface) ------------------------------------------------
 
-/// A CUDA graph capture begins allocating to pool `(id0, id1)` on `device`. Returns a status.
+/// A CUDA graph capture (`route` 0) or a route (`route` 1: `use_mem_pool`, whose filter
+/// claims the default stream) begins allocating to pool `(id0, id1)` on `device`. Returns a
+/// status.
 #[no_mangle]
-pub extern "C" fn stepalloc_internal_pool_begin(device: c_int, id0: u64, id1: u64) -> c_int {
+pub extern "C" fn stepalloc_internal_pool_begin(device: c_int, id0: u64, id1: u64, route: c_int) -> c_int {
     crate::guard::guard_status(|| {
         let index = device_index(device)?;
-        allocator()?.begin_allocate_to_pool(index, (id0, id1))?;
+        if route != 0 {
+            allocator()?.begin_route_to_pool(index, (id0, id1))?;
+        } else {
+            allocator()?.begin_allocate_to_pool(index, (id0, id1))?;
+        }
         Ok(())
     })
 }
 
-/// The capture of pool `(id0, id1)` on `device` ends. Returns a status.
+/// The capture (`route` 0) or route (`route` 1) into pool `(id0, id1)` on `device` ends.
+/// Returns a status.
 #[no_mangle]
-pub extern "C" fn stepalloc_internal_pool_end(device: c_int, id0: u64, id1: u64) -> c_int {
+pub extern "C" fn stepalloc_internal_pool_end(device: c_int, id0: u64, id1: u64, route: c_int) -> c_int {
     crate::guard::guard_status(|| {
         let index = device_index(device)?;
-        allocator()?.end_allocate_to_pool(index, (id0, id1))?;
+        if route != 0 {
+            allocator()?.end_route_to_pool(index, (id0, id1))?;
+        } else {
+            allocator()?.end_allocate_to_pool(index, (id0, id1))?;
+        }
         Ok(())
     })
 }

@@ -21,8 +21,8 @@
 // - A failed capture never calls end (PyTorch calls `cudaStreamEndCapture` first and stops when
 //   it fails), so its entry would stay forever and keep the core's out-of-memory path off.
 //   Entries are reconciled at begin and release: a begin of the same pool drops the pool's old
-//   entry (the core counts that capture as ended); a release drops the pool's entries when the
-//   core no longer counts a capture into it (its last reference went, so a capture that never
+//   entry (the core counts that capture as ended); a release drops the pool's capture entries
+//   (not its routes) when the core no longer counts a capture into it (its last reference went, so a capture that never
 //   ended failed); a begin drops entries of other pools whose claimed stream the device says
 //   is no longer capturing. The core is asked without the table's mutex held (it takes the
 //   device lock).
@@ -40,8 +40,8 @@ using StreamFilter = std::function<bool(cudaStream_t)>;
 
 extern "C" {
 // Defined in torch.rs; each returns a status and sets the last error on failure.
-int stepalloc_internal_pool_begin(int device, unsigned long long id0, unsigned long long id1);
-int stepalloc_internal_pool_end(int device, unsigned long long id0, unsigned long long id1);
+int stepalloc_internal_pool_begin(int device, unsigned long long id0, unsigned long long id1, int route);
+int stepalloc_internal_pool_end(int device, unsigned long long id0, unsigned long long id1, int route);
 int stepalloc_internal_pool_release(int device, unsigned long long id0, unsigned long long id1);
 int stepalloc_internal_capture_pool(int device, cudaStream_t stream, unsigned long long *pool) noexcept;
 int stepalloc_internal_pool_abandon(int device, unsigned long long id0, unsigned long long id1);
@@ -65,6 +65,10 @@ struct Capture {
     // The first stream the filter claimed, once it claimed one.
     cudaStream_t stream;
     Claim claim;
+    // A route, not a capture: the filter claimed the default stream at begin, which no graph
+    // capture can (`use_mem_pool`, `_cuda_beginAllocateToPool`). The core counts no capture
+    // for it, so events, releases and `empty_cache` go on while it lasts.
+    bool route;
 };
 
 std::atomic<int> g_active{0};
@@ -163,21 +167,32 @@ extern "C" void stepalloc_set_oom_thrower(void (*thrower)(const char *message)) 
 
 extern "C" void stepalloc_begin_allocate_to_pool(int device, MempoolId mempool_id, StreamFilter filter) {
     reconcile_at_begin(device, mempool_id);
-    if (stepalloc_internal_pool_begin(device, mempool_id.first, mempool_id.second) != STEPALLOC_OK) {
+    // Asked on the calling thread before any capture began (PyTorch begins before
+    // cudaStreamBeginCapture): a capture's filter queries the stream's capture state, false
+    // for the default stream; a thread's or the device's route says true.
+    bool route = false;
+    try {
+        route = filter && filter(nullptr);
+    } catch (...) {
+        route = false;  // treated as a capture: the cautious side
+    }
+    if (stepalloc_internal_pool_begin(device, mempool_id.first, mempool_id.second, route ? 1 : 0) != STEPALLOC_OK) {
         throw std::runtime_error("stepalloc: beginAllocateToPool failed: " + last_error_text());
     }
     std::lock_guard<std::mutex> lock(table_mutex());
-    table().push_back(Capture{device, mempool_id, std::move(filter), nullptr, Claim::None});
+    table().push_back(Capture{device, mempool_id, std::move(filter), nullptr, route ? Claim::Other : Claim::None, route});
     g_active.fetch_add(1, std::memory_order_relaxed);
 }
 
 extern "C" void stepalloc_end_allocate_to_pool(int device, MempoolId mempool_id) {
     bool found = false;
+    bool route = false;
     {
         std::lock_guard<std::mutex> lock(table_mutex());
         std::vector<Capture> &t = table();
         for (auto it = t.begin(); it != t.end(); ++it) {
             if (it->device == device && it->pool == mempool_id) {
+                route = it->route;
                 t.erase(it);
                 g_active.fetch_sub(1, std::memory_order_relaxed);
                 found = true;
@@ -187,7 +202,7 @@ extern "C" void stepalloc_end_allocate_to_pool(int device, MempoolId mempool_id)
     }
     // Only a capture that began is ended in the core; an unmatched end changes nothing.
     if (found) {
-        stepalloc_internal_pool_end(device, mempool_id.first, mempool_id.second);
+        stepalloc_internal_pool_end(device, mempool_id.first, mempool_id.second, route ? 1 : 0);
     }
 }
 
@@ -196,9 +211,10 @@ extern "C" void stepalloc_release_pool(int device, MempoolId mempool_id) {
         return;  // the failure stays in the last error
     }
     if (stepalloc_internal_pool_captures(device, mempool_id.first, mempool_id.second) == 0) {
-        // No capture into this pool is underway any more: one that never ended is over.
+        // No capture into this pool is underway any more: one that never ended is over. A
+        // route is no capture; its own end removes it.
         std::lock_guard<std::mutex> lock(table_mutex());
-        erase_entries(device, [&](const Capture &c) { return c.pool == mempool_id; });
+        erase_entries(device, [&](const Capture &c) { return c.pool == mempool_id && !c.route; });
     }
 }
 

@@ -22,7 +22,9 @@ rank's figures), ``torch`` (install / mempool / patch_torch), ``pools`` (``MemPo
 ``patch_torch`` puts in place of ``torch.cuda.MemPool`` under ``install``), ``parity`` (what
 each torch.cuda memory API does under stepalloc, and the wrappers that say so), ``integrations``
 (framework callbacks, agent loops), ``sleep`` (tagged regions, pause / resume with addresses
-kept), ``memory_saver`` (a torch_memory_saver-shaped object over ``sleep``). Importing this
+kept), ``memory_saver`` (a torch_memory_saver-shaped object over ``sleep``), ``follow``
+(autograd's device thread follows the pool and the region of the thread that called
+``backward()``). Importing this
 package loads no library and imports neither torch
 nor any framework: everything happens on first use.
 """

@@ -57,7 +57,12 @@ ROWS: tuple[Row, ...] = (
         "stepalloc always caches",
         "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back",
     ),
-    Row("torch.cuda.empty_cache", WORKS, "returns stepalloc's unused cached segments to the device"),
+    Row(
+        "torch.cuda.empty_cache",
+        WORKS,
+        "returns stepalloc's unused cached segments to the device, those of pools in use included (not "
+        "of a pool a CUDA graph captured into); PyTorch's frees nothing while a pool is in use",
+    ),
     Row("torch.cuda.set_per_process_memory_fraction", WORKS, "stepalloc enforces the limit"),
     Row(
         "torch.cuda.get_per_process_memory_fraction",
@@ -148,7 +153,12 @@ ROWS: tuple[Row, ...] = (
     Row("torch.cuda.MemPool.id", WORKS, "(0, n), from PyTorch's own pool counter"),
     Row("torch.cuda.MemPool.use_count", WORKS, "references: the pool, each use_mem_pool, each graph"),
     Row("torch.cuda.MemPool.snapshot", WORKS, "the pool's segments"),
-    Row("torch.cuda.use_mem_pool", WORKS, _HOOK),
+    Row(
+        "torch.cuda.use_mem_pool",
+        WORKS,
+        _HOOK + "; backward() inside allocates from the pool too (autograd's thread follows it: "
+        "stepalloc.follow); a stepalloc.region inside (or around) it is refused at the allocation",
+    ),
     # CUDA graphs.
     Row("torch.cuda.graph_pool_handle", WORKS, "a pool id for graphs to share"),
     Row("torch.cuda.CUDAGraph (capture, replay, reset, pool)", WORKS, _HOOK),

@@ -20,7 +20,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from . import _lib
+from . import _lib, follow
 
 # id(torch._C._cuda_CUDAAllocator) -> (that object, alloc function address, free function address)
 _SEGMENT_FUNCTIONS: dict[int, tuple[Any, int, int]] = {}
@@ -93,6 +93,7 @@ class MemPool:
         lib = _lib.lib()
         _lib.check(int(lib.stepalloc_pool_create(self._device, *self._id)))
         self._released = False
+        follow.follow_pool(self._id)  # backward() inside use_mem_pool allocates here too
         try:
             if functions is not None:
                 _lib.check(int(lib.stepalloc_pool_set_segment_allocator(self._device, *self._id, *functions)))

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from . import _lib
+from . import _lib, follow
 
 DEFAULT_TAG = "default"
 
@@ -131,7 +131,9 @@ class region:
 
     ``backup`` sets the tag's policy for ``pause``: True copies its live bytes to host memory
     before the memory is released, False discards them (the latest region entered for a tag
-    sets it). Regions nest and are per thread; other threads are not affected. A bad tag (empty,
+    sets it). Regions nest and are per thread; other threads are not affected, except autograd's
+    device thread while it runs a ``backward()`` / ``autograd.grad()`` called inside the region:
+    it borrows the tag for that call (``stepalloc.follow``). A bad tag (empty,
     over 64 bytes, characters outside ``[A-Za-z0-9_.:-]``, the 33rd distinct tag) raises
     ``ValueError`` with the library's message. Allocating inside the region of a paused tag
     raises ``stepalloc.PausedError``: resume it first.
@@ -144,6 +146,7 @@ class region:
 
     def __enter__(self) -> region:
         _lib.check(int(_c().stepalloc_region_enter(self._data, 1 if self.backup else 0)))
+        follow.ensure()  # backward() inside: autograd's thread borrows the tag (stepalloc.follow)
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:

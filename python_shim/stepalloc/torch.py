@@ -292,7 +292,11 @@ def mempool(use_on_oom: bool = False) -> Any:
         status = int(_lib.lib().stepalloc_set_mempool_mode(1))
         if status != _lib.OK:
             raise _lib.error_for(status)
-    return torch.cuda.MemPool(_mempool_allocator.allocator(), use_on_oom=use_on_oom)
+    pool = torch.cuda.MemPool(_mempool_allocator.allocator(), use_on_oom=use_on_oom)
+    from . import follow
+
+    follow.follow_pool(pool.id)  # backward() inside use_mem_pool allocates from the pool too
+    return pool
 
 
 # ----- patch_torch ---------------------------------------------------------------------------

@@ -255,7 +255,9 @@ assert lib.ext_allocs() == 1 and lib.ext_bytes() >= 3 * MIB and pool_of(t.data_p
 t.copy_(torch.full((3 * MIB,), 9, dtype=torch.uint8)); assert int(t.cpu()[0]) == 9
 del t
 torch.cuda.empty_cache()
-assert lib.ext_bytes() >= 3 * MIB  # the pool is alive: its segments stay
+# The pool is alive but no graph captured into it: its free segment goes back through the
+# allocator's free function (PyTorch's empty_cache keeps a live pool's; issue 33).
+assert lib.ext_bytes() == 0 and lib.ext_frees() == 1
 del pool
 assert lib.ext_bytes() == 0 and lib.ext_frees() == 1
 """,
@@ -591,6 +593,12 @@ def test_mempools_answer_as_under_pytorchs_own_allocator(
     n, o = values(native), values(ours)
     assert n["created"].strip().startswith("(0,") and n["use_on_oom"] != " 0 0"
     assert int(n["use_on_oom"].split()[1]) >= 2, native  # the check means something natively
+    # Where stepalloc differs on purpose (issue 33, release while a pool is active): PyTorch's
+    # empty_cache keeps a live pool's free segments; stepalloc gives them back, through the
+    # pool's allocator (its 20 MiB and 2 MiB segments).
+    native_kept, ours_kept = n.pop("external_after_empty_cache"), o.pop("external_after_empty_cache")
+    assert native_kept.split() == ["23068672", "0"], native_kept
+    assert ours_kept.split() == ["0", "2"], ours_kept
     assert n == o, "\n".join(
         f"{k}: PyTorch {n.get(k)!r}, stepalloc {o.get(k)!r}" for k in sorted(set(n) | set(o)) if n.get(k) != o.get(k)
     )

@@ -37,13 +37,6 @@ impl Heap {
         pool.tag
     }
 
-    /// The tag of private pool number `number` (0 when untagged or gone).
-    #[inline]
-    pub(super) fn pool_tag(&self, number: u32) -> TagId {
-        let Some(index) = (number as usize).checked_sub(1) else { return 0 };
-        self.private_pools.get(index).and_then(Option::as_ref).map_or(0, |p| p.tag)
-    }
-
     /// A request into tagged pool `pool` that no free block could serve: the pool's own paged
     /// ranges grow.
     pub(super) fn grow_tagged_pool(

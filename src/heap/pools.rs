@@ -62,6 +62,33 @@ impl Heap {
         Ok(())
     }
 
+    /// The tag an allocation inside a region of `tag` carries when it is routed to private pool
+    /// number `pool`: the pool's own (a graph captured inside a region puts its pool under the
+    /// region's tag, `heap/graphs.rs`, so a pause gives the pool back whole), else none. A pool
+    /// entered with `use_mem_pool` inside a region is refused, since a pause of the tag could
+    /// not give back the pool's blocks and would report the tag paused with its bytes still on
+    /// the device.
+    pub(super) fn pool_tag(&self, pool: u32, tag: u8) -> Result<u8> {
+        let Some(p) = (pool as usize).checked_sub(1).and_then(|i| self.private_pools.get(i)).and_then(Option::as_ref)
+        else {
+            return Ok(0);
+        };
+        // A pool a graph was captured into inside a region carries that region's tag
+        // (`heap/graphs.rs`): its blocks take it, whoever allocates.
+        if p.tag != 0 || tag == 0 || p.capturing > 0 {
+            return Ok(p.tag);
+        }
+        Err(Error::InvalidArgument(format!(
+            "an allocation inside region {:?} is routed to memory pool ({}, {}) (torch.cuda.use_mem_pool): a \
+             pool's blocks cannot carry a tag, so pause({:?}) could not give them back. Allocate the region's \
+             tensors outside use_mem_pool, or enter use_mem_pool outside the region",
+            crate::tags::name(tag),
+            p.id.0,
+            p.id.1,
+            crate::tags::name(tag)
+        )))
+    }
+
     /// The id of private pool number `number` (1-based, as segments record it); (0, 0) for the
     /// general pool or a pool that is gone.
     pub(crate) fn pool_id_of(&self, number: u32) -> PoolId {

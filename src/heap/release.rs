@@ -67,12 +67,25 @@ impl Heap {
 
     /// Free segments that may be released (not held by an active graph pool).
     pub(crate) fn releasable_segments(&self) -> Vec<SegmentId> {
+        self.releasable_segments_of(true)
+    }
+
+    /// The free segments that may go back: the general pool's, those of pools nobody
+    /// references, and — with `active_pools` — those of referenced pools no CUDA graph captured
+    /// into (a captured graph may replay into its pool's free blocks). `empty_cache` and the
+    /// step and limit policies pass true, so a pool in use does not strand its free memory
+    /// (PyTorch's `empty_cache` frees nothing while a pool is in use); the out-of-memory path
+    /// passes false and, as PyTorch's, leaves a live pool to `use_on_oom`.
+    pub(crate) fn releasable_segments_of(&self, active_pools: bool) -> Vec<SegmentId> {
         self.arena
             .live_segment_ids()
             .filter(|&s| self.segment_is_free(s))
             .filter(|&s| {
                 let pool = self.arena.segment(s).pool;
-                pool == 0 || self.private_pools[pool as usize - 1].as_ref().is_none_or(|p| p.use_count == 0)
+                pool == 0
+                    || self.private_pools[pool as usize - 1]
+                        .as_ref()
+                        .is_none_or(|p| p.use_count == 0 || (active_pools && !p.captured))
             })
             .collect()
     }
@@ -84,7 +97,7 @@ impl Heap {
             return Ok(false);
         }
         let mut candidates: Vec<(u64, SegmentId)> = self
-            .releasable_segments()
+            .releasable_segments_of(false)
             .into_iter()
             .filter(|&s| self.arena.segment(s).oversize)
             .map(|s| (self.arena.segment(s).size, s))
@@ -117,7 +130,7 @@ impl Heap {
             self.settle_free_streams()?;
         }
         let mut released = self.release_free_pages(reason, |_| true)?;
-        for seg in self.releasable_segments() {
+        for seg in self.releasable_segments_of(!matches!(reason, ReleaseReason::Oom)) {
             released += self.release_segment(seg, reason)?;
         }
         Ok(released)
@@ -259,6 +272,26 @@ impl Heap {
         self.add_pool_reference(id);
         if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) {
             p.capturing += 1;
+            p.captured = true;
+        }
+    }
+
+    /// A route into pool `id` begins (`use_mem_pool`, `beginAllocateToPool` with a filter that
+    /// claims the default stream: no capture): creates the pool or takes another reference. No
+    /// capture is counted, so events, releases and `empty_cache` go on while it lasts.
+    pub fn begin_route(&mut self, id: PoolId) {
+        // The C ABI drops an older entry of the pool at a begin; a capture's counts as ended.
+        self.abandon_capture(id);
+        self.add_pool_reference(id);
+        if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) {
+            p.routes += 1;
+        }
+    }
+
+    /// The route into pool `id` ends; the pool keeps its references until `release_pool`.
+    pub fn end_route(&mut self, id: PoolId) {
+        if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id && p.routes > 0) {
+            p.routes -= 1;
         }
     }
 
@@ -294,7 +327,17 @@ impl Heap {
             p.use_count += 1;
             return;
         }
-        let pool = PrivatePool { id, use_count: 1, segments: 0, capturing: 0, source: None, use_on_oom: false, tag: 0 };
+        let pool = PrivatePool {
+            id,
+            use_count: 1,
+            segments: 0,
+            capturing: 0,
+            routes: 0,
+            captured: false,
+            source: None,
+            use_on_oom: false,
+            tag: 0,
+        };
         match self.private_pools.iter().position(Option::is_none) {
             Some(i) => self.private_pools[i] = Some(pool),
             None => self.private_pools.push(Some(pool)),

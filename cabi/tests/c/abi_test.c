@@ -557,6 +557,26 @@ static void scenario_sleep(void) {
     p_stepalloc_free(plain, 50 * MIB, 0, NULL);
     CHECK(p_stepalloc_release_backup() == STEPALLOC_OK, "%s", last_error());
     CHECK(stat(0, "stepalloc.backup_host_bytes") == 0, "backup kept after release_backup");
+    /* A tag lent for a while (autograd's thread during a backward called inside a region): the
+       borrower allocates under it until the lender ends the lease; an ended lease is refused. */
+    uint64_t lease = 1;
+    CHECK(p_stepalloc_region_lend(&lease) == STEPALLOC_OK && lease == 0, "outside a region nothing is lent");
+    CHECK(p_stepalloc_region_lend(NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL lease");
+    CHECK(p_stepalloc_region_enter("weights", 1) == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_region_lend(&lease) == STEPALLOC_OK && lease != 0, "lend: %s", last_error());
+    CHECK(p_stepalloc_region_exit() == STEPALLOC_OK, "exit");
+    double lent0 = stat(0, "stepalloc.tag.weights.live_bytes");
+    CHECK(p_stepalloc_region_borrow(lease) == STEPALLOC_OK, "borrow: %s", last_error());
+    void *borrowed = p_stepalloc_malloc(4 * MIB, 0, NULL);
+    CHECK(borrowed && stat(0, "stepalloc.tag.weights.live_bytes") == lent0 + 4.0 * MIB, "borrowed tag: %.0f",
+          stat(0, "stepalloc.tag.weights.live_bytes"));
+    CHECK(p_stepalloc_region_lend_end(lease) == STEPALLOC_OK, "end: %s", last_error());
+    void *after_lease = p_stepalloc_malloc(4 * MIB, 0, NULL);
+    CHECK(after_lease && stat(0, "stepalloc.tag.weights.live_bytes") == lent0 + 4.0 * MIB, "the lease ended");
+    CHECK(p_stepalloc_region_lend_end(lease) == STEPALLOC_INVALID_ARGUMENT, "a lease ends once");
+    CHECK(p_stepalloc_region_borrow(lease) == STEPALLOC_INVALID_ARGUMENT, "an ended lease is not borrowed");
+    p_stepalloc_free(borrowed, 4 * MIB, 0, NULL);
+    p_stepalloc_free(after_lease, 4 * MIB, 0, NULL);
     /* At most 32 tags besides "default": two so far, 30 more, then the next is refused. */
     for (int i = 0; i < 31; i++) {
         char name[32];

@@ -193,7 +193,9 @@ int main(int argc, char **argv) {
     release(g1, MIB, 0, capturing);
     release_pool(0, graph);
     release_pool(0, MempoolId_t{6, 0});
-    CHECK(g_foreign_frees == 0, "a referenced pool gave a segment back");
+    // No graph captured into the MemPool, so its free segment may go back before the pool goes
+    // (issue 33: releases reach an active pool's free memory); once, either way.
+    CHECK(g_foreign_frees <= 1, "foreign frees %d", g_foreign_frees);
     release_pool(0, mem);
     CHECK(g_foreign_frees == 1 && g_foreign_outstanding == 0, "the pool's segment went back: %d", g_foreign_frees);
     CHECK(p_stepalloc_pool_use_count(0, mem.first, mem.second) == 0, "the pool is gone");
