@@ -496,6 +496,14 @@ fn write_plot(path: &std::path::Path, report: &Report) -> Result<(), Failure> {
 }
 
 fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, Failure> {
+    if g.backend == BackendArg::Sim && args.tag_kib != random::DEFAULT_TAG_KIB {
+        return Err(format!(
+            "--tag-kib {} does not apply to the simulated device: it holds no bytes, so no tags are written (use \
+             --backend cuda)",
+            args.tag_kib
+        )
+        .into());
+    }
     let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: 1 };
     let configs = resolve(g, compare::DEFAULT_OTHER, &base)?;
     let mut report = Report {
