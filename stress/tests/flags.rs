@@ -36,18 +36,21 @@ struct Case {
     value: Option<&'static str>,
     /// Arguments that make the flag apply (both runs get them).
     with: &'static [&'static str],
+    /// Flags (each with its value) of the base that do not apply once the flag is given.
+    drop: &'static [&'static str],
     effect: Effect,
 }
 
 const fn case(flag: &'static str, value: Option<&'static str>, effect: Effect) -> Case {
-    Case { flag, value, with: &[], effect }
+    Case { flag, value, with: &[], drop: &[], effect }
 }
 
 const fn case_with(flag: &'static str, value: &'static str, with: &'static [&'static str], effect: Effect) -> Case {
-    Case { flag, value: Some(value), with, effect }
+    Case { flag, value: Some(value), with, drop: &[], effect }
 }
 
-/// A tiny agent workload: one iteration of a two-layer model, one configuration.
+/// A small agent workload: one iteration of a two-layer decoder (the flags that apply to both
+/// presets only, so that `--preset llm-7b-sft` and `--rollout false` apply to it).
 const TINY_AGENT: &[&str] = &[
     "--iterations",
     "1",
@@ -61,15 +64,13 @@ const TINY_AGENT: &[&str] = &[
     "512",
     "--vocab",
     "1000",
-    "--vision-layers",
-    "1",
-    "--vision-hidden",
-    "64",
-    "--vision-intermediate",
-    "128",
-    "--rollout-batch",
-    "2",
 ];
+
+/// `headroom`'s additions to `TINY_AGENT`, and their flags.
+const HEADROOM_SMALL: &[&str] =
+    &["--vision-layers", "1", "--vision-hidden", "64", "--vision-intermediate", "128", "--rollout-batch", "2"];
+const HEADROOM_SMALL_FLAGS: &[&str] =
+    &["--vision-layers", "--vision-hidden", "--vision-intermediate", "--rollout-batch"];
 
 /// The agent workload's flags (agent, headroom, gen-trace); `gpu` is what `--gpu` does there.
 fn agent_cases(gpu: Effect, devices: Effect) -> Vec<Case> {
@@ -86,9 +87,9 @@ fn agent_cases(gpu: Effect, devices: Effect) -> Vec<Case> {
         case("--vocab", Some("2000"), Output),
         case("--dtype-bytes", Some("4"), Output),
         case("--vision", Some("false"), Output),
-        case("--vision-hidden", Some("128"), Output),
-        case("--vision-layers", Some("2"), Output),
-        case("--vision-intermediate", Some("256"), Output),
+        case("--vision-hidden", Some("512"), Output),
+        case("--vision-layers", Some("1"), Output),
+        case("--vision-intermediate", Some("2048"), Output),
         case("--patch", Some("28"), Output),
         case("--images-min", Some("3"), Output),
         case("--images-max", Some("1"), Output),
@@ -100,11 +101,11 @@ fn agent_cases(gpu: Effect, devices: Effect) -> Vec<Case> {
         case("--response-min", Some("300"), Output),
         case("--response-max", Some("40"), Output),
         case("--rollout", Some("false"), Output),
-        case("--rollout-batch", Some("3"), Output),
+        case("--rollout-batch", Some("2"), Output),
         case("--turns-min", Some("3"), Output),
         case("--turns-max", Some("1"), Output),
         case("--kv-chunk", Some("16"), Output),
-        case("--micro-batches", Some("1"), Output),
+        case("--micro-batches", Some("2"), Output),
         case_with("--sft-batch", "2", &["--preset", "llm-7b-sft"], Output),
         case_with("--eval-every", "1", &["--preset", "llm-7b-sft"], Output),
         case("--grad-checkpointing", Some("false"), Output),
@@ -153,15 +154,28 @@ fn subcommands(dir: &Path, trace: &Path) -> Vec<Sub> {
     let mut agent = global_cases(&[]);
     agent.extend(agent_cases(Output, Output));
 
+    // Headroom reports peaks alone: a small vision encoder and rollout batch, so that the
+    // training side's flags move the peak too.
     let mut headroom_base = strings(&["headroom"]);
     headroom_base.extend(strings(TINY_AGENT));
+    headroom_base.extend(strings(HEADROOM_SMALL));
     headroom_base.extend(strings(&["--compare", "stepalloc", "--json", "--max-scale", "2", "--probes", "1"]));
     let mut headroom = global_cases(&["--backend", "--per-step", "--plot", "--metrics-addr", "--explain"]);
     headroom.extend(agent_cases(Refused, Refused));
-    // An evaluation step never holds the stepalloc peak of this workload; PyTorch's cache keeps
-    // what it held.
-    for c in headroom.iter_mut().filter(|c| c.flag == "--eval-every") {
-        c.with = &["--preset", "llm-7b-sft", "--compare", "pytorch"];
+    for c in headroom.iter_mut() {
+        match c.flag {
+            // An evaluation step never holds the stepalloc peak of this workload; PyTorch's
+            // cache keeps what it held.
+            "--eval-every" => {
+                c.with = &["--preset", "llm-7b-sft", "--compare", "pytorch"];
+                c.drop = HEADROOM_SMALL_FLAGS;
+            }
+            // Without rollouts or a vision encoder, the small ones' flags do not apply.
+            "--preset" | "--rollout" | "--vision" | "--sft-batch" => c.drop = HEADROOM_SMALL_FLAGS,
+            // Two episodes fill two micro-batches as they fill four.
+            "--micro-batches" => c.value = Some("1"),
+            _ => {}
+        }
     }
     headroom.extend([
         case("--dimension", Some("sequence"), Output),
@@ -346,6 +360,9 @@ fn every_listed_flag_changes_the_result_or_is_refused() {
         baselines.insert(sub.base.clone(), first);
         for c in &sub.cases {
             let mut baseline = without(&sub.base, c.flag, c.value.is_none());
+            for d in c.drop {
+                baseline = without(&baseline, d, false);
+            }
             for w in c.with.chunks(2) {
                 baseline = without(&baseline, w[0], false);
                 baseline.extend(strings(w));
@@ -386,6 +403,38 @@ fn every_listed_flag_changes_the_result_or_is_refused() {
         }
     }
     assert!(failures.is_empty(), "flags that neither change the result nor are refused:\n{}", failures.join("\n"));
+}
+
+/// A workload flag for a part the workload does not run is refused, naming what it needs.
+#[test]
+fn a_flag_for_a_part_the_workload_does_not_run_is_refused() {
+    for (args, want) in [
+        (
+            &["--rollout-batch", "4", "--preset", "llm-7b-sft"][..],
+            "--rollout-batch does not apply here: it shapes rollouts",
+        ),
+        (&["--sft-batch", "4"][..], "--sft-batch does not apply here: it shapes supervised fine-tuning"),
+        (&["--eval-every", "2"][..], "--eval-every does not apply here"),
+        (
+            &["--vision-layers", "2", "--vision", "false"][..],
+            "--vision-layers does not apply here: it shapes the vision",
+        ),
+        (&["--images-max", "2", "--preset", "llm-7b-sft", "--vision", "true"][..], "--images-max does not apply here"),
+        (&["--lora-rank", "8", "--optimizer", "full"][..], "--lora-rank does not apply here: it sizes LoRA adapters"),
+        (&["--trainable-layers", "2"][..], "--trainable-layers does not apply here"),
+    ] {
+        for sub in ["agent", "gen-trace", "headroom"] {
+            let out = Command::new(env!("CARGO_BIN_EXE_stepalloc-stress"))
+                .arg(sub)
+                .args(args)
+                .args(["--iterations", "1", "--out", "/dev/null"].iter().take(if sub == "gen-trace" { 4 } else { 2 }))
+                .output()
+                .unwrap();
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{sub} {args:?}: {err}");
+            assert!(err.contains(want), "{sub} {args:?}: {err}");
+        }
+    }
 }
 
 /// The refusal names the flag and the subcommand, and says why.
