@@ -13,6 +13,7 @@
 pub mod advise;
 pub mod compare;
 pub mod export;
+pub mod fragmentation;
 pub mod headroom;
 pub mod ops;
 pub mod output;

@@ -56,9 +56,9 @@ struct Global {
     compare: Vec<String>,
     #[arg(long, global = true, value_enum, default_value = "sim")]
     backend: BackendArg,
-    /// Simulated device memory in MiB (81920: an 80 GB GPU).
-    #[arg(long, global = true, default_value_t = 81920)]
-    capacity_mb: u64,
+    /// Simulated device memory in MiB [default: 81920, an 80 GB GPU].
+    #[arg(long, global = true, value_name = "MIB", conflicts_with = "h200")]
+    capacity_mb: Option<u64>,
     /// Simulate an H200 (143771 MiB) instead.
     #[arg(long, global = true)]
     h200: bool,
@@ -108,7 +108,7 @@ enum Command {
         file: PathBuf,
         /// Device memory in GiB, (0, 16384] (default: --capacity-mb, or --h200; PyTorch
         /// snapshots do not record the device's size).
-        #[arg(long, allow_hyphen_values = true, value_name = "GIB")]
+        #[arg(long, allow_hyphen_values = true, value_name = "GIB", conflicts_with_all = ["capacity_mb", "h200"])]
         capacity_gb: Option<String>,
     },
     /// A rollout engine and a trainer taking turns on one device: both resident, PyTorch with
@@ -117,12 +117,17 @@ enum Command {
     Colocated {
         #[command(flatten)]
         spec: ColocatedSpec,
-        /// The device to fit, in GiB.
-        #[arg(long, default_value_t = 80)]
-        capacity_gb: u64,
+        /// The device to fit, in GiB [default: 80; --capacity-mb or --h200 set it in MiB].
+        #[arg(long, value_name = "GIB", conflicts_with_all = ["capacity_mb", "h200"])]
+        capacity_gb: Option<u64>,
         /// Effective host-link bandwidth in GB/s: PCIe 4 x16 about 25, PCIe 5 x16 about 50.
         #[arg(long, default_value_t = colocated::PCIE4_X16_GBPS)]
         link_gbps: f64,
+        /// How stepalloc's switch is modelled: `overlapped` (one pause and one resume of all
+        /// the engine's tags, driver calls under the copies) or `serial` (one tag at a time,
+        /// each call waiting for its copies). See docs/performance.md.
+        #[arg(long, value_enum, default_value = "overlapped")]
+        schedule: colocated::Schedule,
     },
     /// Write the agent workload as a trace file (for replay benchmarks and tests).
     GenTrace {
@@ -149,8 +154,9 @@ fn main() {
 
 fn run(cli: Cli) -> Result<i32, Failure> {
     let g = &cli.global;
-    let capacity_mb = if g.h200 { 143_771 } else { g.capacity_mb };
+    let capacity_mb = if g.h200 { H200_MB } else { g.capacity_mb.unwrap_or(DEFAULT_MB) };
     let command = cli.command.unwrap_or_else(|| Command::Agent(AgentArgs::default()));
+    refuse_unused(g, &command)?;
     let started = Instant::now();
     // The agent workload is generated as it runs (one iteration at a time, again for every
     // configuration); a trace is read once.
@@ -169,7 +175,9 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             (Input::Trace(program), format!("replay {}", file.display()), compare::DEFAULT_OTHER)
         }
         Command::Random(args) => return run_random(g, &args, capacity_mb),
-        Command::Colocated { spec, capacity_gb, link_gbps } => return run_colocated(g, &spec, capacity_gb, link_gbps),
+        Command::Colocated { spec, capacity_gb, link_gbps, schedule } => {
+            return run_colocated(g, &spec, capacity_gb, link_gbps, schedule)
+        }
         Command::Advise { file, capacity_gb } => return run_advise(g, &file, capacity_gb.as_deref(), capacity_mb),
         Command::Headroom { agent, search } => return run_headroom(g, &agent, &search, capacity_mb),
         Command::GenTrace { agent, format, out } => {
@@ -179,6 +187,9 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             let events = export::export(&program, format, &mut w)?;
             std::io::Write::flush(&mut w).map_err(|e| format!("{}: {e}", out.display()))?;
             note!("wrote {events} events to {}", out.display());
+            if g.timing {
+                note!("timing: {events} events generated and written in {:.3} s", started.elapsed().as_secs_f64());
+            }
             return Ok(0);
         }
     };
@@ -233,6 +244,83 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     Ok(0)
 }
 
+/// `--capacity-mb` when neither it nor `--h200` is given: an 80 GB GPU.
+const DEFAULT_MB: u64 = 81_920;
+/// `--h200`: an H200's memory as the driver reports it.
+const H200_MB: u64 = 143_771;
+
+/// Refuses every flag `command` would ignore, naming it: a flag listed in `--help` either changes
+/// the result or is refused (a flag that silently did nothing would let a user believe it had
+/// been applied). A value given as its default changes nothing and passes.
+fn refuse_unused(g: &Global, command: &Command) -> Result<(), String> {
+    let (name, unused): (&str, &[&str]) = match command {
+        Command::Agent(_) => ("agent", &[]),
+        Command::Replay { .. } => ("replay", &[]),
+        Command::Random(_) => ("random", &["--per-step", "--plot", "--metrics-addr", "--explain"]),
+        Command::Headroom { .. } => ("headroom", &["--per-step", "--plot", "--metrics-addr", "--explain", "--gpu"]),
+        Command::Advise { .. } => ("advise", &["--compare", "--backend", "--per-step", "--metrics-addr", "--explain"]),
+        Command::Colocated { .. } => {
+            ("colocated", &["--compare", "--backend", "--per-step", "--plot", "--metrics-addr", "--explain"])
+        }
+        Command::GenTrace { .. } => (
+            "gen-trace",
+            &[
+                "--compare",
+                "--backend",
+                "--capacity-mb",
+                "--h200",
+                "--json",
+                "--per-step",
+                "--plot",
+                "--metrics-addr",
+                "--explain",
+                "--gpu",
+            ],
+        ),
+    };
+    let gpu = match command {
+        Command::Headroom { agent, .. } | Command::GenTrace { agent, .. } => agent.gpu.is_some(),
+        _ => false,
+    };
+    for &flag in unused {
+        let given = match flag {
+            "--compare" => !g.compare.is_empty(),
+            "--backend" => g.backend != BackendArg::Sim,
+            "--capacity-mb" => g.capacity_mb.is_some(),
+            "--h200" => g.h200,
+            "--json" => g.json,
+            "--per-step" => g.per_step,
+            "--plot" => g.plot.is_some(),
+            "--metrics-addr" => g.metrics_addr.is_some(),
+            "--explain" => g.explain,
+            "--gpu" => gpu,
+            _ => false,
+        };
+        if given {
+            return Err(format!("{flag} does not apply to `{name}`: {}; drop it", why(name, flag)));
+        }
+    }
+    Ok(())
+}
+
+/// Why `command` has no use for `flag` (the second half of `refuse_unused`'s message).
+fn why(command: &str, flag: &str) -> &'static str {
+    match (command, flag) {
+        ("gen-trace", "--json" | "--plot" | "--per-step" | "--explain" | "--metrics-addr") => {
+            "it writes a trace file (--out, --format) and runs nothing"
+        }
+        ("gen-trace", _) => "a trace holds the workload's events alone, whatever device or configuration replays it",
+        (_, "--gpu") => "the GPU sets the modelled step times, which this command does not report",
+        ("colocated", "--compare" | "--backend") => "it runs its own four columns on the simulated device",
+        ("advise", "--compare" | "--backend") => "it searches its own configurations on the simulated device",
+        (_, "--per-step") => "it reports no steps",
+        (_, "--plot") => "it draws no plot",
+        (_, "--metrics-addr") => "it serves no live metrics",
+        (_, "--explain") => "it does not attribute its peaks",
+        _ => "it does not use it",
+    }
+}
+
 /// What `agent` and `replay` run: a workload generated as it runs, or a trace read whole.
 enum Input {
     Agent(AgentSpec),
@@ -280,13 +368,7 @@ fn run_headroom(g: &Global, agent: &AgentArgs, search: &HeadroomArgs, capacity_m
 }
 
 fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<&str>, capacity_mb: u64) -> Result<i32, Failure> {
-    // The flags first: a bad capacity is refused before a large trace is read.
-    if g.backend == BackendArg::Cuda {
-        return Err("--backend cuda: advise replays on the simulated device only (sim)".into());
-    }
-    if !g.compare.is_empty() {
-        return Err("--compare: advise searches its own configurations (see `advise --help`)".into());
-    }
+    // The flags first (`refuse_unused`): a bad capacity is refused before a large trace is read.
     let capacity = match capacity_gb {
         Some(gb) => advise::capacity_from_gb(gb)?,
         None => Capacity {
@@ -336,12 +418,35 @@ fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<&str>, cap
     Ok(0)
 }
 
-fn run_colocated(g: &Global, spec: &ColocatedSpec, capacity_gb: u64, link_gbps: f64) -> Result<i32, Failure> {
-    if !g.compare.is_empty() || g.backend == BackendArg::Cuda {
-        return Err("colocated runs its own four columns on the simulated device; drop --compare and --backend".into());
-    }
+fn run_colocated(
+    g: &Global,
+    spec: &ColocatedSpec,
+    capacity_gb: Option<u64>,
+    link_gbps: f64,
+    schedule: colocated::Schedule,
+) -> Result<i32, Failure> {
+    // One of --capacity-gb, --capacity-mb and --h200 at most (clap refuses two); each checked
+    // under its own name.
+    let capacity_mb = match (capacity_gb, g.capacity_mb) {
+        (Some(gb), _) => {
+            if !(1..=colocated::MAX_CAPACITY_GB).contains(&gb) {
+                return Err(format!("--capacity-gb {gb}: must be in 1..={}", colocated::MAX_CAPACITY_GB).into());
+            }
+            gb * 1024
+        }
+        (None, Some(mb)) => {
+            let most = colocated::MAX_CAPACITY_GB * 1024;
+            if !(1..=most).contains(&mb) {
+                return Err(format!("--capacity-mb {mb}: must be in 1..={most}").into());
+            }
+            mb
+        }
+        (None, None) if g.h200 => H200_MB,
+        (None, None) => colocated::DEFAULT_CAPACITY_GB * 1024,
+    };
     let started = Instant::now();
-    let report = colocated::run(spec, capacity_gb, colocated::CostModel::new(link_gbps)?)?;
+    let cost = colocated::CostModel::new(link_gbps)?.with_schedule(schedule);
+    let report = colocated::run(spec, capacity_mb, cost)?;
     if g.timing {
         note!("timing: colocated in {:.3} s", started.elapsed().as_secs_f64());
     }
@@ -391,6 +496,14 @@ fn write_plot(path: &std::path::Path, report: &Report) -> Result<(), Failure> {
 }
 
 fn run_random(g: &Global, args: &RandomArgs, capacity_mb: u64) -> Result<i32, Failure> {
+    if g.backend == BackendArg::Sim && args.tag_kib != random::DEFAULT_TAG_KIB {
+        return Err(format!(
+            "--tag-kib {} does not apply to the simulated device: it holds no bytes, so no tags are written (use \
+             --backend cuda)",
+            args.tag_kib
+        )
+        .into());
+    }
     let base = Base { cuda: g.backend == BackendArg::Cuda, capacity_mb, devices: 1 };
     let configs = resolve(g, compare::DEFAULT_OTHER, &base)?;
     let mut report = Report {

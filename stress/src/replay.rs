@@ -9,6 +9,7 @@
 //! worst device (`RunReport::devices`), never a sum of peaks. Timeline samples add the devices'
 //! current values at one moment; each step's figures are its worst device's (`StepReport::device`).
 
+use crate::fragmentation;
 use crate::ops::{Op, Program};
 use crate::report::{worst_device, DeviceFigures, DeviceReport, PeakExplanation, RunReport, Sample, StepReport};
 use indicatif::ProgressBar;
@@ -213,6 +214,8 @@ struct Runner<'a> {
     step_index_op: usize,
     step_driver_begin: DriverTotals,
     ext_frag_at_step_end: Vec<f64>,
+    /// Bytes each step end's external fragmentation leaves unused (`fragmentation::stranded`).
+    stranded_at_step_end: Vec<f64>,
     int_frag_samples: Vec<f64>,
     timeline: Vec<Sample>,
     explain: bool,
@@ -248,6 +251,7 @@ impl<'a> Runner<'a> {
             step_index_op: 0,
             step_driver_begin: DriverTotals::default(),
             ext_frag_at_step_end: Vec::new(),
+            stranded_at_step_end: Vec::new(),
             int_frag_samples: Vec::new(),
             timeline: Vec::with_capacity(TIMELINE_POINTS + 8),
             explain: false,
@@ -332,16 +336,12 @@ impl<'a> Runner<'a> {
                 self.step_driver_begin = self.driver_totals();
             }
             Op::StepEnd => {
-                // External fragmentation as the step leaves the cache, before the step-end policies.
-                let mut cached = 0u64;
-                let mut largest = 0u64;
-                for d in 0..self.devices {
-                    if let Ok(s) = self.allocator.stats(d) {
-                        cached += s.cached_free;
-                        largest = largest.max(s.largest_free_block);
-                    }
-                }
-                self.ext_frag_at_step_end.push(if cached == 0 { 0.0 } else { 1.0 - largest as f64 / cached as f64 });
+                // External fragmentation as the step leaves the cache, before the step-end
+                // policies: free mapped bytes the largest servable request leaves unused
+                // (`fragmentation`), over the free mapped bytes, every device's summed.
+                let (free, stranded) = fragmentation::of_allocator(self.allocator);
+                self.ext_frag_at_step_end.push(fragmentation::share(free, stranded));
+                self.stranded_at_step_end.push(stranded as f64);
                 let figures = self.allocator.step_end().map_err(|e| format!("op {index}: step_end: {e}"))?;
                 self.phase = None;
                 if empty_cache_every_step {
@@ -529,6 +529,7 @@ impl<'a> Runner<'a> {
         r.reserved_at_step_end_mean = mean(self.steps.iter().map(|s| s.reserved_at_end as f64));
         r.step_fragmentation_mean = mean(self.steps.iter().map(|s| s.fragmentation));
         r.external_fragmentation_mean = mean(self.ext_frag_at_step_end.iter().copied());
+        r.stranded_free_at_step_end_mean = mean(self.stranded_at_step_end.iter().copied());
         r.internal_fragmentation_mean = mean(self.int_frag_samples.iter().copied());
         r.cached_free_mean = mean(self.timeline.iter().map(|s| s.reserved.saturating_sub(s.allocated) as f64));
         r.wall_s = wall;

@@ -63,8 +63,13 @@ pub struct RunReport {
     /// Mean over timeline samples (every device summed) of reserved minus allocated bytes:
     /// what the cache holds through the run, not only at step boundaries.
     pub cached_free_mean: f64,
-    /// Mean over steps of 1 - largest free block / cached free bytes, at each step's end.
+    /// Mean over step ends of the share of the free mapped bytes that the largest request the
+    /// cache could serve without new device memory leaves unused (`fragmentation`): 1 - largest
+    /// free block / free bytes, with `page_reuse` the whole pages of other free blocks counted
+    /// toward that request.
     pub external_fragmentation_mean: f64,
+    /// Mean over step ends of those unused bytes (every device's summed).
+    pub stranded_free_at_step_end_mean: f64,
     /// Mean over timeline samples of 1 - requested / allocated.
     pub internal_fragmentation_mean: f64,
     /// Mean over steps of 1 - peak allocated / peak reserved.
@@ -312,6 +317,13 @@ fn pct(x: f64) -> String {
     format!("{:.1}%", x * 100.0)
 }
 
+/// The line under the table that says what its external fragmentation row measures.
+pub const EXTERNAL_FRAGMENTATION_NOTE: &str =
+    "external fragmentation: of the free mapped bytes at step ends, the share \
+     the largest request the cache could serve without new device memory leaves unused (1 - largest free block / \
+     free bytes; under page_reuse the whole free pages of other blocks count toward that request, as they are mapped \
+     where it needs them; unmapped address space is not counted)";
+
 /// The side-by-side table of every run.
 pub fn table(report: &Report) -> String {
     let mut t = Table::new();
@@ -387,6 +399,8 @@ pub fn table(report: &Report) -> String {
         );
     }
     out.push_str(&t.to_string());
+    out.push('\n');
+    out.push_str(EXTERNAL_FRAGMENTATION_NOTE);
     out.push('\n');
     for r in &report.runs {
         let _ = writeln!(out, "  {} = `{}`", r.name, r.conf);

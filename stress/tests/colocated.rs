@@ -1,12 +1,21 @@
 //! The colocated loop: on the default preset, stepalloc's pause/resume keeps the device's peak
 //! within 3% of the larger phase's own peak and below every other way of sharing the device,
-//! and its modelled switch time within 1.2x of its copies at link speed; the run is
-//! deterministic; the command line prints the table and the JSON it promises.
+//! and its modelled switch time within 1.2x of its copies at link speed at 25 and 50 GB/s; the
+//! run is deterministic; the command line prints the table and the JSON it promises and honours
+//! the device's size however it is given.
 
-use stepalloc_stress::workload::colocated::{self, ColocatedReport, ColocatedSpec, CostModel, PCIE4_X16_GBPS};
+use stepalloc_stress::workload::colocated::{
+    self, ColocatedReport, ColocatedSpec, CostModel, Schedule, PCIE4_X16_GBPS, PCIE5_X16_GBPS,
+};
+
+const GB80_MB: u64 = 80 * 1024;
 
 fn default_run() -> ColocatedReport {
-    colocated::run(&ColocatedSpec::default(), 80, CostModel::new(PCIE4_X16_GBPS).unwrap()).unwrap()
+    colocated::run(&ColocatedSpec::default(), GB80_MB, CostModel::new(PCIE4_X16_GBPS).unwrap()).unwrap()
+}
+
+fn stepalloc_column(r: &ColocatedReport) -> &colocated::Column {
+    r.columns.iter().find(|c| c.name == "stepalloc").unwrap()
 }
 
 #[test]
@@ -48,14 +57,14 @@ fn stepalloc_reaches_the_larger_phase_peak_at_link_speed() {
     let copied: Vec<bool> = r.columns.iter().map(|c| c.copied_per_iteration > 0).collect();
     assert_eq!(copied, [false, false, true, true]);
     assert!(r.columns.iter().all(|c| c.fits));
-    let tight = colocated::run(&ColocatedSpec::default(), 34, CostModel::new(PCIE4_X16_GBPS).unwrap()).unwrap();
+    let tight = colocated::run(&ColocatedSpec::default(), 34 * 1024, CostModel::new(PCIE4_X16_GBPS).unwrap()).unwrap();
     assert!(tight.columns.iter().all(|c| !c.fits));
 }
 
 #[test]
 fn same_spec_same_report_and_the_link_scales_the_copies() {
     assert_eq!(default_run(), default_run());
-    let fast = colocated::run(&ColocatedSpec::default(), 80, CostModel::new(50.0).unwrap()).unwrap();
+    let fast = colocated::run(&ColocatedSpec::default(), GB80_MB, CostModel::new(50.0).unwrap()).unwrap();
     let slow = default_run();
     for (f, s) in fast.columns.iter().zip(&slow.columns) {
         assert_eq!(f.peak_bytes, s.peak_bytes);
@@ -67,17 +76,91 @@ fn same_spec_same_report_and_the_link_scales_the_copies() {
 #[test]
 fn bad_dimensions_and_links_are_refused_with_the_flag() {
     let bad = ColocatedSpec { response_max: 1, ..ColocatedSpec::default() };
-    let e = colocated::run(&bad, 80, CostModel::new(25.0).unwrap()).unwrap_err();
+    let e = colocated::run(&bad, GB80_MB, CostModel::new(25.0).unwrap()).unwrap_err();
     assert!(e.contains("--response-max"), "{e}");
     let bad = ColocatedSpec { hidden: 1000, ..ColocatedSpec::default() };
-    assert!(colocated::run(&bad, 80, CostModel::new(25.0).unwrap()).unwrap_err().contains("--heads"));
+    assert!(colocated::run(&bad, GB80_MB, CostModel::new(25.0).unwrap()).unwrap_err().contains("--heads"));
     for link in [0.0, -1.0, f64::NAN, f64::INFINITY, 1e9] {
         assert!(CostModel::new(link).unwrap_err().contains("--link-gbps"), "{link}");
     }
     let huge = ColocatedSpec { iterations: 64, micro_batches: 64, layers: 256, ..ColocatedSpec::default() };
-    assert!(colocated::run(&huge, 80, CostModel::new(25.0).unwrap()).unwrap_err().contains("events"));
+    assert!(colocated::run(&huge, GB80_MB, CostModel::new(25.0).unwrap()).unwrap_err().contains("events"));
     let e = colocated::run(&ColocatedSpec::default(), 0, CostModel::new(25.0).unwrap()).unwrap_err();
-    assert!(e.contains("--capacity-gb"), "{e}");
+    assert!(e.contains("--capacity-gb") && e.contains("--capacity-mb"), "{e}");
+    // Grouped-query attention needs as many query heads per key/value head everywhere.
+    let bad = ColocatedSpec { kv_heads: 5, ..ColocatedSpec::default() };
+    let e = colocated::run(&bad, GB80_MB, CostModel::new(25.0).unwrap()).unwrap_err();
+    assert!(e.contains("--heads 12 is not a multiple of --kv-heads 5"), "{e}");
+    for kv_heads in [1, 2, 3, 4, 6, 12] {
+        let ok = ColocatedSpec { kv_heads, ..ColocatedSpec::default() };
+        assert!(ok.validate().is_ok(), "--kv-heads {kv_heads}");
+    }
+}
+
+/// The switch under both schedules at both links: the overlapped one (one pause and one
+/// resume, driver calls under the copies) within 1.2x of the copies at link speed, the serial
+/// one (the library's order before that change) above it, and neither below the copies.
+#[test]
+fn overlapped_switch_is_within_1_2x_of_the_link_at_25_and_50_gbps() {
+    for link in [PCIE4_X16_GBPS, PCIE5_X16_GBPS] {
+        let cost = CostModel::new(link).unwrap();
+        let over = colocated::run(&ColocatedSpec::default(), GB80_MB, cost).unwrap();
+        let serial = colocated::run(&ColocatedSpec::default(), GB80_MB, cost.with_schedule(Schedule::Serial)).unwrap();
+        let (o, s) = (stepalloc_column(&over), stepalloc_column(&serial));
+        let floor = o.link_floor_s_per_iteration;
+        assert!(floor > 0.0);
+        assert!(
+            o.switch_s_per_iteration >= floor && o.switch_s_per_iteration <= 1.2 * floor,
+            "{link} GB/s: overlapped switch {:.4} s against {floor:.4} s of copies",
+            o.switch_s_per_iteration
+        );
+        assert!(s.switch_s_per_iteration > o.switch_s_per_iteration, "{link} GB/s");
+        // The schedule changes the modelled time alone: the same memory moves.
+        assert_eq!((o.peak_bytes, o.copied_per_iteration), (s.peak_bytes, s.copied_per_iteration));
+        assert_eq!(over.cost.schedule, Schedule::Overlapped);
+    }
+}
+
+/// `--capacity-mb` and `--h200` were listed and ignored ("device 80 GiB", "fits: yes" for a
+/// 1 MiB device); now they set the device, and each capacity flag's 0 is refused under its name.
+#[test]
+fn capacity_flags_set_the_device_to_fit() {
+    let bin = env!("CARGO_BIN_EXE_stepalloc-stress");
+    let json = |args: &[&str]| -> serde_json::Value {
+        let out = std::process::Command::new(bin)
+            .args(["colocated", "--iterations", "1", "--json"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let fits = |v: &serde_json::Value| -> Vec<bool> {
+        v["columns"].as_array().unwrap().iter().map(|c| c["fits"].as_bool().unwrap()).collect()
+    };
+    let default = json(&[]);
+    assert_eq!(default["capacity_bytes"], 80u64 << 30);
+    assert_eq!(fits(&default), [true; 4]);
+    let tiny = json(&["--capacity-mb", "1"]);
+    assert_eq!(tiny["capacity_bytes"], 1u64 << 20);
+    assert_eq!(fits(&tiny), [false; 4]);
+    assert_eq!(json(&["--capacity-mb", "40960"])["capacity_bytes"], 40u64 << 30);
+    assert_eq!(json(&["--h200"])["capacity_bytes"], 143_771u64 << 20);
+    let out = std::process::Command::new(bin).args(["colocated", "--capacity-mb", "1"]).output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    assert!(text.contains("device 1 MiB") && !text.contains("80 GiB"), "{text}");
+    for (args, flag) in [
+        (&["--capacity-mb", "0"][..], "--capacity-mb 0"),
+        (&["--capacity-gb", "0"][..], "--capacity-gb 0"),
+        (&["--capacity-gb", "16385"][..], "--capacity-gb 16385"),
+        (&["--capacity-gb", "40", "--capacity-mb", "1024"][..], "--capacity-gb"),
+        (&["--h200", "--capacity-mb", "1024"][..], "--h200"),
+    ] {
+        let out = std::process::Command::new(bin).arg("colocated").args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+        assert!(err.contains(flag), "{args:?}: {err}");
+    }
 }
 
 #[test]

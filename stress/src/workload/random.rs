@@ -40,6 +40,10 @@ pub enum SizeDist {
     Large,
 }
 
+/// `--tag-kib` unless given (the simulated device holds no bytes, so no tags: another value is
+/// refused there).
+pub const DEFAULT_TAG_KIB: u64 = 4;
+
 #[derive(Clone, Debug, clap::Args, Serialize)]
 pub struct RandomArgs {
     #[arg(long, default_value_t = 4)]
@@ -67,7 +71,7 @@ pub struct RandomArgs {
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
     /// CUDA backend: KiB at each end of every block that hold its tag (0: the whole block).
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = DEFAULT_TAG_KIB)]
     pub tag_kib: u64,
     /// Tests only (no flag): worker `.0` panics at its operation `.1`, to show that a failed
     /// worker ends the run with an error and never a hang.
@@ -476,6 +480,8 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
     }
     let wall = started.elapsed().as_secs_f64();
     let stats = allocator.stats(0).map_err(|e| e.to_string())?;
+    // What the cache holds at the end, as the report's step ends are measured (`fragmentation`).
+    let (free, stranded) = crate::fragmentation::of_allocator(&allocator);
     let h = &stats.heap;
     let floor = shared.floor.load(Ordering::Relaxed);
     let ops = args.ops * args.threads as u64;
@@ -503,7 +509,8 @@ pub fn run(args: &RandomArgs, rc: &RunConfig) -> Result<(RunReport, Integrity), 
         first_error: shared.first_refusal.lock().ok().and_then(|f| f.clone()),
         wall_s: wall,
         ops_per_s: ops as f64 / wall.max(1e-9),
-        external_fragmentation_mean: stats.external_fragmentation(),
+        external_fragmentation_mean: crate::fragmentation::share(free, stranded),
+        stranded_free_at_step_end_mean: stranded as f64,
         ..Default::default()
     };
     let tags = shared.tags.as_ref();

@@ -361,6 +361,56 @@ impl AgentArgs {
             gpu
         );
         s.validate()?;
+        self.refuse_inapplicable(&s)?;
         Ok(s)
+    }
+
+    /// A flag given for a part of the workload this spec does not run (an SFT batch size on a
+    /// workload with rollouts, a LoRA rank with another optimizer...) is refused, naming it and
+    /// what it needs: it would change nothing, and a user would believe it had.
+    fn refuse_inapplicable(&self, s: &AgentSpec) -> Result<(), String> {
+        const ROLLOUTS: &str = "it shapes rollouts, and this workload has none (--rollout false, as llm-7b-sft); \
+                                set --rollout true";
+        const SFT: &str = "it shapes supervised fine-tuning, and this workload has rollouts (as vlm-7b); set \
+                           --rollout false or --preset llm-7b-sft";
+        const VISION: &str = "it shapes the vision encoder, and this workload has none (--vision false, as \
+                              llm-7b-sft); set --vision true";
+        const IMAGES: &str = "images come with rollouts of a workload with a vision encoder; set --rollout true \
+                              and --vision true";
+        let rules: &[(bool, &str, bool, &str)] = &[
+            (self.rollout_batch.is_some(), "--rollout-batch", s.rollout, ROLLOUTS),
+            (self.turns_min.is_some(), "--turns-min", s.rollout, ROLLOUTS),
+            (self.turns_max.is_some(), "--turns-max", s.rollout, ROLLOUTS),
+            (self.kv_chunk.is_some(), "--kv-chunk", s.rollout, ROLLOUTS),
+            (self.response_min.is_some(), "--response-min", s.rollout, ROLLOUTS),
+            (self.response_max.is_some(), "--response-max", s.rollout, ROLLOUTS),
+            (self.observation_median.is_some(), "--observation-median", s.rollout, ROLLOUTS),
+            (self.images_min.is_some(), "--images-min", s.rollout && s.vision, IMAGES),
+            (self.images_max.is_some(), "--images-max", s.rollout && s.vision, IMAGES),
+            (self.sft_batch.is_some(), "--sft-batch", !s.rollout, SFT),
+            (self.eval_every.is_some(), "--eval-every", !s.rollout, SFT),
+            (self.vision_hidden.is_some(), "--vision-hidden", s.vision, VISION),
+            (self.vision_layers.is_some(), "--vision-layers", s.vision, VISION),
+            (self.vision_intermediate.is_some(), "--vision-intermediate", s.vision, VISION),
+            (self.patch.is_some(), "--patch", s.vision, VISION),
+            (self.resolutions.is_some(), "--resolutions", s.vision, VISION),
+            (self.train_vision.is_some(), "--train-vision", s.vision, VISION),
+            (
+                self.lora_rank.is_some(),
+                "--lora-rank",
+                s.optimizer == Optimizer::Lora,
+                "it sizes LoRA adapters; set --optimizer lora",
+            ),
+            (
+                self.trainable_layers.is_some(),
+                "--trainable-layers",
+                s.optimizer == Optimizer::Partial,
+                "it counts the layers the partial optimizer trains; set --optimizer partial",
+            ),
+        ];
+        match rules.iter().find(|&&(given, _, applies, _)| given && !applies) {
+            Some((_, flag, _, why)) => Err(format!("{flag} does not apply here: {why}")),
+            None => Ok(()),
+        }
     }
 }

@@ -26,8 +26,8 @@
 mod cost;
 mod run;
 
-pub use cost::{CostModel, PCIE4_X16_GBPS, PCIE5_X16_GBPS};
-pub use run::{run, table, ColocatedReport, Column};
+pub use cost::{CostModel, Schedule, PCIE4_X16_GBPS, PCIE5_X16_GBPS};
+pub use run::{run, table, ColocatedReport, Column, DEFAULT_CAPACITY_GB, MAX_CAPACITY_GB};
 
 use rand::{RngExt, SeedableRng};
 use rand_xorshift::XorShiftRng;
@@ -171,6 +171,10 @@ impl ColocatedSpec {
         }
         if self.hidden % self.heads != 0 {
             return Err(format!("--hidden {} is not a multiple of --heads {}", self.hidden, self.heads));
+        }
+        // Grouped-query attention: each key/value head serves the same number of query heads.
+        if self.heads % self.kv_heads != 0 {
+            return Err(format!("--heads {} is not a multiple of --kv-heads {}", self.heads, self.kv_heads));
         }
         Ok(())
     }

@@ -12,7 +12,8 @@
 //! 4. `stepalloc`: stepalloc's recommended configuration, the engine's allocations in regions
 //!    of tags `engine_weights` (backed up) and `kv_cache` (discarded), paused after the rollout
 //!    and resumed before the next through `Allocator::pause` / `resume`; the same
-//!    `empty_cache` before the engine resumes.
+//!    `empty_cache` before the engine resumes. Its switch time is laid out by `cost.rs` under
+//!    the cost model's `Schedule` from each call's measured driver time.
 //!
 //! Peak device use is the most bytes the device holds for the process at once over the run:
 //! reserved bytes (mapped pages under expandable segments), with paused memory not counted;
@@ -21,7 +22,7 @@
 //! with `--capacity-gb`. Every iteration is one full cycle: rollout, switch to training,
 //! training step, switch back.
 
-use super::cost::CostModel;
+use super::cost::{CostModel, PauseCalls, ResumeCalls, Schedule};
 use super::{generate, ColocatedSpec, Ev, Loop, Owner};
 use crate::report::gib;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
@@ -68,13 +69,22 @@ pub struct ColocatedReport {
     pub columns: Vec<Column>,
 }
 
-/// Runs the four columns on `spec`'s loop. `capacity_gb` is the device to fit (GiB).
-pub fn run(spec: &ColocatedSpec, capacity_gb: u64, cost: CostModel) -> Result<ColocatedReport, String> {
-    if !(1..=16_384).contains(&capacity_gb) {
-        return Err(format!("--capacity-gb {capacity_gb}: must be in 1..=16384"));
+/// `--capacity-gb` when no capacity flag is given: an 80 GB GPU.
+pub const DEFAULT_CAPACITY_GB: u64 = 80;
+/// The largest device `--capacity-gb` (and `--capacity-mb`, in MiB) accepts.
+pub const MAX_CAPACITY_GB: u64 = 16_384;
+
+/// Runs the four columns on `spec`'s loop. `capacity_mb` is the device to fit (MiB).
+pub fn run(spec: &ColocatedSpec, capacity_mb: u64, cost: CostModel) -> Result<ColocatedReport, String> {
+    if !(1..=MAX_CAPACITY_GB * 1024).contains(&capacity_mb) {
+        return Err(format!(
+            "a device of {capacity_mb} MiB: must be in 1..={} MiB (--capacity-mb) or 1..={MAX_CAPACITY_GB} GiB \
+             (--capacity-gb)",
+            MAX_CAPACITY_GB * 1024
+        ));
     }
     let lp = generate(spec)?;
-    let capacity_bytes = capacity_gb * GIB;
+    let capacity_bytes = capacity_mb << 20;
     let larger = lp.rollout_peak.max(lp.train_peak);
     let mut columns = Vec::new();
     for (name, m) in [
@@ -288,7 +298,7 @@ fn play(lp: &Loop, mode: Mode, cost: &CostModel) -> Result<Tally, String> {
                         t.switch_s += cost.vllm_s(w.0, w.1, w.0 + kv.0, false);
                         d.asleep_set(true);
                     }
-                    Mode::Stepalloc => sleep_switch(&d, &mut t, cost, true)?,
+                    Mode::Stepalloc => pause_engine(&d, &mut t, cost)?,
                 }
                 note_switch(&d, &mut t)?;
             }
@@ -311,8 +321,8 @@ fn play(lp: &Loop, mode: Mode, cost: &CostModel) -> Result<Tally, String> {
                         d.asleep_set(false);
                     }
                     Mode::Stepalloc => {
-                        t.switch_s += d.empty_cache()?;
-                        sleep_switch(&d, &mut t, cost, false)?;
+                        let release_cached_s = d.empty_cache()?;
+                        resume_engine(&d, &mut t, cost, release_cached_s)?;
                     }
                 }
                 note_switch(&d, &mut t)?;
@@ -324,20 +334,37 @@ fn play(lp: &Loop, mode: Mode, cost: &CostModel) -> Result<Tally, String> {
     Ok(t)
 }
 
-/// stepalloc's switch: the engine's tags paused (the cache first: nothing to copy) or resumed
-/// (the weights first: the engine's first kernels read them), each call's cost modelled from
-/// its copied bytes and driver calls; the heap's invariants checked after each.
-fn sleep_switch(d: &Device, t: &mut Tally, cost: &CostModel, pause: bool) -> Result<(), String> {
-    let tags = if pause { [KV_TAG, WEIGHTS_TAG] } else { [WEIGHTS_TAG, KV_TAG] };
-    for tag in tags {
-        let before = driver_s(&stats(&d.trainer)?, false);
-        let r = if pause { d.trainer.pause(Some(tag), None) } else { d.trainer.resume(Some(tag)) };
-        let r = r.map_err(|e| e.to_string())?;
-        let calls_s = driver_s(&stats(&d.trainer)?, false) - before;
-        t.copied += r.copied_bytes;
-        t.switch_s += cost.pipelined_s(r.copied_bytes, calls_s);
-        d.trainer.check_invariants().map_err(|e| format!("after {} of {tag}: {e}", r.op))?;
-    }
+/// One pause or resume of `tag` on the trainer's allocator, its invariants checked after:
+/// what it copied and the driver time of its calls, in all and in page creations (seconds,
+/// waits for copies excluded).
+fn sleep_call(d: &Device, tag: &str, pause: bool) -> Result<(u64, f64, f64), String> {
+    let before = stats(&d.trainer)?;
+    let r = if pause { d.trainer.pause(Some(tag), None) } else { d.trainer.resume(Some(tag)) };
+    let r = r.map_err(|e| e.to_string())?;
+    let after = stats(&d.trainer)?;
+    d.trainer.check_invariants().map_err(|e| format!("after {} of {tag}: {e}", r.op))?;
+    let create_s = after.driver_time.create_ns.saturating_sub(before.driver_time.create_ns) as f64 * 1e-9;
+    Ok((r.copied_bytes, driver_s(&after, false) - driver_s(&before, false), create_s))
+}
+
+/// stepalloc's pause of the engine: the cache first (nothing to copy), then the weights; the
+/// switch's time from the calls' driver times under the cost model's schedule.
+fn pause_engine(d: &Device, t: &mut Tally, cost: &CostModel) -> Result<(), String> {
+    let (_, free_s, _) = sleep_call(d, KV_TAG, true)?;
+    let (copied, gated_s, _) = sleep_call(d, WEIGHTS_TAG, true)?;
+    t.copied += copied;
+    t.switch_s += cost.pause_s(&PauseCalls { copied, free_s, gated_s });
+    Ok(())
+}
+
+/// stepalloc's resume of the engine after the loop's `empty_cache` (`release_cached_s`): the
+/// weights first (the engine's first kernels read them), then the cache.
+fn resume_engine(d: &Device, t: &mut Tally, cost: &CostModel, release_cached_s: f64) -> Result<(), String> {
+    let (copied, weights_s, create_s) = sleep_call(d, WEIGHTS_TAG, false)?;
+    let (_, after_s, _) = sleep_call(d, KV_TAG, false)?;
+    t.copied += copied;
+    let map_s = weights_s - create_s;
+    t.switch_s += cost.resume_s(&ResumeCalls { copied, release_cached_s, create_s, map_s, after_s });
     Ok(())
 }
 
@@ -372,7 +399,8 @@ pub fn table(r: &ColocatedReport) -> String {
     let mut out = format!(
         "colocated loop: decoder {} x {} layers ({} GiB of engine weights in {} tensors), rollout batch {} x {}..{} \
          response tokens, {} micro-batches of {}..{} tokens, {} iterations, seed {}\n\
-         host link {:.0} GB/s (PCIe 4 x16 about {:.0}, PCIe 5 x16 about {:.0}), device {} GiB\n\
+         host link {:.0} GB/s (PCIe 4 x16 about {:.0}, PCIe 5 x16 about {:.0}), device {}\n\
+         stepalloc's switch modelled {}\n\
          phases' own peaks: rollout {} GiB, training {} GiB; larger {} GiB\n",
         s.hidden,
         s.layers,
@@ -389,7 +417,12 @@ pub fn table(r: &ColocatedReport) -> String {
         r.cost.link_gbps,
         super::PCIE4_X16_GBPS,
         super::PCIE5_X16_GBPS,
-        r.capacity_bytes / GIB,
+        device_size(r.capacity_bytes),
+        match r.cost.schedule {
+            Schedule::Overlapped => "overlapped: one pause and one resume of the engine, driver calls under the copies",
+            Schedule::Serial =>
+                "serial: one tag per call, each waiting for its copies, a resume creating every page first",
+        },
         gib(r.rollout_phase_peak),
         gib(r.train_phase_peak),
         gib(r.larger_phase_peak),
@@ -421,4 +454,13 @@ pub fn table(r: &ColocatedReport) -> String {
     out.push_str(&t.to_string());
     out.push('\n');
     out
+}
+
+/// A device's size as the flags give it: whole GiB, else MiB.
+fn device_size(bytes: u64) -> String {
+    if bytes % GIB == 0 {
+        format!("{} GiB", bytes / GIB)
+    } else {
+        format!("{} MiB ({} GiB)", bytes >> 20, gib(bytes))
+    }
 }
