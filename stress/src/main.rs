@@ -123,10 +123,11 @@ enum Command {
         /// Effective host-link bandwidth in GB/s: PCIe 4 x16 about 25, PCIe 5 x16 about 50.
         #[arg(long, default_value_t = colocated::PCIE4_X16_GBPS)]
         link_gbps: f64,
-        /// How stepalloc's switch is modelled: `overlapped` (one pause and one resume of all
-        /// the engine's tags, driver calls under the copies) or `serial` (one tag at a time,
-        /// each call waiting for its copies). See docs/performance.md.
-        #[arg(long, value_enum, default_value = "overlapped")]
+        /// How stepalloc's switch is modelled: `serial` (what the library does today: one tag
+        /// at a time, each call waiting for its copies) or `overlapped` (a planned pause and
+        /// resume of all the engine's tags with the driver calls under the copies, not yet in
+        /// the library). See docs/performance.md.
+        #[arg(long, value_enum, default_value = "serial")]
         schedule: colocated::Schedule,
     },
     /// Write the agent workload as a trace file (for replay benchmarks and tests).

@@ -240,7 +240,7 @@ fn subcommands(dir: &Path, trace: &Path) -> Vec<Sub> {
         case("--micro-tokens-max", Some("3072"), Output),
         case("--capacity-gb", Some("20"), Output),
         case("--link-gbps", Some("50"), Output),
-        case("--schedule", Some("serial"), Output),
+        case("--schedule", Some("overlapped"), Output),
     ]);
 
     vec![

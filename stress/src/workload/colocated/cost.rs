@@ -105,7 +105,7 @@ impl CostModel {
                  about {PCIE5_X16_GBPS})"
             ));
         }
-        Ok(CostModel { link_gbps, sync_copy_latency_s: SYNC_COPY_LATENCY_S, schedule: Schedule::Overlapped })
+        Ok(CostModel { link_gbps, sync_copy_latency_s: SYNC_COPY_LATENCY_S, schedule: Schedule::Serial })
     }
 
     pub fn with_schedule(self, schedule: Schedule) -> CostModel {
