@@ -486,3 +486,60 @@ def test_pause_resume_tags_and_metrics_from_many_threads_stay_consistent() -> No
         stepalloc.empty_cache()
         stepalloc.release_backup()
     assert stepalloc.tags()["adv_py_a"]["live_bytes"] == 0
+
+
+CAPTURE = """
+import threading, torch, stepalloc
+MIB = 1 << 20
+stepalloc.install("backend:cuda," + stepalloc.RECOMMENDED)
+with stepalloc.region("w", backup=True):
+    w = torch.full((4 * MIB,), 7, dtype=torch.uint8).cuda()
+# 1. A pause from another thread while this one captures: refused, and the refusal makes no
+#    call that would invalidate the capture (the graph replays).
+g = torch.cuda.CUDAGraph()
+said = []
+def other():
+    try:
+        stepalloc.pause("w")
+        said.append("paused")
+    except ValueError as e:
+        said.append(str(e))
+with torch.cuda.graph(g):
+    y = w.clone()
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+print("in_capture=" + repr(said[0][:200]))
+w.copy_(torch.full((4 * MIB,), 9, dtype=torch.uint8))
+g.replay()
+torch.cuda.synchronize()
+print("replayed=" + str(bool((y.cpu() == 9).all())))
+# 2. A capture that fails (a prohibited synchronize invalidates it): PyTorch never calls
+#    end_allocate_to_pool for it, yet pause and resume work afterwards.
+g2 = torch.cuda.CUDAGraph()
+s = torch.cuda.Stream()
+try:
+    with torch.cuda.graph(g2, stream=s):
+        z = w.clone()
+        torch.cuda.synchronize()
+    print("failed_capture=no")
+except Exception as e:
+    print("failed_capture=" + type(e).__name__)
+r = stepalloc.pause("w")
+print("pause_after=" + ",".join(r.tags))
+stepalloc.resume("w")
+print("bytes=" + str(bool((w.cpu() == 9).all())))
+g.replay()
+torch.cuda.synchronize()
+print("replayed_after_resume=" + str(bool((y.cpu() == 9).all())))
+"""
+
+
+@needs_torch
+def test_a_pause_inside_a_capture_is_refused_harmlessly_and_a_failed_capture_blocks_no_pause() -> None:
+    out = check_child(run_python(CAPTURE, env=torch_env(), timeout=180))
+    v = dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+    assert "captur" in v["in_capture"] and "w" in v["in_capture"], v
+    assert v["replayed"] == "True", f"the refused pause invalidated the capture: {v}"
+    assert v["failed_capture"] != "no", v
+    assert v["pause_after"] == "w" and v["bytes"] == "True" and v["replayed_after_resume"] == "True", v
