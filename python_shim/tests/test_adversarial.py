@@ -7,6 +7,8 @@ drives them, with real PyTorch over testdrv, each scenario in fresh processes.
   (reads, writes) until it closes, in plain and expandable segments;
 - a shared tensor whose tag is paused while a receiver holds it, or while its handle is still
   on its way: the two processes must keep seeing one memory, or the pause must be refused;
+- a handle opened again after its receiver released it and the producer freed the memory:
+  refused before anything is opened (an expandable handle's descriptors could name other pages);
 - sharing a paused tag's tensor: refused with the tag named, the process goes on;
 - pause and resume from several threads at once, with allocation, ``tags()`` and the
   Prometheus text on other threads (the library over the simulated device, in this process);
@@ -102,18 +104,18 @@ def receiver():
         if op == "open":
             fn, args = msg[1]
             try:
-                t = fn(*args)
-                globals()["held"] = t
-                send(cout, ("opened", digest(t)))
+                globals()["held"] = fn(*args)  # no local name: "close" must drop the last reference
+                send(cout, ("opened", digest(globals()["held"])))
             except Exception as e:
                 send(cout, ("error", f"{type(e).__name__}: {e}"))
         elif op == "read":
             send(cout, ("read", digest(globals()["held"])))
         elif op == "write":
-            t = globals()["held"]
-            t.copy_(pattern(t.numel(), msg[1]))
+            held = globals()["held"]
+            held.copy_(pattern(held.numel(), msg[1]))
             torch.cuda.synchronize()
-            send(cout, ("wrote", digest(t)))
+            send(cout, ("wrote", digest(held)))
+            del held
         elif op == "close":
             globals().pop("held", None)
             gc.collect()
@@ -204,6 +206,40 @@ def producer():
         ask(child, "exit")
         out["child_status"] = child.wait(timeout=60)
         del other_args, other
+    elif SCENARIO == "stale":
+        # A tuple opened and released by one receiver, then opened again (a message delivered
+        # twice) after the producer freed the tensor and gave its memory back.
+        x = pattern(N, 1).cuda()
+        args = reduce_tensor(x)
+        child = spawn()
+        out["opened"] = ask(child, "open", args)[1] == digest(x)
+        ask(child, "close")
+        deadline = time.monotonic() + 10
+        while ipc.held() and time.monotonic() < deadline:
+            torch.cuda.ipc_collect()
+            time.sleep(0.02)
+        out["released"] = ipc.held() == 0
+        del x
+        torch.cuda.empty_cache()
+        y = pattern(N, 5).cuda()
+        y_args = reduce_tensor(y)
+        reply = ask(child, "open", args)
+        out["stale_open"] = reply[0]
+        out["stale_reads_y"] = reply[0] == "opened" and reply[1] == digest(y)
+        out["stale_reads_x"] = reply[0] == "opened" and reply[1] == digest(pattern(N, 1))
+        if reply[0] == "error":
+            out["stale_error"] = reply[1][:300]
+        # The same without the event (whose handle died with the sent block): the memory alone.
+        bare = args[1][:14] + (False,)
+        reply = ask(child, "open", (args[0], bare))
+        out["bare_open"] = reply[0]
+        out["bare_reads_y"] = reply[0] == "opened" and reply[1] == digest(y)
+        out["bare_reads_x"] = reply[0] == "opened" and reply[1] == digest(pattern(N, 1))
+        if reply[0] == "error":
+            out["bare_error"] = reply[1][:300]
+        ask(child, "exit")
+        out["child_status"] = child.wait(timeout=60)
+        del y_args
     elif SCENARIO == "share_paused":
         with stepalloc.region("w", backup=True):
             x = pattern(N, 1).cuda()
@@ -301,6 +337,19 @@ def test_a_producer_that_exits_leaves_the_receivers_mapping_valid(tmp_path: Path
     assert seen["first_read"] and seen["producer_gone"], seen
     assert seen["read_after_exit"], f"the receiver lost the bytes when the producer exited: {seen}"
     assert seen["write_after_exit"] and seen["closed"], seen
+
+
+@needs_torch
+@pytest.mark.parametrize("segment", ["plain", "expandable"])
+def test_a_handle_of_memory_the_producer_freed_is_refused_before_anything_opens(tmp_path: Path, segment: str) -> None:
+    """A tuple opened, released, then opened again (delivered twice) after the producer freed the
+    tensor, gave its memory back and shared another: before the fix an expandable handle's
+    descriptor numbers named the new tensor's pages and the receiver read its bytes."""
+    r = run_scenario(tmp_path, "stale", segment)
+    assert r["opened"] and r["released"] and r["child_status"] == 0, r
+    assert not r["stale_reads_y"] and not r["bare_reads_y"], f"a stale handle mapped another tensor: {r}"
+    for key in ("stale_error", "bare_error"):
+        assert "already released by its receiver" in r.get(key, ""), r
 
 
 @needs_torch
