@@ -285,7 +285,24 @@ impl Shadow {
 /// holds, and once everything is freed nothing stays on either device.
 #[test]
 fn pause_and_resume_race_allocation_and_free_on_other_threads() {
-    let a = Arc::new(sim(&format!(",sim_devices:2,sim_capacity_mb:2048,{}", stepalloc::config::RECOMMENDED)));
+    race(stepalloc::config::RECOMMENDED);
+}
+
+/// The same race with page release under a tight cache limit and a grace: the limit's releases
+/// (at frees, at later allocations) run between the pauses and resumes.
+#[test]
+fn pause_and_resume_race_threads_under_page_release_and_a_cache_limit() {
+    race(&format!("{},page_release:True,cache_limit_mb:8,page_release_grace:4", stepalloc::config::RECOMMENDED));
+}
+
+/// Plain segments for untagged memory (tags are always virtual ranges).
+#[test]
+fn pause_and_resume_race_threads_with_plain_segments() {
+    race("expandable_segments:False,cache_limit_mb:16");
+}
+
+fn race(conf: &str) {
+    let a = Arc::new(sim(&format!(",sim_devices:2,sim_capacity_mb:2048,{conf}")));
     let shadow = Arc::new(Shadow::default());
     let stop = Arc::new(AtomicBool::new(false));
     let refused = Arc::new(AtomicU64::new(0));
