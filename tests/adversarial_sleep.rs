@@ -481,6 +481,14 @@ fn scrapes_and_tags_stay_well_formed_and_consistent_while_pause_and_resume_run()
                 }
                 checked += 1;
             }
+            let reserved: f64 = ["small", "large"]
+                .iter()
+                .map(|pool| {
+                    s[&("stepalloc_reserved_bytes".to_string(), format!("device=\"{device}\",pool=\"{pool}\""))]
+                })
+                .sum();
+            let mapped = s[&("stepalloc_mapped_bytes".to_string(), format!("device=\"{device}\""))];
+            assert_eq!(mapped, reserved, "scrape {i}: device {device}: mapped bytes against reserved bytes");
             for pool in ["small", "large"] {
                 let labels = format!("device=\"{device}\",pool=\"{pool}\"");
                 let allocated = s[&("stepalloc_allocated_bytes".to_string(), labels.clone())];
@@ -546,4 +554,49 @@ fn concurrent_pause_and_resume_of_all_tags_leave_each_tag_whole() {
         }
     }
     assert!(mixed.is_empty(), "{} of 200: {:?}", mixed.len(), &mixed[..mixed.len().min(5)]);
+}
+
+/// `resume(None)` with two tags paused and room for only one: the first resumes, the second
+/// fails with an out-of-memory error naming it and stays paused with its backup; the first is
+/// not rolled back (each tag is all or none, not the call), and a retry resumes the rest.
+#[test]
+fn resume_of_every_tag_with_room_for_one_resumes_it_and_names_the_other() {
+    let a = sim(",sim_capacity_mb:512,expandable_segments:True");
+    let first = in_region(&a, 0, "adv_all_a", true, &[150 * MIB]);
+    let second = in_region(&a, 0, "adv_all_b", true, &[150 * MIB]);
+    a.pause(None, None).unwrap();
+    let hog = a.malloc(0, 250 * MIB, S0).unwrap();
+    let e = a.resume(None).unwrap_err();
+    assert!(matches!(&e, Error::OutOfMemory(r) if r.hint.contains("adv_all_b")), "{e}");
+    assert!(!paused_on(&a, 0, "adv_all_a") && paused_on(&a, 0, "adv_all_b"));
+    assert_eq!(figures(&a, "adv_all_b").backup_bytes, 150 * MIB);
+    a.check_invariants().unwrap();
+    a.free(0, hog, 250 * MIB).unwrap();
+    let r = a.resume(None).unwrap();
+    assert_eq!((r.tags.as_slice(), r.copied_bytes), (["adv_all_b".to_string()].as_slice(), 150 * MIB));
+    for (p, s) in first.into_iter().chain(second) {
+        a.free(0, p, s).unwrap();
+    }
+}
+
+/// `record_stream` on a paused tag's block, then its free while paused, and the same with the
+/// free after the resume: the block's extra streams are dropped with it, or waited for, and
+/// the heap's records stay whole.
+#[test]
+fn record_stream_on_a_paused_block_then_free_while_paused_or_after() {
+    let a = sim(&format!(",sim_event_delay_us:50,{}", stepalloc::config::RECOMMENDED));
+    let blocks = in_region(&a, 0, "adv_rs_w", true, &[3 * MIB, 5 * MIB]);
+    a.pause(Some("adv_rs_w"), None).unwrap();
+    for &(p, _) in &blocks {
+        a.record_stream(0, p, Stream(9)).unwrap();
+    }
+    a.free(0, blocks[0].0, blocks[0].1).unwrap();
+    a.check_invariants().unwrap();
+    let r = a.resume(Some("adv_rs_w")).unwrap();
+    assert_eq!(r.copied_bytes, 5 * MIB);
+    a.free(0, blocks[1].0, blocks[1].1).unwrap();
+    a.check_invariants().unwrap();
+    a.advance_time(1_000_000);
+    a.empty_cache().unwrap();
+    assert_eq!(used(&a, 0), 0);
 }
