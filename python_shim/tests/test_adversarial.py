@@ -21,11 +21,13 @@ stubs are not built (``testdrv/build.sh``) or torch is not installed.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -62,7 +64,7 @@ def torch_env(capacity_mb: int = 1024, extra: dict[str, str] | None = None) -> d
 # The producer and the receiver: one script, the role from argv. The producer runs a scenario,
 # spawning the receiver as its child (pidfd_getfd needs an ancestor or PR_SET_PTRACER), and
 # prints one JSON line of what both saw. Messages: length-prefixed pickles over the pipes.
-WORKER = r'''
+WORKER = r"""
 import contextlib, ctypes, gc, hashlib, json, os, pickle, struct, subprocess, sys, time
 MIB = 1 << 20
 ROLE, SCENARIO, SEGMENT = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -283,7 +285,7 @@ def orphan():
         json.dump(seen, f)
 
 {"receiver": receiver, "producer": producer, "orphan": orphan}[ROLE]()
-'''
+"""
 
 
 def run_scenario(tmp_path: Path, scenario: str, segment: str, extra: dict[str, str] | None = None) -> dict:
@@ -329,8 +331,6 @@ def test_a_producer_that_exits_leaves_the_receivers_mapping_valid(tmp_path: Path
     for _ in range(600):
         if done.exists():
             break
-        import time
-
         time.sleep(0.1)
     assert done.exists(), f"the receiver never finished after the producer exited: {r}"
     seen = json.loads(done.read_text())
@@ -435,7 +435,7 @@ def resume_run(inject: str, between: str, capacity_mb: int = 1024) -> dict[str, 
 def test_a_resume_whose_maps_fail_keeps_the_backup_and_a_retry_restores_every_byte() -> None:
     # The first two cuMemMap calls of the resume fail with an error that is not out of memory.
     v = resume_run('lib.hostcuda_set(b"fail", b"cuMemMap:1:count=2")', "pass")
-    attempts = eval(v["attempts"])  # noqa: S307 - our own child's repr
+    attempts = ast.literal_eval(v["attempts"])
     assert attempts[-1] == "ok" and len(attempts) >= 2, v
     assert v["same_ptrs"] == "True" and v["same_bytes"] == "True" and v["goes_on"] == "True", v
 
@@ -446,7 +446,7 @@ def test_a_resume_short_of_device_memory_fails_clearly_and_succeeds_once_memory_
     inject = "hog = torch.empty(torch.cuda.mem_get_info()[0] - 16 * MIB, dtype=torch.uint8, device='cuda')"
     between = "hog = None; torch.cuda.empty_cache()"
     v = resume_run(inject, between, capacity_mb=512)
-    attempts = eval(v["attempts"])  # noqa: S307 - our own child's repr
+    attempts = ast.literal_eval(v["attempts"])
     assert attempts[0].startswith("OutOfMemoryError: CUDA out of memory.") and attempts[-1] == "ok", v
     assert v["same_ptrs"] == "True" and v["same_bytes"] == "True" and v["goes_on"] == "True", v
 
