@@ -230,6 +230,24 @@ def _release_counter(name: bytes, slot: int) -> None:
         os.close(fd)
 
 
+def _counter_value(name: bytes, slot: int) -> int | None:
+    """The producer's reference counter for a share (None when its file cannot be read)."""
+    try:
+        fd = os.open(SHM_DIR + name.decode(), os.O_RDONLY)
+    except (OSError, UnicodeDecodeError):
+        return None
+    try:
+        with mmap.mmap(fd, 0, prot=mmap.PROT_READ) as m:
+            at = COUNTER_HEADER + 8 * slot
+            if slot < 0 or at + 8 > len(m):
+                return None
+            return int(struct.unpack_from("q", m, at)[0])
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+
+
 class _Opened:
     """Owns one open of a shared range; torch drops it when the storage built on it is freed."""
 
@@ -266,7 +284,7 @@ def open_storage(
     """``_new_shared_cuda`` under stepalloc: the storage of `size` bytes at `offset` in the range
     `handle` names (from stepalloc or stock PyTorch). A storage that does not lie inside what
     the handle maps raises ``StepallocError`` (naming offset, size and the mapping's size) and
-    leaves nothing mapped."""
+    leaves nothing mapped; so does a share its receivers already released (its counter at zero)."""
     import torch
 
     device, offset, size = int(device), int(offset), int(size)
@@ -274,6 +292,18 @@ def open_storage(
         raise _lib.ConfigError(
             f"CUDA IPC: the received storage ({size} bytes at offset {offset}) has a negative or "
             "out-of-range offset or size",
+            _lib.INVALID_ARGUMENT,
+        )
+    # A producer (stepalloc's or PyTorch's) sets a share's counter to 1 and every receiver's
+    # release takes one off: at zero the share was released and the producer may have freed the
+    # memory, and an expandable handle's descriptor numbers may name other pages since (a tuple
+    # delivered twice). Refused before anything is opened.
+    value = _counter_value(counter, int(slot)) if counter and handle else None
+    if value is not None and value <= 0:
+        raise _lib.StepallocError(
+            f"CUDA IPC: this shared storage ({size} bytes at offset {offset}) was already released by its "
+            f"receiver(s) (reference counter {value}), so the producer may have freed or reused its memory; "
+            "share the tensor again for each receiver",
             _lib.INVALID_ARGUMENT,
         )
     if event_sync_required and event_handle:

@@ -37,6 +37,11 @@ impl Heap {
             return Err(Error::InvalidArgument("step_end without a step in progress".into()));
         }
         let (index, phase, peak_allocated, peak_reserved) = self.step.end();
+        // Frees whose streams finished are free: the releases below count them (no event is
+        // queried while a capture is underway).
+        if !self.pending.is_empty() && self.captures_underway == 0 {
+            self.process_events()?;
+        }
         if self.config.release_idle_steps > 0 {
             let now = self.step.step;
             let idle = self.config.release_idle_steps;
