@@ -100,6 +100,12 @@ impl Allocator {
         Ok(())
     }
 
+    /// The per-process memory fraction of `device` (`set_memory_fraction`, else the
+    /// configuration's `per_process_memory_fraction`).
+    pub fn memory_fraction(&self, device: usize) -> Result<f64> {
+        Ok(self.heap(device)?.memory_fraction())
+    }
+
     /// A capture into `pool` begins (before the stream's capture does, as PyTorch calls it). A
     /// capture into the same pool that never ended counts as ended; work that captures held
     /// back runs first when no other capture is underway.

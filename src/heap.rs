@@ -89,6 +89,8 @@ struct PrivatePool {
     source: Option<Box<dyn SegmentSource>>,
     /// A general allocation that finds no memory may take its free blocks (`MemPool(use_on_oom)`).
     use_on_oom: bool,
+    /// Its blocks are never split: each takes a whole segment (`MemPool(no_split=True)`).
+    no_split: bool,
 }
 
 pub struct Heap {
@@ -112,6 +114,8 @@ pub struct Heap {
     /// Bytes the heap may reserve (`per_process_memory_fraction` of the device).
     allowed: u64,
     fraction_set: bool,
+    /// The fraction `allowed` came from (`get_per_process_memory_fraction`); 1.0 unless set.
+    fraction: f64,
     /// Counts mallocs; a free block's age is this minus its `freed_at`.
     pub(crate) alloc_clock: u64,
     /// `begin_pool` calls not yet matched by `end_pool`: CUDA-graph captures in progress.
@@ -175,6 +179,7 @@ impl Heap {
             device_total,
             allowed: u64::MAX,
             fraction_set: false,
+            fraction: 1.0,
             alloc_clock: 0,
             captures_underway: 0,
             pages: FxHashMap::default(),
@@ -211,6 +216,12 @@ impl Heap {
     pub fn set_memory_fraction(&mut self, fraction: f64) {
         self.allowed = (fraction * self.device_total as f64) as u64;
         self.fraction_set = fraction < 1.0;
+        self.fraction = fraction;
+    }
+
+    /// `torch.cuda.get_per_process_memory_fraction`: the last fraction set (1.0 if none).
+    pub fn memory_fraction(&self) -> f64 {
+        self.fraction
     }
 
     // ----- malloc -------------------------------------------------------------------------
@@ -341,14 +352,16 @@ impl Heap {
     fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64, stream: Stream) -> u64 {
         // A record left under another address (a merge) or by a grown array moves home.
         let id = self.arena.rehome(id);
-        let (seg_id, small, expandable, block_size, was_split) = {
+        let (seg_id, small, expandable, block_size, was_split, pool) = {
             let b = self.arena.block(id);
-            (b.segment, b.class.small(), b.class.expandable(), b.size, b.is_split())
+            (b.segment, b.class.small(), b.class.expandable(), b.size, b.is_split(), b.class.pool())
         };
         debug_assert_eq!(self.arena.state(id), BlockState::Free);
         // Inactive-split statistics change by the operation's net effect, as PyTorch's do: an
         // already split block shrinks by `rounded` or leaves; an unsplit one leaves a new piece.
-        if self.should_split(block_size, rounded, small || expandable) {
+        // A `no_split` pool's block keeps its whole segment (one block per segment).
+        let may_split = pool == 0 || !self.pool_no_split(pool);
+        if may_split && self.should_split(block_size, rounded, small || expandable) {
             // The remainder stays free, reusable by whoever could reuse the whole block.
             let rest = self.split_block(id, rounded);
             self.arena.block_mut(rest).freed_at = self.alloc_clock;

@@ -143,7 +143,14 @@ fn oom_reports_what_a_person_needs_and_loses_nothing() {
     assert_eq!(report.allocated, 30 * MIB);
     assert_eq!(report.device_free, 70 * MIB);
     let text = err.to_string();
-    assert!(text.starts_with("CUDA out of memory. Tried to allocate 80.00 MiB on device 0."), "{text}");
+    assert!(
+        text.starts_with(
+            "CUDA out of memory. Tried to allocate 80.00 MiB. GPU 0 has a total capacity of 100.00 MiB of which \
+             70.00 MiB is free. Of the allocated memory 30.00 MiB is allocated by PyTorch, and 0 bytes is reserved \
+             by PyTorch but unallocated."
+        ),
+        "{text}"
+    );
     assert!(text.contains("30.00 MiB reserved"), "{text}");
     let s = stats(&a);
     assert_eq!(s.heap.num_ooms, 1);

@@ -243,6 +243,10 @@ int stepalloc_pool_set_segment_allocator(int device,
 // no memory may take a free block of pool `(id0, id1)`. Returns a status.
 int stepalloc_pool_set_use_on_oom(int device, uint64_t id0, uint64_t id1, int on);
 
+// `MemPool(no_split=True)`: with `on` non-zero, each block of pool `(id0, id1)` on `device`
+// takes a whole segment and is never split. Returns a status.
+int stepalloc_pool_set_no_split(int device, uint64_t id0, uint64_t id1, int on);
+
 // Enters a region of `tag` on the calling thread: until the matching
 // `stepalloc_region_exit`, what this thread allocates carries `tag` and lives in pages of its
 // own, which `stepalloc_pause` can give back. `tag` is 1 to 64 characters of letters, digits,
@@ -335,6 +339,10 @@ void stepalloc_empty_cache(void);
 // `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in [0, 1]
 // (0, as PyTorch accepts it: nothing may be reserved).
 void stepalloc_set_memory_fraction(double fraction, int device);
+
+// `torch.cuda.get_per_process_memory_fraction(device)`: the fraction in [0, 1] last set for
+// `device` (1.0 when none was); -1.0 on an error (left in the last error).
+double stepalloc_memory_fraction(int device);
 
 // The segment holding `ptr` (anywhere inside it): returns its base address and writes its size
 // to `*size`. NULL when `ptr` is in no segment or `size` is NULL, and (as PyTorch's

@@ -7,7 +7,7 @@
 //! unit that reads an atomic count of captures underway (the filters run only while a CUDA
 //! graph is being captured), the device lock, the heap operation, one thread-local store.
 
-use crate::guard::guard;
+use crate::guard::{guard, guard_status};
 use crate::{allocator, cudaStream_t, device_index, AbiError};
 use std::ffi::{c_int, c_void};
 use stepalloc::{PoolId, Stream};
@@ -102,6 +102,19 @@ pub extern "C" fn stepalloc_set_memory_fraction(fraction: f64, device: c_int) {
         allocator()?.set_memory_fraction(index, fraction)?;
         Ok(())
     })
+}
+
+/// `torch.cuda.get_per_process_memory_fraction(device)`: the fraction in [0, 1] last set for
+/// `device` (1.0 when none was); -1.0 on an error (left in the last error).
+#[no_mangle]
+pub extern "C" fn stepalloc_memory_fraction(device: c_int) -> f64 {
+    let mut answer = -1.0;
+    guard_status(|| {
+        let index = device_index(device)?;
+        answer = allocator()?.memory_fraction(index)?;
+        Ok(())
+    });
+    answer
 }
 
 /// The segment holding `ptr` (anywhere inside it): returns its base address and writes its size

@@ -59,13 +59,7 @@ ROWS: tuple[Row, ...] = (
     ),
     Row("torch.cuda.empty_cache", WORKS, "returns stepalloc's unused cached segments to the device"),
     Row("torch.cuda.set_per_process_memory_fraction", WORKS, "stepalloc enforces the limit"),
-    Row(
-        "torch.cuda.get_per_process_memory_fraction",
-        RAISES,
-        "the pluggable allocator cannot report it",
-        "keep the value you passed to set_per_process_memory_fraction (stepalloc enforces it), or "
-        "the per_process_memory_fraction key of STEPALLOC_CONF",
-    ),
+    Row("torch.cuda.get_per_process_memory_fraction", WORKS, "the fraction stepalloc enforces (patch_torch)"),
     Row("torch.cuda.mem_get_info", WORKS, "the driver's free and total bytes"),
     Row("torch.cuda.get_allocator_backend", DIFFERS, "returns 'pluggable'"),
     Row(
@@ -141,9 +135,8 @@ ROWS: tuple[Row, ...] = (
     ),
     Row(
         "torch.cuda.MemPool(no_split=True)",
-        RAISES,
-        pools.NO_SPLIT_NOTE,
-        pools.NO_SPLIT_INSTEAD,
+        WORKS,
+        "each block takes a whole segment of the pool, never split (as PyTorch's)",
     ),
     Row("torch.cuda.MemPool.id", WORKS, "(0, n), from PyTorch's own pool counter"),
     Row("torch.cuda.MemPool.use_count", WORKS, "references: the pool, each use_mem_pool, each graph"),
@@ -295,6 +288,16 @@ def _check_pool_live_allocations(device: int, pool_id: Any, expected: Any) -> bo
     return live == {int(p) for p in expected}
 
 
+def _get_memory_fraction(device: int) -> float:
+    """``torch._C._cuda_getMemoryFraction`` (what ``torch.cuda.get_per_process_memory_fraction``
+    calls): the fraction stepalloc enforces on ``device``, last set by
+    ``set_per_process_memory_fraction`` or else the configuration's."""
+    fraction = float(_lib.lib().stepalloc_memory_fraction(int(device)))
+    if fraction < 0:
+        raise _lib.error_for(int(_lib.lib().stepalloc_last_status()))
+    return fraction
+
+
 def _record_memory_history_legacy(record: Callable[..., None]) -> Callable[..., None]:
     def stepalloc_record_memory_history_legacy(
         enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1, *_args: Any, **_kwargs: Any
@@ -335,7 +338,6 @@ def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, 
             (module, "MemPool", pools.MemPool),
             (module, "caching_allocator_enable", _caching_allocator_enable),
             (module, "caching_allocator_disabled", _CachingAllocatorDisabled),
-            (module, "get_per_process_memory_fraction", _raiser("torch.cuda.get_per_process_memory_fraction")),
             (module, "change_current_allocator", _raiser("torch.cuda.change_current_allocator")),
         ]
     out += [
@@ -346,6 +348,7 @@ def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, 
         (c, "_cuda_getCheckpointState", _raiser("torch._C._cuda_getCheckpointState")),
         (c, "_cuda_setCheckpointPoolState", _raiser("torch._C._cuda_setCheckpointPoolState")),
         (c, "_cuda_checkPoolLiveAllocations", _check_pool_live_allocations),
+        (c, "_cuda_getMemoryFraction", _get_memory_fraction),
         (c, "_cuda_attach_out_of_memory_observer", _raiser("torch._C._cuda_attach_out_of_memory_observer")),
     ]
     nccl = getattr(getattr(c, "_distributed_c10d", None), "ProcessGroupNCCL", None)

@@ -130,7 +130,16 @@ finally:
     torch.cuda.set_per_process_memory_fraction(1.0)
 u8(200 * MIB)
 """,
-    "torch.cuda.get_per_process_memory_fraction": "torch.cuda.get_per_process_memory_fraction()",
+    "torch.cuda.get_per_process_memory_fraction": """
+assert torch.cuda.get_per_process_memory_fraction() == 1.0
+torch.cuda.set_per_process_memory_fraction(0.25)
+try:
+    assert torch.cuda.get_per_process_memory_fraction() == 0.25
+    assert torch.cuda.memory.get_per_process_memory_fraction(0) == 0.25
+    assert torch.cuda.get_per_process_memory_fraction(1) == 1.0  # per device
+finally:
+    torch.cuda.set_per_process_memory_fraction(1.0)
+""",
     "torch.cuda.mem_get_info": """
 free, total = torch.cuda.mem_get_info()
 assert total == 1024 * MIB and 0 < free <= total, (free, total)
@@ -273,7 +282,15 @@ except torch.OutOfMemoryError:
 assert sum(pool_of(k.data_ptr()) == pool.id for k in keep) >= 2, [pool_of(k.data_ptr()) for k in keep]
 del keep
 """,
-    "torch.cuda.MemPool(no_split=True)": "torch.cuda.MemPool(no_split=True)",
+    "torch.cuda.MemPool(no_split=True)": """
+pool = torch.cuda.MemPool(no_split=True)
+with torch.cuda.use_mem_pool(pool):
+    a, b = u8(4 * MIB), u8(4 * MIB)
+segments = pool.snapshot()
+assert len(segments) == 2 and all(len(s["blocks"]) == 1 for s in segments), segments
+assert {s["blocks"][0]["size"] for s in segments} == {20 * MIB}, segments  # the whole segment, as PyTorch
+del a, b
+""",
     "torch.cuda.MemPool.id": """
 pool, handle = torch.cuda.MemPool(), torch.cuda.graph_pool_handle()
 assert pool.id[0] == 0 and pool.id != tuple(handle) and pool.id != torch.cuda.MemPool().id

@@ -294,7 +294,15 @@ impl Heap {
             p.use_count += 1;
             return;
         }
-        let pool = PrivatePool { id, use_count: 1, segments: 0, capturing: 0, source: None, use_on_oom: false };
+        let pool = PrivatePool {
+            id,
+            use_count: 1,
+            segments: 0,
+            capturing: 0,
+            source: None,
+            use_on_oom: false,
+            no_split: false,
+        };
         match self.private_pools.iter().position(Option::is_none) {
             Some(i) => self.private_pools[i] = Some(pool),
             None => self.private_pools.push(Some(pool)),

@@ -388,8 +388,11 @@ static void scenario_mempool(void) {
     CHECK(stat(0, "reserved_bytes.all.current") == 0, "MemPool mode keeps %.0f bytes after the frees",
           stat(0, "reserved_bytes.all.current"));
     /* set_per_process_memory_fraction(0.0), as PyTorch accepts it: nothing may be reserved. */
+    CHECK(p_stepalloc_memory_fraction(0) == 1.0, "fraction before any set: %f", p_stepalloc_memory_fraction(0));
     p_stepalloc_set_memory_fraction(0.0, 0);
     CHECK(status() == STEPALLOC_OK, "fraction 0: %s", last_error());
+    CHECK(p_stepalloc_memory_fraction(0) == 0.0, "fraction read back: %f", p_stepalloc_memory_fraction(0));
+    CHECK(p_stepalloc_memory_fraction(99) == -1.0 && status() == STEPALLOC_INVALID_ARGUMENT, "device 99: %d", status());
     CHECK(p_stepalloc_malloc(4096, 0, NULL) == NULL && status() == STEPALLOC_OUT_OF_MEMORY, "fraction 0 allows %d",
           status());
     p_stepalloc_set_memory_fraction(1.0, 0);
