@@ -100,6 +100,14 @@ impl Allocator {
         Ok(())
     }
 
+    /// Whether the general pool's new segments are expandable, on every device (PyTorch's
+    /// `_set_allocator_settings("expandable_segments:...")`; `Heap::set_expandable_segments`).
+    pub fn set_expandable_segments(&self, on: bool) {
+        for heap in &self.devices {
+            heap.lock().set_expandable_segments(on);
+        }
+    }
+
     /// The per-process memory fraction of `device` (`set_memory_fraction`, else the
     /// configuration's `per_process_memory_fraction`).
     pub fn memory_fraction(&self, device: usize) -> Result<f64> {

@@ -450,3 +450,33 @@ fn exact_fit_takes_the_smallest_block_then_the_lowest_address() {
         a.check_invariants().unwrap();
     }
 }
+
+/// PyTorch's `_set_allocator_settings("expandable_segments:...")` at run time: the general pool's
+/// new segments take the new kind, the old ones keep theirs and keep serving, and everything
+/// still goes back to the device.
+#[test]
+fn expandable_segments_switched_at_run_time_apply_to_new_segments() {
+    let a = sim("sim_capacity_mb:256");
+    let kinds = |a: &Allocator| -> Vec<bool> {
+        let snap: serde_json::Value = serde_json::from_str(&a.snapshot_json()).unwrap();
+        snap["segments"].as_array().unwrap().iter().map(|s| s["is_expandable"].as_bool().unwrap()).collect()
+    };
+    let plain = a.malloc(0, 30 * MIB, S0).unwrap();
+    assert_eq!(kinds(&a), [false]);
+    a.set_expandable_segments(true);
+    let grown = a.malloc(0, 30 * MIB, S0).unwrap();
+    assert_eq!(kinds(&a).iter().filter(|&&e| e).count(), 1, "{:?}", kinds(&a));
+    a.free(0, plain, 30 * MIB).unwrap();
+    // The plain segment's free block still serves a request of its size.
+    let again = a.malloc(0, 30 * MIB, S0).unwrap();
+    assert_eq!(again, plain);
+    a.set_expandable_segments(false);
+    let third = a.malloc(0, 30 * MIB, S0).unwrap();
+    assert_eq!(kinds(&a).iter().filter(|&&e| !e).count(), 2, "{:?}", kinds(&a));
+    for (p, n) in [(again, 30 * MIB), (grown, 30 * MIB), (third, 30 * MIB)] {
+        a.free(0, p, n).unwrap();
+    }
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 0);
+}

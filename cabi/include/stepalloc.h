@@ -344,6 +344,11 @@ void stepalloc_set_memory_fraction(double fraction, int device);
 // `device` (1.0 when none was); -1.0 on an error (left in the last error).
 double stepalloc_memory_fraction(int device);
 
+// `torch.cuda.memory._set_allocator_settings("expandable_segments:True")` (or `False`): with
+// `on` non-zero the general pool's new segments are expandable on every device, else plain;
+// segments already made keep their kind. Returns a status.
+int stepalloc_set_expandable_segments(int on);
+
 // The segment holding `ptr` (anywhere inside it): returns its base address and writes its size
 // to `*size`. NULL when `ptr` is in no segment or `size` is NULL, and (as PyTorch's
 // `getBaseAllocation` refuses) when `ptr` is in an expandable segment (status

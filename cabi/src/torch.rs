@@ -117,6 +117,17 @@ pub extern "C" fn stepalloc_memory_fraction(device: c_int) -> f64 {
     answer
 }
 
+/// `torch.cuda.memory._set_allocator_settings("expandable_segments:True")` (or `False`): with
+/// `on` non-zero the general pool's new segments are expandable on every device, else plain;
+/// segments already made keep their kind. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_set_expandable_segments(on: c_int) -> c_int {
+    guard_status(|| {
+        allocator()?.set_expandable_segments(on != 0);
+        Ok(())
+    })
+}
+
 /// The segment holding `ptr` (anywhere inside it): returns its base address and writes its size
 /// to `*size`. NULL when `ptr` is in no segment or `size` is NULL, and (as PyTorch's
 /// `getBaseAllocation` refuses) when `ptr` is in an expandable segment (status

@@ -1,12 +1,17 @@
 """Layer: PyTorch glue. What each memory entry point of ``torch.cuda`` / ``torch.cuda.memory``
-(torch 2.15) does under process-wide stepalloc (``install(patch_torch=True)``), as data: one
-``Row`` per entry point, from which ``markdown()`` writes the table in python_shim/README.md
-(a test fails when the two differ) and ``patches()`` makes the wrappers ``patch_torch``
-installs, so that every ``raises`` row raises ``UnsupportedError`` naming the alternative instead
-of PyTorch's "does not yet support" or a silent wrong answer.
+/ ``torch.accelerator`` (torch 2.15) does under process-wide stepalloc
+(``install(patch_torch=True)``), as data: one ``Row`` per entry point, from which ``markdown()``
+writes the table in python_shim/README.md (a test fails when the two differ) and ``patches()``
+makes the wrappers ``patch_torch`` installs, so that every ``raises`` row raises
+``UnsupportedError`` naming the alternative instead of PyTorch's "does not yet support" or a
+silent wrong answer. ``PORTED``: PyTorch's own allocator tests (tests/torch_port) and their
+results under PyTorch's allocator and under stepalloc, which ``ported_markdown()`` writes.
 
 Invariants:
 - ``ROWS`` has exactly one row per entry point; a test runs each row's check in real PyTorch.
+- ``PORTED`` has one entry per ported test, with the outcome tests/torch_port observes under
+  each allocator (a test fails when they differ); a test PyTorch's allocator passes passes under
+  stepalloc, and one that fails under PyTorch too says why.
 - A ``raises`` row has an ``instead`` (the alternative), which its error message ends with.
 - torch is imported inside the functions, never at module import.
 """
@@ -65,8 +70,9 @@ ROWS: tuple[Row, ...] = (
     Row(
         "torch.cuda.memory._set_allocator_settings",
         DIFFERS,
-        "warns: PyTorch's allocator settings do not reach stepalloc; set them in STEPALLOC_CONF "
-        "(same syntax) or install(conf=...)",
+        "`expandable_segments` reaches stepalloc (the general pool's new segments, as in PyTorch) and "
+        "`pinned_*` PyTorch's host allocator; any other key warns: set it in STEPALLOC_CONF (same "
+        "syntax) or install(conf=...)",
     ),
     Row(
         "torch.cuda.change_current_allocator",
@@ -102,6 +108,20 @@ ROWS: tuple[Row, ...] = (
             "host_memory_stats_as_nested_dict",
             "reset_accumulated_host_memory_stats",
             "reset_peak_host_memory_stats",
+        )
+    ),
+    *(
+        Row(f"torch.accelerator.{name}", WORKS, "answered as torch.cuda's (patch_torch); torch's own read nothing")
+        for name in (
+            "memory_stats",
+            "memory_allocated",
+            "max_memory_allocated",
+            "memory_reserved",
+            "max_memory_reserved",
+            "reset_peak_memory_stats",
+            "reset_accumulated_memory_stats",
+            "empty_cache",
+            "get_memory_info",
         )
     ),
     Row("torch.cuda.list_gpu_processes", WORKS, _NVML),
@@ -220,6 +240,72 @@ ROWS: tuple[Row, ...] = (
 
 ROW_BY_NAME: dict[str, Row] = {row.name: row for row in ROWS}
 
+# ----- PyTorch's own allocator tests (python_shim/tests/torch_port) ---------------------------
+
+PASSES, FAILS = "passes", "fails"
+# The allocators each ported test runs under (tests/torch_port/run_cases.py's modes), in the
+# table's column order, with the column's heading.
+ALLOCATORS: tuple[tuple[str, str], ...] = (
+    ("pytorch", "PyTorch's allocator"),
+    ("pytorch-expandable", "PyTorch's, expandable segments"),
+    ("stepalloc", "stepalloc (recommended)"),
+    ("stepalloc-plain", "stepalloc, plain segments"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ported:
+    """One of PyTorch's tests (``Class.test_name`` of its test/test_cuda.py) and its outcome under
+    each of ``ALLOCATORS``, in order. ``why``: for a test that fails under PyTorch's allocator
+    too, why it cannot pass on this harness."""
+
+    test: str
+    outcomes: tuple[str, str, str, str]
+    why: str = ""
+
+
+_ALL_PASS = (PASSES, PASSES, PASSES, PASSES)
+PORTED: tuple[Ported, ...] = (
+    Ported("TestCuda.test_memory_allocation", _ALL_PASS),
+    Ported("TestCuda.test_memory_stats", _ALL_PASS),
+    Ported("TestCuda.test_out_of_memory", _ALL_PASS),
+    Ported("TestCuda.test_out_of_memory_retry", _ALL_PASS),
+    Ported("TestCuda.test_set_per_process_memory_fraction", _ALL_PASS),
+    Ported("TestCuda.test_get_per_process_memory_fraction", _ALL_PASS),
+    Ported("TestCuda.test_copy_non_blocking", _ALL_PASS),
+    Ported(
+        "TestCuda.test_copy_non_blocking_type_conversion",
+        (FAILS, FAILS, FAILS, FAILS),
+        "the float-to-long conversion of the host-to-device copy is a kernel, and testdrv runs none",
+    ),
+    Ported("TestMemPool.test_mempool_id", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_empty_cache", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_empty_cache_inactive", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_with_allocator", _ALL_PASS),
+    Ported("TestMemPool.test_tensor_delete_after_allocator_delete", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_limited_memory_with_allocator", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_no_split", _ALL_PASS),
+    Ported("TestMemPool.test_deleted_mempool_not_used_on_oom", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_multithread", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_emptycache_multithread", _ALL_PASS),
+    Ported("TestMemPool.test_nested_mempool", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_expandable", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_ctx_multithread", _ALL_PASS),
+)
+
+PORTED_BY_TEST: dict[str, Ported] = {p.test: p for p in PORTED}
+
+
+def ported_markdown() -> str:
+    """The table of PyTorch's ported tests, as python_shim/README.md shows it."""
+    lines = [
+        "| PyTorch's test | " + " | ".join(heading for _, heading in ALLOCATORS) + " | why it fails |",
+        "|---|" + "---|" * len(ALLOCATORS) + "---|",
+    ]
+    for p in PORTED:
+        lines.append(f"| `{p.test}` | " + " | ".join(p.outcomes) + f" | {p.why.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
 
 def error_message(name: str) -> str:
     """The message of the ``UnsupportedError`` a ``raises`` row's entry point raises."""
@@ -261,12 +347,24 @@ class _CachingAllocatorDisabled:
 
 def _set_allocator_settings(original: Callable[[str], Any]) -> Callable[[str], Any]:
     def stepalloc_set_allocator_settings(env: str) -> Any:
-        warnings.warn(
-            f"stepalloc: torch.cuda.memory._set_allocator_settings({env!r}) configures PyTorch's own allocator, "
-            "which stepalloc replaces: it does not change stepalloc. Set STEPALLOC_CONF (same syntax) or "
-            "stepalloc.install(conf=...) instead.",
-            stacklevel=2,
-        )
+        ignored = []
+        for item in str(env).split(","):
+            key, _, value = item.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "expandable_segments":
+                # As PyTorch's allocator takes it at run time: the general pool's new segments.
+                if value not in ("True", "False"):
+                    raise ValueError(f"expandable_segments expects True or False, not {value!r}")
+                _lib.check(int(_lib.lib().stepalloc_set_expandable_segments(int(value == "True"))))
+            elif key and not key.startswith("pinned_"):  # pinned_*: PyTorch's host allocator
+                ignored.append(item.strip())
+        if ignored:
+            warnings.warn(
+                f"stepalloc: torch.cuda.memory._set_allocator_settings({','.join(ignored)!r}) configures PyTorch's "
+                "own allocator, which stepalloc replaces: it does not change stepalloc. Set STEPALLOC_CONF (same "
+                "syntax) or stepalloc.install(conf=...) instead.",
+                stacklevel=2,
+            )
         return original(env)
 
     return stepalloc_set_allocator_settings

@@ -140,6 +140,50 @@ try:
 finally:
     torch.cuda.set_per_process_memory_fraction(1.0)
 """,
+    # torch.accelerator's memory functions give what torch.cuda's give.
+    "torch.accelerator.memory_stats": """
+t = u8(3 * MIB)
+got, want = torch.accelerator.memory_stats(), torch.cuda.memory_stats()
+assert got["active_bytes.all.current"] == want["active_bytes.all.current"] >= 3 * MIB, (got, want)
+assert torch.accelerator.memory_stats("cuda:1")["active_bytes.all.current"] == torch.cuda.memory_stats(1)["active_bytes.all.current"]
+""",
+    "torch.accelerator.memory_allocated": """
+t = u8(3 * MIB)
+assert torch.accelerator.memory_allocated() == torch.cuda.memory_allocated() >= 3 * MIB
+assert torch.accelerator.memory_allocated(torch.device("cuda", 0)) == torch.cuda.memory_allocated(0)
+""",
+    "torch.accelerator.max_memory_allocated": """
+t = u8(3 * MIB)
+assert torch.accelerator.max_memory_allocated() == torch.cuda.max_memory_allocated() >= 3 * MIB
+""",
+    "torch.accelerator.memory_reserved": """
+t = u8(3 * MIB)
+assert torch.accelerator.memory_reserved() == torch.cuda.memory_reserved() >= 3 * MIB
+""",
+    "torch.accelerator.max_memory_reserved": """
+t = u8(3 * MIB)
+assert torch.accelerator.max_memory_reserved() == torch.cuda.max_memory_reserved() >= 3 * MIB
+""",
+    "torch.accelerator.reset_peak_memory_stats": """
+t = u8(30 * MIB); del t
+torch.accelerator.reset_peak_memory_stats()
+assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+""",
+    "torch.accelerator.reset_accumulated_memory_stats": """
+t = u8(MIB); del t
+torch.accelerator.reset_accumulated_memory_stats()
+assert torch.cuda.memory_stats()["allocation.all.freed"] == 0
+""",
+    "torch.accelerator.empty_cache": """
+t = u8(64 * MIB); del t
+assert torch.cuda.memory_reserved() >= 64 * MIB
+torch.accelerator.empty_cache()
+assert torch.cuda.memory_reserved() < 64 * MIB, torch.cuda.memory_reserved()
+""",
+    "torch.accelerator.get_memory_info": """
+assert torch.accelerator.get_memory_info() == torch.cuda.mem_get_info() == torch.cuda.mem_get_info(0)
+assert torch.accelerator.get_memory_info(1) == torch.cuda.mem_get_info(1)
+""",
     "torch.cuda.mem_get_info": """
 free, total = torch.cuda.mem_get_info()
 assert total == 1024 * MIB and 0 < free <= total, (free, total)
@@ -150,6 +194,19 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     torch.cuda.memory._set_allocator_settings("garbage_collection_threshold:0.9")
 assert any("STEPALLOC_CONF" in str(w.message) for w in caught), [str(w.message) for w in caught]
+def expandable(ptr):
+    return [s["is_expandable"] for s in torch.cuda.memory_snapshot()
+            if s["address"] <= ptr < s["address"] + s["total_size"]] == [True]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    a = u8(30 * MIB)
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    b = u8(30 * MIB)
+    assert expandable(a.data_ptr()) and not expandable(b.data_ptr())
+assert not any("STEPALLOC_CONF" in str(w.message) for w in caught), [str(w.message) for w in caught]
+del a, b
+torch.cuda.empty_cache()
 """,
     "torch.cuda.change_current_allocator": """
 torch.cuda.change_current_allocator(torch.cuda.memory._get_current_allocator())
