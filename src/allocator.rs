@@ -108,6 +108,19 @@ impl Allocator {
         }
     }
 
+    /// `torch.cuda.caching_allocator_enable(enabled)` on every device
+    /// (`Heap::set_caching_enabled`).
+    pub fn set_caching_enabled(&self, enabled: bool) {
+        for heap in &self.devices {
+            heap.lock().set_caching_enabled(enabled);
+        }
+    }
+
+    /// Whether caching is enabled (device 0 speaks for all: they are switched together).
+    pub fn caching_enabled(&self) -> bool {
+        self.devices.first().is_none_or(|heap| heap.lock().caching_enabled())
+    }
+
     /// The per-process memory fraction of `device` (`set_memory_fraction`, else the
     /// configuration's `per_process_memory_fraction`).
     pub fn memory_fraction(&self, device: usize) -> Result<f64> {

@@ -130,6 +130,9 @@ pub struct Heap {
     /// MemPool mode: the caller (PyTorch's caching allocator) caches; a free that leaves a
     /// general-pool segment entirely free gives it back to the device.
     mempool_mode: bool,
+    /// `torch.cuda.caching_allocator_enable(False)`: general untagged requests skip the cache
+    /// (a segment each, never split, released when freed).
+    caching_disabled: bool,
     /// Expandable segments: the physical chunk mapped at each page, `None` where unmapped.
     /// Beside the segment records, which the hot path reads, rather than in them.
     pages: FxHashMap<SegmentId, Vec<Option<PhysHandle>>>,
@@ -197,6 +200,7 @@ impl Heap {
             deferred_work: false,
             deferred_empty_cache: false,
             mempool_mode: false,
+            caching_disabled: false,
         };
         if config.per_process_memory_fraction < 1.0 {
             heap.set_memory_fraction(config.per_process_memory_fraction);
@@ -259,8 +263,11 @@ impl Heap {
             return Err(self.paused_error(tag, size));
         }
         let lane = tag == 0 && self.config.param_lane && pool_index == 0 && self.in_param_lane(rounded);
-        let mut found = self.find_free(pool_index, small, stream, rounded, lane, tag);
-        if found.is_none() && small && pool_index == 0 && self.config.pack_small {
+        // `caching_allocator_enable(False)`: a general, untagged request takes a new plain
+        // segment of its own, which goes back to the device when it is freed.
+        let uncached = self.caching_disabled && pool_index == 0 && tag == 0;
+        let mut found = if uncached { None } else { self.find_free(pool_index, small, stream, rounded, lane, tag) };
+        if found.is_none() && small && pool_index == 0 && self.config.pack_small && !uncached {
             // `pack_small`: free space in the large pool's mapped pages (the partly used pages
             // at the ends of its free blocks, which page reuse cannot move) before a new
             // small-pool page.
@@ -272,7 +279,7 @@ impl Heap {
                 id
             }
             None if tag != 0 => self.grow_tagged(small, stream, rounded, size, tag)?,
-            None if self.config.expandable_segments && pool_index == 0 => {
+            None if self.config.expandable_segments && pool_index == 0 && !uncached => {
                 // As PyTorch: CUDA-graph pools keep plain segments.
                 self.grow_expandable(small, stream, rounded, size, lane)?
             }
@@ -352,15 +359,17 @@ impl Heap {
     fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64, stream: Stream) -> u64 {
         // A record left under another address (a merge) or by a grown array moves home.
         let id = self.arena.rehome(id);
-        let (seg_id, small, expandable, block_size, was_split, pool) = {
+        let (seg_id, small, expandable, block_size, was_split, class) = {
             let b = self.arena.block(id);
-            (b.segment, b.class.small(), b.class.expandable(), b.size, b.is_split(), b.class.pool())
+            (b.segment, b.class.small(), b.class.expandable(), b.size, b.is_split(), b.class)
         };
+        let pool = class.pool();
         debug_assert_eq!(self.arena.state(id), BlockState::Free);
         // Inactive-split statistics change by the operation's net effect, as PyTorch's do: an
         // already split block shrinks by `rounded` or leaves; an unsplit one leaves a new piece.
-        // A `no_split` pool's block keeps its whole segment (one block per segment).
-        let may_split = pool == 0 || !self.pool_no_split(pool);
+        // A `no_split` pool's block keeps its whole segment (one block per segment), as does a
+        // general untagged block while caching is disabled.
+        let may_split = if pool == 0 { !self.caching_disabled || class.tag() != 0 } else { !self.pool_no_split(pool) };
         if may_split && self.should_split(block_size, rounded, small || expandable) {
             // The remainder stays free, reusable by whoever could reuse the whole block.
             let rest = self.split_block(id, rounded);
@@ -512,7 +521,10 @@ impl Heap {
         }
         if whole_segment_free && self.over_cache_limit() {
             self.release_segment(seg_id, ReleaseReason::Limit)?;
-        } else if whole_segment_free && self.mempool_mode && class.pool() == 0 {
+        } else if whole_segment_free
+            && (self.mempool_mode || (self.caching_disabled && class.tag() == 0))
+            && class.pool() == 0
+        {
             self.release_segment(seg_id, ReleaseReason::EmptyCache)?;
         } else if self.mempool_mode && class.tag() != 0 && self.captures_underway == 0 {
             // MemPool mode: a tagged segment's free pages go back as a plain segment would.

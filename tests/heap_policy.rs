@@ -480,3 +480,32 @@ fn expandable_segments_switched_at_run_time_apply_to_new_segments() {
     a.empty_cache().unwrap();
     assert_eq!(stats(&a).heap.reserved_bytes.all.current, 0);
 }
+
+/// `caching_allocator_enable(False)`, as PyTorch's allocator then calls cudaMalloc / cudaFree
+/// directly: each general request gets a segment of its own, which goes back to the device when
+/// freed; cached blocks stay, and caching resumes when enabled again.
+#[test]
+fn caching_disabled_gives_each_request_its_own_segment_released_at_free() {
+    let a = sim("sim_capacity_mb:256");
+    let cached = a.malloc(0, 30 * MIB, S0).unwrap();
+    a.free(0, cached, 30 * MIB).unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 30 * MIB);
+    a.set_caching_enabled(false);
+    assert!(!a.caching_enabled());
+    let p = a.malloc(0, 1000, S0).unwrap();
+    let q = a.malloc(0, 1000, S0).unwrap();
+    let big = a.malloc(0, 20 * MIB, S0).unwrap();
+    assert_ne!(big, cached, "the cache is not used");
+    let s = stats(&a).heap;
+    assert_eq!(s.segment.all.current, 4, "one segment per request, none split");
+    assert_eq!(block_size(&a, p), 2 * MIB);
+    for (ptr, n) in [(p, 1000), (q, 1000), (big, 20 * MIB)] {
+        a.free(0, ptr, n).unwrap();
+    }
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 30 * MIB, "freed straight back to the device");
+    a.set_caching_enabled(true);
+    let again = a.malloc(0, 30 * MIB, S0).unwrap();
+    assert_eq!(again, cached, "caching resumes");
+    a.free(0, again, 30 * MIB).unwrap();
+    a.check_invariants().unwrap();
+}

@@ -18,6 +18,7 @@ Invariants:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import warnings
 from typing import Any, Callable
@@ -195,9 +196,8 @@ ROWS: tuple[Row, ...] = (
     ),
     Row(
         "torch._C._cuda_attach_out_of_memory_observer",
-        RAISES,
-        "the pluggable allocator has no observers",
-        "catch torch.OutOfMemoryError (its message is stepalloc's report) or read num_ooms in memory_stats()",
+        WORKS,
+        "stepalloc calls the observer (device, bytes asked for, bytes allowed, bytes free) before it raises",
     ),
     # CUDA IPC.
     Row(
@@ -396,6 +396,28 @@ def _get_memory_fraction(device: int) -> float:
     return fraction
 
 
+# PyTorch's observer signature as a C function; the made functions stay alive with the process
+# (the library keeps calling them).
+_OOM_OBSERVER_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+_oom_observers: list[Any] = []
+
+
+def _attach_out_of_memory_observer(observer: Callable[[int, int, int, int], Any]) -> None:
+    """``torch._C._cuda_attach_out_of_memory_observer``: ``observer(device, alloc,
+    device_allocated_limit, device_free)`` runs on every out-of-memory before it raises, as
+    PyTorch calls it (an observer typically dumps ``torch.cuda.memory._snapshot()``). An
+    exception in it is printed and the out-of-memory error raised as ever."""
+    if not callable(observer):
+        raise TypeError(f"an out-of-memory observer must be callable, not {type(observer).__name__}")
+
+    def call(device: int, alloc: int, limit: int, free: int) -> None:
+        observer(int(device), int(alloc), int(limit), int(free))
+
+    fn = _OOM_OBSERVER_FN(call)
+    _oom_observers.append(fn)
+    _lib.check(int(_lib.lib().stepalloc_attach_oom_observer(ctypes.cast(fn, ctypes.c_void_p))))
+
+
 def _record_memory_history_legacy(record: Callable[..., None]) -> Callable[..., None]:
     def stepalloc_record_memory_history_legacy(
         enabled: bool, record_context: bool = True, trace_alloc_max_entries: int = 1, *_args: Any, **_kwargs: Any
@@ -447,7 +469,7 @@ def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, 
         (c, "_cuda_setCheckpointPoolState", _raiser("torch._C._cuda_setCheckpointPoolState")),
         (c, "_cuda_checkPoolLiveAllocations", _check_pool_live_allocations),
         (c, "_cuda_getMemoryFraction", _get_memory_fraction),
-        (c, "_cuda_attach_out_of_memory_observer", _raiser("torch._C._cuda_attach_out_of_memory_observer")),
+        (c, "_cuda_attach_out_of_memory_observer", _attach_out_of_memory_observer),
     ]
     nccl = getattr(getattr(c, "_distributed_c10d", None), "ProcessGroupNCCL", None)
     if nccl is not None:

@@ -464,7 +464,22 @@ with torch.cuda.use_mem_pool(pool):
 assert torch._C._cuda_checkPoolLiveAllocations(0, pool.id, {t.data_ptr()})
 assert not torch._C._cuda_checkPoolLiveAllocations(0, pool.id, set())
 """,
-    "torch._C._cuda_attach_out_of_memory_observer": "torch._C._cuda_attach_out_of_memory_observer(lambda *a: None)",
+    "torch._C._cuda_attach_out_of_memory_observer": """
+seen = []
+def observer(device, alloc, limit, free):
+    # What observers do: a snapshot (and here an allocation) while the failed request unwinds.
+    seen.append((device, alloc, limit, free, len(torch.cuda.memory._snapshot()["segments"]) > 0, u8(MIB).numel()))
+torch._C._cuda_attach_out_of_memory_observer(observer)
+keep = u8(MIB)
+try:
+    u8(4096 * MIB)
+    raise AssertionError("4 GiB fit a 1 GiB device")
+except torch.OutOfMemoryError:
+    pass
+free, total = torch.cuda.mem_get_info()
+assert len(seen) == 1 and seen[0][:3] == (0, 4096 * MIB, total) and 0 < seen[0][3] <= total and seen[0][4:] == (True, MIB), seen
+seen.clear()  # the observer stays for the life of the process, as PyTorch's
+""",
     "torch.multiprocessing.reductions.reduce_tensor (CUDA)": """
 import torch.multiprocessing.reductions as r
 r.reduce_tensor(u8(MIB))

@@ -352,14 +352,36 @@ static void scenario_no_backend(void) {
 
 /* ----- out of memory through stepalloc_malloc ------------------------------------------- */
 
+/* The observer's calls (torch._C._cuda_attach_out_of_memory_observer). */
+static int g_observed;
+static int64_t g_observed_device;
+static size_t g_observed_alloc, g_observed_limit, g_observed_free;
+
+static void oom_observer(int64_t device, size_t alloc, size_t limit, size_t free_bytes) {
+    g_observed++;
+    g_observed_device = device;
+    g_observed_alloc = alloc;
+    g_observed_limit = limit;
+    g_observed_free = free_bytes;
+}
+
 static void scenario_oom(void) {
     CHECK(p_stepalloc_configure("backend:sim,sim_capacity_mb:64") == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_attach_oom_observer(NULL) == STEPALLOC_INVALID_ARGUMENT, "a NULL observer");
+    CHECK(p_stepalloc_attach_oom_observer(oom_observer) == STEPALLOC_OK, "%s", last_error());
     void *a = p_stepalloc_malloc(40 * MIB, 0, NULL);
     CHECK(a != NULL, "first 40 MiB: %s", last_error());
+    CHECK(g_observed == 0, "observer called %d times without an out-of-memory", g_observed);
     void *b = p_stepalloc_malloc(40 * MIB, 0, NULL);
     CHECK(b == NULL, "second 40 MiB fits in 64 MiB?");
     CHECK(status() == STEPALLOC_OUT_OF_MEMORY, "status %d", status());
-    CHECK(strncmp(last_error(), "CUDA out of memory. Tried to allocate 40", 40) == 0, "message: %s", last_error());
+    CHECK(strncmp(last_error(), "CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total capacity of 64.00 MiB",
+                  88) == 0,
+          "message: %s", last_error());
+    CHECK(g_observed == 1 && g_observed_device == 0 && g_observed_alloc == 40 * MIB && g_observed_limit == 64 * MIB &&
+              g_observed_free == 24 * MIB,
+          "observer: %d calls, device %lld, %zu asked, %zu limit, %zu free", g_observed, (long long)g_observed_device,
+          g_observed_alloc, g_observed_limit, g_observed_free);
     CHECK(stat(0, "num_ooms") == 1, "num_ooms %.0f", stat(0, "num_ooms"));
     check_stats(0, 1, 40.0 * MIB);
     p_stepalloc_free(a, 40 * MIB, 0, NULL);
