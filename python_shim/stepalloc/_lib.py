@@ -187,6 +187,8 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_memory_fraction": ([c_int], c_double),
         "stepalloc_set_expandable_segments": ([c_int], c_int),
         "stepalloc_attach_oom_observer": ([c_void_p], c_int),
+        "stepalloc_set_caching_enabled": ([c_int], c_int),
+        "stepalloc_caching_enabled": ([], c_int),
         "stepalloc_set_mempool_mode": ([c_int], c_int),
         "stepalloc_record_history": ([ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)], c_int),
         # User memory pools (pools.py): device, pool id.

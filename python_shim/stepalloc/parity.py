@@ -46,23 +46,18 @@ _STATS = "answered by stepalloc (patch_torch), same keys and meanings as PyTorch
 _NVML = "answered by NVML, not by the allocator: as under PyTorch's own allocator"
 _HOST = "PyTorch's pinned-memory (host) allocator, which stepalloc does not replace"
 _HOOK = "PyTorch's pool hooks, served by stepalloc's private pools"
+_UNCACHED = (
+    "while caching is disabled each allocation takes a device allocation of its own that goes back "
+    "to the device when freed (PyTorch's calls cudaMalloc / cudaFree); stepalloc's statistics count "
+    "them, PyTorch's do not"
+)
 
 ROWS: tuple[Row, ...] = (
     # Allocation and caching.
     Row("torch.cuda.caching_allocator_alloc", WORKS, "allocates from stepalloc (raw_alloc)"),
     Row("torch.cuda.caching_allocator_delete", WORKS, "frees to stepalloc"),
-    Row(
-        "torch.cuda.caching_allocator_enable",
-        DIFFERS,
-        "`True` changes nothing (stepalloc always caches); `False` raises",
-        "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back",
-    ),
-    Row(
-        "torch.cuda.caching_allocator_disabled",
-        RAISES,
-        "stepalloc always caches",
-        "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back",
-    ),
+    Row("torch.cuda.caching_allocator_enable", DIFFERS, _UNCACHED),
+    Row("torch.cuda.caching_allocator_disabled", DIFFERS, _UNCACHED),
     Row("torch.cuda.empty_cache", WORKS, "returns stepalloc's unused cached segments to the device"),
     Row("torch.cuda.set_per_process_memory_fraction", WORKS, "stepalloc enforces the limit"),
     Row("torch.cuda.get_per_process_memory_fraction", WORKS, "the fraction stepalloc enforces (patch_torch)"),
@@ -332,17 +327,18 @@ def _raiser(name: str) -> Callable[..., Any]:
     return stepalloc_unsupported
 
 
-def _caching_allocator_enable(value: bool = True) -> None:
-    if not value:
-        raise UnsupportedError(error_message("torch.cuda.caching_allocator_enable"))
+def _set_caching_enabled(enabled: bool) -> None:
+    """``torch._C._cuda_cudaCachingAllocator_enable`` (what ``caching_allocator_enable`` and
+    ``caching_allocator_disabled`` call)."""
+    _lib.check(int(_lib.lib().stepalloc_set_caching_enabled(int(bool(enabled)))))
 
 
-class _CachingAllocatorDisabled:
-    def __enter__(self) -> None:
-        raise UnsupportedError(error_message("torch.cuda.caching_allocator_disabled"))
-
-    def __exit__(self, *args: object) -> None:
-        return None
+def _caching_enabled() -> bool:
+    """``torch._C._cuda_cudaCachingAllocator_is_enabled``."""
+    answer = int(_lib.lib().stepalloc_caching_enabled())
+    if answer < 0:
+        raise _lib.error_for(int(_lib.lib().stepalloc_last_status()))
+    return bool(answer)
 
 
 def _set_allocator_settings(original: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -456,8 +452,6 @@ def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, 
     for module in (cuda, memory):
         out += [
             (module, "MemPool", pools.MemPool),
-            (module, "caching_allocator_enable", _caching_allocator_enable),
-            (module, "caching_allocator_disabled", _CachingAllocatorDisabled),
             (module, "change_current_allocator", _raiser("torch.cuda.change_current_allocator")),
         ]
     out += [
@@ -469,6 +463,8 @@ def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, 
         (c, "_cuda_setCheckpointPoolState", _raiser("torch._C._cuda_setCheckpointPoolState")),
         (c, "_cuda_checkPoolLiveAllocations", _check_pool_live_allocations),
         (c, "_cuda_getMemoryFraction", _get_memory_fraction),
+        (c, "_cuda_cudaCachingAllocator_enable", _set_caching_enabled),
+        (c, "_cuda_cudaCachingAllocator_is_enabled", _caching_enabled),
         (c, "_cuda_attach_out_of_memory_observer", _attach_out_of_memory_observer),
     ]
     nccl = getattr(getattr(c, "_distributed_c10d", None), "ProcessGroupNCCL", None)

@@ -107,12 +107,28 @@ torch.cuda.caching_allocator_delete(ptr)
 assert torch.cuda.memory_allocated() == before - MIB
 """,
     "torch.cuda.caching_allocator_enable": """
-torch.cuda.caching_allocator_enable(True)
-refused(lambda: torch.cuda.caching_allocator_enable(False), "torch.cuda.caching_allocator_enable")
+u8(1)  # CUDA initialised: PyTorch's caching_allocator_enable does nothing before
+torch.cuda.caching_allocator_enable(False)
+try:
+    assert not torch._C._cuda_cudaCachingAllocator_is_enabled()
+    before = torch.cuda.memory_reserved()
+    t = u8(3 * MIB)
+    assert torch.cuda.memory_reserved() > before
+    del t
+    assert torch.cuda.memory_reserved() == before  # straight back to the device
+finally:
+    torch.cuda.caching_allocator_enable(True)
+assert torch._C._cuda_cudaCachingAllocator_is_enabled()
 """,
     "torch.cuda.caching_allocator_disabled": """
+u8(1)
 with torch.cuda.caching_allocator_disabled():
-    pass
+    before = torch.cuda.memory_reserved()
+    a, b = u8(100), u8(100)
+    assert pool_of(a.data_ptr()) is not None and torch.cuda.memory_reserved() >= before + 4 * MIB  # a segment each
+    del a, b
+    assert torch.cuda.memory_reserved() == before
+assert torch._C._cuda_cudaCachingAllocator_is_enabled()
 """,
     "torch.cuda.empty_cache": """
 t = u8(64 * MIB); del t

@@ -390,6 +390,17 @@ static void scenario_oom(void) {
     CHECK(b != NULL, "40 MiB after the free: %s", last_error());
     p_stepalloc_free(b, 40 * MIB, 0, NULL);
     check_stats(0, 0, 0);
+    /* caching_allocator_enable(False): a segment of its own, back to the device at the free;
+       the 40 MiB cached stays cached. */
+    double cached = stat(0, "reserved_bytes.all.current");
+    CHECK(cached == 40.0 * MIB, "cached %.0f", cached);
+    CHECK(p_stepalloc_caching_enabled() == 1, "caching enabled at start");
+    CHECK(p_stepalloc_set_caching_enabled(0) == STEPALLOC_OK && p_stepalloc_caching_enabled() == 0, "%s", last_error());
+    void *uncached = p_stepalloc_malloc(100, 0, NULL);
+    CHECK(uncached != NULL && stat(0, "reserved_bytes.all.current") == cached + 2 * MIB, "uncached: %s", last_error());
+    p_stepalloc_free(uncached, 100, 0, NULL);
+    CHECK(stat(0, "reserved_bytes.all.current") == cached, "uncached block kept: %.0f", stat(0, "reserved_bytes.all.current"));
+    CHECK(p_stepalloc_set_caching_enabled(1) == STEPALLOC_OK && p_stepalloc_caching_enabled() == 1, "%s", last_error());
     check_roundtrip(0);
 }
 

@@ -43,7 +43,6 @@ import tempfile
 import threading
 import unittest
 from collections import defaultdict
-from itertools import product  # noqa: F401  (kept as in PyTorch's file)
 
 import torch
 
