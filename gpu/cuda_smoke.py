@@ -88,7 +88,7 @@ def test_out_of_memory(sa, drv):
         ptrs.append(p)
     check(sa.status() == "OUT_OF_MEMORY", f"filling ended with {sa.status()}: {sa.error()}")
     report = sa.error()
-    check(report.startswith("CUDA out of memory. Tried to allocate 1.00 GiB"), report)
+    check(report.startswith("CUDA out of memory. Tried to allocate 1024.00 MiB. GPU 0 has a total capacity of"), report)
     stats = consistent(sa, 0, len(ptrs), len(ptrs) * GIB)
     check(stats["num_ooms"] >= 2, "num_ooms counts both")
     for p in ptrs:

@@ -100,6 +100,33 @@ impl Allocator {
         Ok(())
     }
 
+    /// Whether the general pool's new segments are expandable, on every device (PyTorch's
+    /// `_set_allocator_settings("expandable_segments:...")`; `Heap::set_expandable_segments`).
+    pub fn set_expandable_segments(&self, on: bool) {
+        for heap in &self.devices {
+            heap.lock().set_expandable_segments(on);
+        }
+    }
+
+    /// `torch.cuda.caching_allocator_enable(enabled)` on every device
+    /// (`Heap::set_caching_enabled`).
+    pub fn set_caching_enabled(&self, enabled: bool) {
+        for heap in &self.devices {
+            heap.lock().set_caching_enabled(enabled);
+        }
+    }
+
+    /// Whether caching is enabled (device 0 speaks for all: they are switched together).
+    pub fn caching_enabled(&self) -> bool {
+        self.devices.first().is_none_or(|heap| heap.lock().caching_enabled())
+    }
+
+    /// The per-process memory fraction of `device` (`set_memory_fraction`, else the
+    /// configuration's `per_process_memory_fraction`).
+    pub fn memory_fraction(&self, device: usize) -> Result<f64> {
+        Ok(self.heap(device)?.memory_fraction())
+    }
+
     /// A capture into `pool` begins (before the stream's capture does, as PyTorch calls it). A
     /// capture into the same pool that never ended counts as ended; work that captures held
     /// back runs first when no other capture is underway.

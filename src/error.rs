@@ -1,7 +1,7 @@
 //! The one error type of the crate. Out-of-memory is its own variant, carrying the report a
 //! user needs to act on it; every driver failure is mapped to `Driver` once, at the backend.
 
-use crate::units::format_bytes;
+use crate::units::{format_bytes, format_size};
 use std::fmt;
 
 /// Everything a person needs to understand an out-of-memory failure.
@@ -51,18 +51,50 @@ impl OomReport {
     }
 }
 
+/// PyTorch's own allocator refuses a request this large before anything else, with its own
+/// sentence (`Tried to allocate more than 1EB memory.`).
+const ONE_EXA_BYTE: u64 = 1 << 60;
+
+/// The end of PyTorch's out-of-memory message, word for word (PyTorch 2.15).
+const PYTORCH_HINT: &str = "If reserved but unallocated memory is large try setting \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation for Memory \
+    Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-with-pytorch-cuda-alloc-conf)";
+
 impl fmt::Display for OomReport {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        // The first words match PyTorch's message: tools such as HF Accelerate look for them.
+        // First PyTorch's message in PyTorch's words and units (users, log scrapers and
+        // frameworks' retry logic match them: HF Accelerate looks for "CUDA out of memory."),
+        // then stepalloc's own explanation.
+        if self.requested >= ONE_EXA_BYTE {
+            f.write_str("CUDA out of memory. Tried to allocate more than 1EB memory.")?;
+        } else {
+            write!(
+                f,
+                "CUDA out of memory. Tried to allocate {}. GPU {} has a total capacity of {} of which {} is free. ",
+                format_size(self.requested),
+                self.device,
+                format_size(self.device_total),
+                format_size(self.device_free),
+            )?;
+            if let Some(allowed) = self.allowed {
+                write!(f, "{} allowed; ", format_size(allowed))?;
+            }
+            write!(
+                f,
+                "Of the allocated memory {} is allocated by PyTorch, and {} is reserved by PyTorch but \
+                 unallocated. {PYTORCH_HINT}",
+                format_size(self.allocated),
+                format_size(self.reserved_unallocated()),
+            )?;
+        }
         write!(
             f,
-            "CUDA out of memory. Tried to allocate {} on device {}. The device has a total \
-             capacity of {} of which {} is free. stepalloc has {} reserved, of which {} is \
-             allocated and {} is reserved but unallocated; the largest free cached block is {}.",
+            " stepalloc (PyTorch's allocator in this process; its settings are STEPALLOC_CONF's, not \
+             PYTORCH_CUDA_ALLOC_CONF's): {} was asked for on device {}; stepalloc has {} reserved, of \
+             which {} is allocated and {} is reserved but unallocated; the largest free cached block \
+             is {}.",
             format_bytes(self.requested),
             self.device,
-            format_bytes(self.device_total),
-            format_bytes(self.device_free),
             format_bytes(self.reserved),
             format_bytes(self.allocated),
             format_bytes(self.reserved_unallocated()),
@@ -150,3 +182,41 @@ impl fmt::Display for Error {
 impl std::error::Error for Error {}
 
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::units::{GIB, KIB, MIB};
+
+    #[test]
+    fn oom_message_starts_with_pytorchs_own() {
+        // What PyTorch 2.15's own allocator said over testdrv for the same figures (a 1 GiB
+        // device, one 4 KiB tensor in a 2 MiB segment; docs/testing.md, "PyTorch's own tests").
+        let pytorch = "CUDA out of memory. Tried to allocate 800000000.00 GiB. GPU 0 has a total capacity of \
+            1024.00 MiB of which 1022.00 MiB is free. Of the allocated memory 4.00 KiB is allocated by PyTorch, \
+            and 2.00 MiB is reserved by PyTorch but unallocated. If reserved but unallocated memory is large try \
+            setting PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True to avoid fragmentation.  See documentation \
+            for Memory Management  (https://docs.pytorch.org/docs/stable/notes/cuda.html#optimizing-memory-usage-\
+            with-pytorch-cuda-alloc-conf)";
+        let mut report = OomReport {
+            device: 0,
+            requested: 800_000_000 * GIB,
+            device_total: GIB,
+            device_free: 1022 * MIB,
+            reserved: 2 * MIB,
+            allocated: 4 * KIB,
+            largest_free_block: 2 * MIB,
+            ..OomReport::default()
+        };
+        let text = report.to_string();
+        assert!(text.starts_with(pytorch), "{text}");
+        assert!(text[pytorch.len()..].starts_with(" stepalloc ("), "{text}");
+        // PyTorch's sentence for a per-process limit, and its refusal beyond 1 EB.
+        report.allowed = Some(512 * MIB);
+        assert!(report.to_string().contains("is free. 512.00 MiB allowed; Of the allocated memory"));
+        report.requested = 1 << 60;
+        assert!(report
+            .to_string()
+            .starts_with("CUDA out of memory. Tried to allocate more than 1EB memory. stepalloc"));
+    }
+}

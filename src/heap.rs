@@ -101,6 +101,8 @@ struct PrivatePool {
     use_on_oom: bool,
     /// The tag its memory carries (`heap/graphs.rs`); 0: none, plain segments as PyTorch's.
     tag: u8,
+    /// Its blocks are never split: each takes a whole segment (`MemPool(no_split=True)`).
+    no_split: bool,
 }
 
 pub struct Heap {
@@ -124,6 +126,8 @@ pub struct Heap {
     /// Bytes the heap may reserve (`per_process_memory_fraction` of the device).
     allowed: u64,
     fraction_set: bool,
+    /// The fraction `allowed` came from (`get_per_process_memory_fraction`); 1.0 unless set.
+    fraction: f64,
     /// Counts mallocs; a free block's age is this minus its `freed_at`.
     pub(crate) alloc_clock: u64,
     /// `begin_pool` calls not yet matched by `end_pool`: CUDA-graph captures in progress.
@@ -138,6 +142,9 @@ pub struct Heap {
     /// MemPool mode: the caller (PyTorch's caching allocator) caches; a free that leaves a
     /// general-pool segment entirely free gives it back to the device.
     mempool_mode: bool,
+    /// `torch.cuda.caching_allocator_enable(False)`: general untagged requests skip the cache
+    /// (a segment each, never split, released when freed).
+    caching_disabled: bool,
     /// Expandable segments: the physical chunk mapped at each page, `None` where unmapped.
     /// Beside the segment records, which the hot path reads, rather than in them.
     pages: FxHashMap<SegmentId, Vec<Option<PhysHandle>>>,
@@ -190,6 +197,7 @@ impl Heap {
             device_total,
             allowed: u64::MAX,
             fraction_set: false,
+            fraction: 1.0,
             alloc_clock: 0,
             captures_underway: 0,
             pages: FxHashMap::default(),
@@ -208,6 +216,7 @@ impl Heap {
             deferred_work: false,
             deferred_empty_cache: false,
             mempool_mode: false,
+            caching_disabled: false,
         };
         if config.per_process_memory_fraction < 1.0 {
             heap.set_memory_fraction(config.per_process_memory_fraction);
@@ -227,6 +236,12 @@ impl Heap {
     pub fn set_memory_fraction(&mut self, fraction: f64) {
         self.allowed = (fraction * self.device_total as f64) as u64;
         self.fraction_set = fraction < 1.0;
+        self.fraction = fraction;
+    }
+
+    /// `torch.cuda.get_per_process_memory_fraction`: the last fraction set (1.0 if none).
+    pub fn memory_fraction(&self) -> f64 {
+        self.fraction
     }
 
     // ----- malloc -------------------------------------------------------------------------
@@ -264,8 +279,11 @@ impl Heap {
             return Err(self.paused_error(tag, size));
         }
         let lane = tag == 0 && self.config.param_lane && pool_index == 0 && self.in_param_lane(rounded);
-        let mut found = self.find_free(pool_index, small, stream, rounded, lane, tag);
-        if found.is_none() && small && pool_index == 0 && self.config.pack_small {
+        // `caching_allocator_enable(False)`: a general, untagged request takes a new plain
+        // segment of its own, which goes back to the device when it is freed.
+        let uncached = self.caching_disabled && pool_index == 0 && tag == 0;
+        let mut found = if uncached { None } else { self.find_free(pool_index, small, stream, rounded, lane, tag) };
+        if found.is_none() && small && pool_index == 0 && self.config.pack_small && !uncached {
             // `pack_small`: free space in the large pool's mapped pages (the partly used pages
             // at the ends of its free blocks, which page reuse cannot move) before a new
             // small-pool page.
@@ -280,7 +298,7 @@ impl Heap {
                 self.grow_tagged_pool(pool_index, small, stream, rounded, size, tag)?
             }
             None if tag != 0 => self.grow_tagged(small, stream, rounded, size, tag)?,
-            None if self.config.expandable_segments && pool_index == 0 => {
+            None if self.config.expandable_segments && pool_index == 0 && !uncached => {
                 // As PyTorch: CUDA-graph pools keep plain segments.
                 self.grow_expandable(small, stream, rounded, size, lane)?
             }
@@ -360,14 +378,18 @@ impl Heap {
     fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64, stream: Stream) -> u64 {
         // A record left under another address (a merge) or by a grown array moves home.
         let id = self.arena.rehome(id);
-        let (seg_id, small, expandable, block_size, was_split) = {
+        let (seg_id, small, expandable, block_size, was_split, class) = {
             let b = self.arena.block(id);
-            (b.segment, b.class.small(), b.class.expandable(), b.size, b.is_split())
+            (b.segment, b.class.small(), b.class.expandable(), b.size, b.is_split(), b.class)
         };
+        let pool = class.pool();
         debug_assert_eq!(self.arena.state(id), BlockState::Free);
         // Inactive-split statistics change by the operation's net effect, as PyTorch's do: an
         // already split block shrinks by `rounded` or leaves; an unsplit one leaves a new piece.
-        if self.should_split(block_size, rounded, small || expandable) {
+        // A `no_split` pool's block keeps its whole segment (one block per segment), as does a
+        // general untagged block while caching is disabled.
+        let may_split = if pool == 0 { !self.caching_disabled || class.tag() != 0 } else { !self.pool_no_split(pool) };
+        if may_split && self.should_split(block_size, rounded, small || expandable) {
             // The remainder stays free, reusable by whoever could reuse the whole block.
             let rest = self.split_block(id, rounded);
             self.arena.block_mut(rest).freed_at = self.alloc_clock;
@@ -518,7 +540,10 @@ impl Heap {
         }
         if whole_segment_free && self.over_cache_limit() {
             self.release_segment(seg_id, ReleaseReason::Limit)?;
-        } else if whole_segment_free && self.mempool_mode && class.pool() == 0 {
+        } else if whole_segment_free
+            && (self.mempool_mode || (self.caching_disabled && class.tag() == 0))
+            && class.pool() == 0
+        {
             self.release_segment(seg_id, ReleaseReason::EmptyCache)?;
         } else if self.mempool_mode && class.tag() != 0 && self.captures_underway == 0 {
             // MemPool mode: a tagged segment's free pages go back as a plain segment would.

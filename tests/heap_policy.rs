@@ -143,7 +143,14 @@ fn oom_reports_what_a_person_needs_and_loses_nothing() {
     assert_eq!(report.allocated, 30 * MIB);
     assert_eq!(report.device_free, 70 * MIB);
     let text = err.to_string();
-    assert!(text.starts_with("CUDA out of memory. Tried to allocate 80.00 MiB on device 0."), "{text}");
+    assert!(
+        text.starts_with(
+            "CUDA out of memory. Tried to allocate 80.00 MiB. GPU 0 has a total capacity of 100.00 MiB of which \
+             70.00 MiB is free. Of the allocated memory 30.00 MiB is allocated by PyTorch, and 0 bytes is reserved \
+             by PyTorch but unallocated."
+        ),
+        "{text}"
+    );
     assert!(text.contains("30.00 MiB reserved"), "{text}");
     let s = stats(&a);
     assert_eq!(s.heap.num_ooms, 1);
@@ -442,4 +449,63 @@ fn exact_fit_takes_the_smallest_block_then_the_lowest_address() {
         }
         a.check_invariants().unwrap();
     }
+}
+
+/// PyTorch's `_set_allocator_settings("expandable_segments:...")` at run time: the general pool's
+/// new segments take the new kind, the old ones keep theirs and keep serving, and everything
+/// still goes back to the device.
+#[test]
+fn expandable_segments_switched_at_run_time_apply_to_new_segments() {
+    let a = sim("sim_capacity_mb:256");
+    let kinds = |a: &Allocator| -> Vec<bool> {
+        let snap: serde_json::Value = serde_json::from_str(&a.snapshot_json()).unwrap();
+        snap["segments"].as_array().unwrap().iter().map(|s| s["is_expandable"].as_bool().unwrap()).collect()
+    };
+    let plain = a.malloc(0, 30 * MIB, S0).unwrap();
+    assert_eq!(kinds(&a), [false]);
+    a.set_expandable_segments(true);
+    let grown = a.malloc(0, 30 * MIB, S0).unwrap();
+    assert_eq!(kinds(&a).iter().filter(|&&e| e).count(), 1, "{:?}", kinds(&a));
+    a.free(0, plain, 30 * MIB).unwrap();
+    // The plain segment's free block still serves a request of its size.
+    let again = a.malloc(0, 30 * MIB, S0).unwrap();
+    assert_eq!(again, plain);
+    a.set_expandable_segments(false);
+    let third = a.malloc(0, 30 * MIB, S0).unwrap();
+    assert_eq!(kinds(&a).iter().filter(|&&e| !e).count(), 2, "{:?}", kinds(&a));
+    for (p, n) in [(again, 30 * MIB), (grown, 30 * MIB), (third, 30 * MIB)] {
+        a.free(0, p, n).unwrap();
+    }
+    a.check_invariants().unwrap();
+    a.empty_cache().unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 0);
+}
+
+/// `caching_allocator_enable(False)`, as PyTorch's allocator then calls cudaMalloc / cudaFree
+/// directly: each general request gets a segment of its own, which goes back to the device when
+/// freed; cached blocks stay, and caching resumes when enabled again.
+#[test]
+fn caching_disabled_gives_each_request_its_own_segment_released_at_free() {
+    let a = sim("sim_capacity_mb:256");
+    let cached = a.malloc(0, 30 * MIB, S0).unwrap();
+    a.free(0, cached, 30 * MIB).unwrap();
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 30 * MIB);
+    a.set_caching_enabled(false);
+    assert!(!a.caching_enabled());
+    let p = a.malloc(0, 1000, S0).unwrap();
+    let q = a.malloc(0, 1000, S0).unwrap();
+    let big = a.malloc(0, 20 * MIB, S0).unwrap();
+    assert_ne!(big, cached, "the cache is not used");
+    let s = stats(&a).heap;
+    assert_eq!(s.segment.all.current, 4, "one segment per request, none split");
+    assert_eq!(block_size(&a, p), 2 * MIB);
+    for (ptr, n) in [(p, 1000), (q, 1000), (big, 20 * MIB)] {
+        a.free(0, ptr, n).unwrap();
+    }
+    assert_eq!(stats(&a).heap.reserved_bytes.all.current, 30 * MIB, "freed straight back to the device");
+    a.set_caching_enabled(true);
+    let again = a.malloc(0, 30 * MIB, S0).unwrap();
+    assert_eq!(again, cached, "caching resumes");
+    a.free(0, again, 30 * MIB).unwrap();
+    a.check_invariants().unwrap();
 }

@@ -58,6 +58,11 @@ typedef void *(*stepalloc_segment_alloc_fn)(size_t, int, cudaStream_t);
 // Its free function, called with the size, device and stream given to its alloc.
 typedef void (*stepalloc_segment_free_fn)(void*, size_t, int, cudaStream_t);
 
+// An out-of-memory observer, PyTorch's signature: device, bytes asked for, the bytes the
+// process may use on the device (its memory fraction's share, else the device's total), and
+// the device's free bytes.
+typedef void (*stepalloc_oom_observer_fn)(int64_t, size_t, size_t, size_t);
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -255,6 +260,10 @@ int stepalloc_pool_set_segment_allocator(int device,
 // no memory may take a free block of pool `(id0, id1)`. Returns a status.
 int stepalloc_pool_set_use_on_oom(int device, uint64_t id0, uint64_t id1, int on);
 
+// `MemPool(no_split=True)`: with `on` non-zero, each block of pool `(id0, id1)` on `device`
+// takes a whole segment and is never split. Returns a status.
+int stepalloc_pool_set_no_split(int device, uint64_t id0, uint64_t id1, int on);
+
 // Enters a region of `tag` on the calling thread: until the matching
 // `stepalloc_region_exit`, what this thread allocates carries `tag` and lives in pages of its
 // own, which `stepalloc_pause` can give back. `tag` is 1 to 64 characters of letters, digits,
@@ -348,6 +357,12 @@ int stepalloc_region_lend_end(uint64_t lease);
 // supported out-of-memory signal; process-wide mode uses `stepalloc_torch_malloc`.
 void *stepalloc_malloc(size_t size, int device, cudaStream_t stream);
 
+// `torch._C._cuda_attach_out_of_memory_observer`: `observer` is called on every out-of-memory
+// of `stepalloc_malloc` / `stepalloc_torch_malloc`, before the failure is returned (PyTorch
+// calls its observers before it raises). Observers stay for the life of the process and must
+// not unwind. Returns a status (`STEPALLOC_INVALID_ARGUMENT` for NULL).
+int stepalloc_attach_oom_observer(stepalloc_oom_observer_fn observer);
+
 // Frees a pointer from `stepalloc_malloc` / `stepalloc_torch_malloc`. `size` is the size
 // asked for at allocation (0: not checked) and `device` the device it was allocated on; the
 // stream is the one given at allocation and is not needed. Freeing NULL does nothing.
@@ -366,6 +381,24 @@ void stepalloc_empty_cache(void);
 // `torch.cuda.set_per_process_memory_fraction(fraction, device)`; `fraction` in [0, 1]
 // (0, as PyTorch accepts it: nothing may be reserved).
 void stepalloc_set_memory_fraction(double fraction, int device);
+
+// `torch.cuda.get_per_process_memory_fraction(device)`: the fraction in [0, 1] last set for
+// `device` (1.0 when none was); -1.0 on an error (left in the last error).
+double stepalloc_memory_fraction(int device);
+
+// `torch.cuda.memory._set_allocator_settings("expandable_segments:True")` (or `False`): with
+// `on` non-zero the general pool's new segments are expandable on every device, else plain;
+// segments already made keep their kind. Returns a status.
+int stepalloc_set_expandable_segments(int on);
+
+// `torch.cuda.caching_allocator_enable(enabled)`: with `enabled` zero, a general request on
+// any device takes a device allocation of its own (a segment, never split) that goes back to
+// the device when freed, until caching is enabled again. Returns a status.
+int stepalloc_set_caching_enabled(int enabled);
+
+// `torch._C._cuda_cudaCachingAllocator_is_enabled()`: 1 when caching is enabled, 0 when not,
+// -1 on an error (left in the last error).
+int stepalloc_caching_enabled(void);
 
 // The segment holding `ptr` (anywhere inside it): returns its base address and writes its size
 // to `*size`. NULL when `ptr` is in no segment or `size` is NULL, and (as PyTorch's

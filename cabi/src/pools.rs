@@ -101,3 +101,14 @@ pub extern "C" fn stepalloc_pool_set_use_on_oom(device: c_int, id0: u64, id1: u6
         Ok(())
     })
 }
+
+/// `MemPool(no_split=True)`: with `on` non-zero, each block of pool `(id0, id1)` on `device`
+/// takes a whole segment and is never split. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_pool_set_no_split(device: c_int, id0: u64, id1: u64, on: c_int) -> c_int {
+    guard_status(|| {
+        let index = device_index(device)?;
+        allocator()?.with_heap(index, |heap| heap.set_pool_no_split((id0, id1), on != 0))??;
+        Ok(())
+    })
+}

@@ -7,10 +7,11 @@
 //! unit that reads an atomic count of captures underway (the filters run only while a CUDA
 //! graph is being captured), the device lock, the heap operation, one thread-local store.
 
-use crate::guard::guard;
+use crate::guard::{guard, guard_status};
 use crate::{allocator, cudaStream_t, device_index, AbiError};
 use std::ffi::{c_int, c_void};
-use stepalloc::{PoolId, Stream};
+use std::sync::Mutex;
+use stepalloc::{Error, OomReport, PoolId, Stream};
 
 extern "C" {
     /// Defined in trampoline.cpp. When a CUDA graph capture is underway on `device` and one of
@@ -43,8 +44,47 @@ pub extern "C" fn stepalloc_malloc(size: usize, device: c_int, stream: cudaStrea
         // Safety: defined in trampoline.cpp; writes at most two integers into `pool`, never throws.
         let captured = unsafe { stepalloc_internal_capture_pool(device, stream, pool.as_mut_ptr()) } != 0;
         let pool: Option<PoolId> = captured.then_some((pool[0], pool[1]));
-        let ptr = allocator.malloc_in_pool(index, size as u64, stream_of(stream), pool)?;
-        Ok(ptr as usize as *mut c_void)
+        let ptr = allocator.malloc_in_pool(index, size as u64, stream_of(stream), pool);
+        if let Err(Error::OutOfMemory(report)) = &ptr {
+            notify_oom_observers(device, report);
+        }
+        Ok(ptr? as usize as *mut c_void)
+    })
+}
+
+/// An out-of-memory observer, PyTorch's signature: device, bytes asked for, the bytes the
+/// process may use on the device (its memory fraction's share, else the device's total), and
+/// the device's free bytes.
+#[allow(non_camel_case_types)]
+pub type stepalloc_oom_observer_fn = Option<unsafe extern "C" fn(i64, usize, usize, usize)>;
+
+static OOM_OBSERVERS: Mutex<Vec<unsafe extern "C" fn(i64, usize, usize, usize)>> = Mutex::new(Vec::new());
+
+/// Calls every observer. Runs after the allocation failed and its device lock was released, so
+/// an observer may allocate or take a snapshot.
+fn notify_oom_observers(device: c_int, report: &OomReport) {
+    let observers = OOM_OBSERVERS.lock().unwrap_or_else(|e| e.into_inner()).clone();
+    let limit = report.allowed.unwrap_or(report.device_total);
+    let size = |n: u64| usize::try_from(n).unwrap_or(usize::MAX);
+    for observer in observers {
+        // Safety: `stepalloc_attach_oom_observer`'s caller promised a function of this signature
+        // that stays callable for the life of the process.
+        unsafe { observer(i64::from(device), size(report.requested), size(limit), size(report.device_free)) };
+    }
+}
+
+/// `torch._C._cuda_attach_out_of_memory_observer`: `observer` is called on every out-of-memory
+/// of `stepalloc_malloc` / `stepalloc_torch_malloc`, before the failure is returned (PyTorch
+/// calls its observers before it raises). Observers stay for the life of the process and must
+/// not unwind. Returns a status (`STEPALLOC_INVALID_ARGUMENT` for NULL).
+#[no_mangle]
+pub extern "C" fn stepalloc_attach_oom_observer(observer: stepalloc_oom_observer_fn) -> c_int {
+    guard_status(|| {
+        let Some(observer) = observer else {
+            return Err(AbiError::invalid("stepalloc_attach_oom_observer: observer is NULL".into()));
+        };
+        OOM_OBSERVERS.lock().unwrap_or_else(|e| e.into_inner()).push(observer);
+        Ok(())
     })
 }
 
@@ -102,6 +142,53 @@ pub extern "C" fn stepalloc_set_memory_fraction(fraction: f64, device: c_int) {
         allocator()?.set_memory_fraction(index, fraction)?;
         Ok(())
     })
+}
+
+/// `torch.cuda.get_per_process_memory_fraction(device)`: the fraction in [0, 1] last set for
+/// `device` (1.0 when none was); -1.0 on an error (left in the last error).
+#[no_mangle]
+pub extern "C" fn stepalloc_memory_fraction(device: c_int) -> f64 {
+    let mut answer = -1.0;
+    guard_status(|| {
+        let index = device_index(device)?;
+        answer = allocator()?.memory_fraction(index)?;
+        Ok(())
+    });
+    answer
+}
+
+/// `torch.cuda.memory._set_allocator_settings("expandable_segments:True")` (or `False`): with
+/// `on` non-zero the general pool's new segments are expandable on every device, else plain;
+/// segments already made keep their kind. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_set_expandable_segments(on: c_int) -> c_int {
+    guard_status(|| {
+        allocator()?.set_expandable_segments(on != 0);
+        Ok(())
+    })
+}
+
+/// `torch.cuda.caching_allocator_enable(enabled)`: with `enabled` zero, a general request on
+/// any device takes a device allocation of its own (a segment, never split) that goes back to
+/// the device when freed, until caching is enabled again. Returns a status.
+#[no_mangle]
+pub extern "C" fn stepalloc_set_caching_enabled(enabled: c_int) -> c_int {
+    guard_status(|| {
+        allocator()?.set_caching_enabled(enabled != 0);
+        Ok(())
+    })
+}
+
+/// `torch._C._cuda_cudaCachingAllocator_is_enabled()`: 1 when caching is enabled, 0 when not,
+/// -1 on an error (left in the last error).
+#[no_mangle]
+pub extern "C" fn stepalloc_caching_enabled() -> c_int {
+    let mut answer = -1;
+    guard_status(|| {
+        answer = c_int::from(allocator()?.caching_enabled());
+        Ok(())
+    });
+    answer
 }
 
 /// The segment holding `ptr` (anywhere inside it): returns its base address and writes its size

@@ -184,6 +184,11 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_free": ([c_void_p, c_size_t, c_int, c_void_p], None),
         "stepalloc_empty_cache": ([], None),
         "stepalloc_set_memory_fraction": ([c_double, c_int], None),
+        "stepalloc_memory_fraction": ([c_int], c_double),
+        "stepalloc_set_expandable_segments": ([c_int], c_int),
+        "stepalloc_attach_oom_observer": ([c_void_p], c_int),
+        "stepalloc_set_caching_enabled": ([c_int], c_int),
+        "stepalloc_caching_enabled": ([], c_int),
         "stepalloc_set_mempool_mode": ([c_int], c_int),
         "stepalloc_record_history": ([ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64)], c_int),
         # User memory pools (pools.py): device, pool id.
@@ -191,6 +196,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_pool_use_count": ([c_int, ctypes.c_uint64, ctypes.c_uint64], c_int),
         "stepalloc_pool_set_segment_allocator": ([c_int, ctypes.c_uint64, ctypes.c_uint64, c_void_p, c_void_p], c_int),
         "stepalloc_pool_set_use_on_oom": ([c_int, ctypes.c_uint64, ctypes.c_uint64, c_int], c_int),
+        "stepalloc_pool_set_no_split": ([c_int, ctypes.c_uint64, ctypes.c_uint64, c_int], c_int),
         # CUDA IPC (ipc.py): share(ptr, handle version, buf, cap, &offset);
         # open(device, handle, len, offset, size, &base).
         "stepalloc_ipc_share": ([c_void_p, c_int, c_char_p, c_size_t, ctypes.POINTER(ctypes.c_uint64)], c_size_t),

@@ -1,18 +1,24 @@
 """Layer: PyTorch glue. What each memory entry point of ``torch.cuda`` / ``torch.cuda.memory``
-(torch 2.15) does under process-wide stepalloc (``install(patch_torch=True)``), as data: one
-``Row`` per entry point, from which ``markdown()`` writes the table in python_shim/README.md
-(a test fails when the two differ) and ``patches()`` makes the wrappers ``patch_torch``
-installs, so that every ``raises`` row raises ``UnsupportedError`` naming the alternative instead
-of PyTorch's "does not yet support" or a silent wrong answer.
+/ ``torch.accelerator`` (torch 2.15) does under process-wide stepalloc
+(``install(patch_torch=True)``), as data: one ``Row`` per entry point, from which ``markdown()``
+writes the table in python_shim/README.md (a test fails when the two differ) and ``patches()``
+makes the wrappers ``patch_torch`` installs, so that every ``raises`` row raises
+``UnsupportedError`` naming the alternative instead of PyTorch's "does not yet support" or a
+silent wrong answer. ``PORTED``: PyTorch's own allocator tests (tests/torch_port) and their
+results under PyTorch's allocator and under stepalloc, which ``ported_markdown()`` writes.
 
 Invariants:
 - ``ROWS`` has exactly one row per entry point; a test runs each row's check in real PyTorch.
+- ``PORTED`` has one entry per ported test, with the outcome tests/torch_port observes under
+  each allocator (a test fails when they differ); a test PyTorch's allocator passes passes under
+  stepalloc, and one that fails under PyTorch too says why.
 - A ``raises`` row has an ``instead`` (the alternative), which its error message ends with.
 - torch is imported inside the functions, never at module import.
 """
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import warnings
 from typing import Any, Callable
@@ -40,23 +46,18 @@ _STATS = "answered by stepalloc (patch_torch), same keys and meanings as PyTorch
 _NVML = "answered by NVML, not by the allocator: as under PyTorch's own allocator"
 _HOST = "PyTorch's pinned-memory (host) allocator, which stepalloc does not replace"
 _HOOK = "PyTorch's pool hooks, served by stepalloc's private pools"
+_UNCACHED = (
+    "while caching is disabled each allocation takes a device allocation of its own that goes back "
+    "to the device when freed (PyTorch's calls cudaMalloc / cudaFree); stepalloc's statistics count "
+    "them, PyTorch's do not"
+)
 
 ROWS: tuple[Row, ...] = (
     # Allocation and caching.
     Row("torch.cuda.caching_allocator_alloc", WORKS, "allocates from stepalloc (raw_alloc)"),
     Row("torch.cuda.caching_allocator_delete", WORKS, "frees to stepalloc"),
-    Row(
-        "torch.cuda.caching_allocator_enable",
-        DIFFERS,
-        "`True` changes nothing (stepalloc always caches); `False` raises",
-        "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back",
-    ),
-    Row(
-        "torch.cuda.caching_allocator_disabled",
-        RAISES,
-        "stepalloc always caches",
-        "torch.cuda.empty_cache() or stepalloc.step(...) with step release to give memory back",
-    ),
+    Row("torch.cuda.caching_allocator_enable", DIFFERS, _UNCACHED),
+    Row("torch.cuda.caching_allocator_disabled", DIFFERS, _UNCACHED),
     Row(
         "torch.cuda.empty_cache",
         WORKS,
@@ -64,20 +65,15 @@ ROWS: tuple[Row, ...] = (
         "of a pool a CUDA graph captured into); PyTorch's frees nothing while a pool is in use",
     ),
     Row("torch.cuda.set_per_process_memory_fraction", WORKS, "stepalloc enforces the limit"),
-    Row(
-        "torch.cuda.get_per_process_memory_fraction",
-        RAISES,
-        "the pluggable allocator cannot report it",
-        "keep the value you passed to set_per_process_memory_fraction (stepalloc enforces it), or "
-        "the per_process_memory_fraction key of STEPALLOC_CONF",
-    ),
+    Row("torch.cuda.get_per_process_memory_fraction", WORKS, "the fraction stepalloc enforces (patch_torch)"),
     Row("torch.cuda.mem_get_info", WORKS, "the driver's free and total bytes"),
     Row("torch.cuda.get_allocator_backend", DIFFERS, "returns 'pluggable'"),
     Row(
         "torch.cuda.memory._set_allocator_settings",
         DIFFERS,
-        "warns: PyTorch's allocator settings do not reach stepalloc; set them in STEPALLOC_CONF "
-        "(same syntax) or install(conf=...)",
+        "`expandable_segments` reaches stepalloc (the general pool's new segments, as in PyTorch) and "
+        "`pinned_*` PyTorch's host allocator; any other key warns: set it in STEPALLOC_CONF (same "
+        "syntax) or install(conf=...)",
     ),
     Row(
         "torch.cuda.change_current_allocator",
@@ -115,6 +111,20 @@ ROWS: tuple[Row, ...] = (
             "reset_peak_host_memory_stats",
         )
     ),
+    *(
+        Row(f"torch.accelerator.{name}", WORKS, "answered as torch.cuda's (patch_torch); torch's own read nothing")
+        for name in (
+            "memory_stats",
+            "memory_allocated",
+            "max_memory_allocated",
+            "memory_reserved",
+            "max_memory_reserved",
+            "reset_peak_memory_stats",
+            "reset_accumulated_memory_stats",
+            "empty_cache",
+            "get_memory_info",
+        )
+    ),
     Row("torch.cuda.list_gpu_processes", WORKS, _NVML),
     Row("torch.cuda.memory_usage", WORKS, _NVML),
     Row("torch.cuda.device_memory_used", WORKS, _NVML),
@@ -146,9 +156,8 @@ ROWS: tuple[Row, ...] = (
     ),
     Row(
         "torch.cuda.MemPool(no_split=True)",
-        RAISES,
-        pools.NO_SPLIT_NOTE,
-        pools.NO_SPLIT_INSTEAD,
+        WORKS,
+        "each block takes a whole segment of the pool, never split (as PyTorch's)",
     ),
     Row("torch.cuda.MemPool.id", WORKS, "(0, n), from PyTorch's own pool counter"),
     Row("torch.cuda.MemPool.use_count", WORKS, "references: the pool, each use_mem_pool, each graph"),
@@ -192,9 +201,8 @@ ROWS: tuple[Row, ...] = (
     ),
     Row(
         "torch._C._cuda_attach_out_of_memory_observer",
-        RAISES,
-        "the pluggable allocator has no observers",
-        "catch torch.OutOfMemoryError (its message is stepalloc's report) or read num_ooms in memory_stats()",
+        WORKS,
+        "stepalloc calls the observer (device, bytes asked for, bytes allowed, bytes free) before it raises",
     ),
     # CUDA IPC.
     Row(
@@ -237,6 +245,72 @@ ROWS: tuple[Row, ...] = (
 
 ROW_BY_NAME: dict[str, Row] = {row.name: row for row in ROWS}
 
+# ----- PyTorch's own allocator tests (python_shim/tests/torch_port) ---------------------------
+
+PASSES, FAILS = "passes", "fails"
+# The allocators each ported test runs under (tests/torch_port/run_cases.py's modes), in the
+# table's column order, with the column's heading.
+ALLOCATORS: tuple[tuple[str, str], ...] = (
+    ("pytorch", "PyTorch's allocator"),
+    ("pytorch-expandable", "PyTorch's, expandable segments"),
+    ("stepalloc", "stepalloc (recommended)"),
+    ("stepalloc-plain", "stepalloc, plain segments"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Ported:
+    """One of PyTorch's tests (``Class.test_name`` of its test/test_cuda.py) and its outcome under
+    each of ``ALLOCATORS``, in order. ``why``: for a test that fails under PyTorch's allocator
+    too, why it cannot pass on this harness."""
+
+    test: str
+    outcomes: tuple[str, str, str, str]
+    why: str = ""
+
+
+_ALL_PASS = (PASSES, PASSES, PASSES, PASSES)
+PORTED: tuple[Ported, ...] = (
+    Ported("TestCuda.test_memory_allocation", _ALL_PASS),
+    Ported("TestCuda.test_memory_stats", _ALL_PASS),
+    Ported("TestCuda.test_out_of_memory", _ALL_PASS),
+    Ported("TestCuda.test_out_of_memory_retry", _ALL_PASS),
+    Ported("TestCuda.test_set_per_process_memory_fraction", _ALL_PASS),
+    Ported("TestCuda.test_get_per_process_memory_fraction", _ALL_PASS),
+    Ported("TestCuda.test_copy_non_blocking", _ALL_PASS),
+    Ported(
+        "TestCuda.test_copy_non_blocking_type_conversion",
+        (FAILS, FAILS, FAILS, FAILS),
+        "the float-to-long conversion of the host-to-device copy is a kernel, and testdrv runs none",
+    ),
+    Ported("TestMemPool.test_mempool_id", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_empty_cache", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_empty_cache_inactive", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_with_allocator", _ALL_PASS),
+    Ported("TestMemPool.test_tensor_delete_after_allocator_delete", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_limited_memory_with_allocator", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_no_split", _ALL_PASS),
+    Ported("TestMemPool.test_deleted_mempool_not_used_on_oom", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_multithread", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_emptycache_multithread", _ALL_PASS),
+    Ported("TestMemPool.test_nested_mempool", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_expandable", _ALL_PASS),
+    Ported("TestMemPool.test_mempool_ctx_multithread", _ALL_PASS),
+)
+
+PORTED_BY_TEST: dict[str, Ported] = {p.test: p for p in PORTED}
+
+
+def ported_markdown() -> str:
+    """The table of PyTorch's ported tests, as python_shim/README.md shows it."""
+    lines = [
+        "| PyTorch's test | " + " | ".join(heading for _, heading in ALLOCATORS) + " | why it fails |",
+        "|---|" + "---|" * len(ALLOCATORS) + "---|",
+    ]
+    for p in PORTED:
+        lines.append(f"| `{p.test}` | " + " | ".join(p.outcomes) + f" | {p.why.replace('|', '/')} |")
+    return "\n".join(lines) + "\n"
+
 
 def error_message(name: str) -> str:
     """The message of the ``UnsupportedError`` a ``raises`` row's entry point raises."""
@@ -263,27 +337,40 @@ def _raiser(name: str) -> Callable[..., Any]:
     return stepalloc_unsupported
 
 
-def _caching_allocator_enable(value: bool = True) -> None:
-    if not value:
-        raise UnsupportedError(error_message("torch.cuda.caching_allocator_enable"))
+def _set_caching_enabled(enabled: bool) -> None:
+    """``torch._C._cuda_cudaCachingAllocator_enable`` (what ``caching_allocator_enable`` and
+    ``caching_allocator_disabled`` call)."""
+    _lib.check(int(_lib.lib().stepalloc_set_caching_enabled(int(bool(enabled)))))
 
 
-class _CachingAllocatorDisabled:
-    def __enter__(self) -> None:
-        raise UnsupportedError(error_message("torch.cuda.caching_allocator_disabled"))
-
-    def __exit__(self, *args: object) -> None:
-        return None
+def _caching_enabled() -> bool:
+    """``torch._C._cuda_cudaCachingAllocator_is_enabled``."""
+    answer = int(_lib.lib().stepalloc_caching_enabled())
+    if answer < 0:
+        raise _lib.error_for(int(_lib.lib().stepalloc_last_status()))
+    return bool(answer)
 
 
 def _set_allocator_settings(original: Callable[[str], Any]) -> Callable[[str], Any]:
     def stepalloc_set_allocator_settings(env: str) -> Any:
-        warnings.warn(
-            f"stepalloc: torch.cuda.memory._set_allocator_settings({env!r}) configures PyTorch's own allocator, "
-            "which stepalloc replaces: it does not change stepalloc. Set STEPALLOC_CONF (same syntax) or "
-            "stepalloc.install(conf=...) instead.",
-            stacklevel=2,
-        )
+        ignored = []
+        for item in str(env).split(","):
+            key, _, value = item.partition(":")
+            key, value = key.strip(), value.strip()
+            if key == "expandable_segments":
+                # As PyTorch's allocator takes it at run time: the general pool's new segments.
+                if value not in ("True", "False"):
+                    raise ValueError(f"expandable_segments expects True or False, not {value!r}")
+                _lib.check(int(_lib.lib().stepalloc_set_expandable_segments(int(value == "True"))))
+            elif key and not key.startswith("pinned_"):  # pinned_*: PyTorch's host allocator
+                ignored.append(item.strip())
+        if ignored:
+            warnings.warn(
+                f"stepalloc: torch.cuda.memory._set_allocator_settings({','.join(ignored)!r}) configures PyTorch's "
+                "own allocator, which stepalloc replaces: it does not change stepalloc. Set STEPALLOC_CONF (same "
+                "syntax) or stepalloc.install(conf=...) instead.",
+                stacklevel=2,
+            )
         return original(env)
 
     return stepalloc_set_allocator_settings
@@ -303,6 +390,38 @@ def _check_pool_live_allocations(device: int, pool_id: Any, expected: Any) -> bo
         if block["state"] == "active_allocated"
     }
     return live == {int(p) for p in expected}
+
+
+def _get_memory_fraction(device: int) -> float:
+    """``torch._C._cuda_getMemoryFraction`` (what ``torch.cuda.get_per_process_memory_fraction``
+    calls): the fraction stepalloc enforces on ``device``, last set by
+    ``set_per_process_memory_fraction`` or else the configuration's."""
+    fraction = float(_lib.lib().stepalloc_memory_fraction(int(device)))
+    if fraction < 0:
+        raise _lib.error_for(int(_lib.lib().stepalloc_last_status()))
+    return fraction
+
+
+# PyTorch's observer signature as a C function; the made functions stay alive with the process
+# (the library keeps calling them).
+_OOM_OBSERVER_FN = ctypes.CFUNCTYPE(None, ctypes.c_int64, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_size_t)
+_oom_observers: list[Any] = []
+
+
+def _attach_out_of_memory_observer(observer: Callable[[int, int, int, int], Any]) -> None:
+    """``torch._C._cuda_attach_out_of_memory_observer``: ``observer(device, alloc,
+    device_allocated_limit, device_free)`` runs on every out-of-memory before it raises, as
+    PyTorch calls it (an observer typically dumps ``torch.cuda.memory._snapshot()``). An
+    exception in it is printed and the out-of-memory error raised as ever."""
+    if not callable(observer):
+        raise TypeError(f"an out-of-memory observer must be callable, not {type(observer).__name__}")
+
+    def call(device: int, alloc: int, limit: int, free: int) -> None:
+        observer(int(device), int(alloc), int(limit), int(free))
+
+    fn = _OOM_OBSERVER_FN(call)
+    _oom_observers.append(fn)
+    _lib.check(int(_lib.lib().stepalloc_attach_oom_observer(ctypes.cast(fn, ctypes.c_void_p))))
 
 
 def _record_memory_history_legacy(record: Callable[..., None]) -> Callable[..., None]:
@@ -343,9 +462,6 @@ def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, 
     for module in (cuda, memory):
         out += [
             (module, "MemPool", pools.MemPool),
-            (module, "caching_allocator_enable", _caching_allocator_enable),
-            (module, "caching_allocator_disabled", _CachingAllocatorDisabled),
-            (module, "get_per_process_memory_fraction", _raiser("torch.cuda.get_per_process_memory_fraction")),
             (module, "change_current_allocator", _raiser("torch.cuda.change_current_allocator")),
         ]
     out += [
@@ -356,7 +472,10 @@ def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, 
         (c, "_cuda_getCheckpointState", _raiser("torch._C._cuda_getCheckpointState")),
         (c, "_cuda_setCheckpointPoolState", _raiser("torch._C._cuda_setCheckpointPoolState")),
         (c, "_cuda_checkPoolLiveAllocations", _check_pool_live_allocations),
-        (c, "_cuda_attach_out_of_memory_observer", _raiser("torch._C._cuda_attach_out_of_memory_observer")),
+        (c, "_cuda_getMemoryFraction", _get_memory_fraction),
+        (c, "_cuda_cudaCachingAllocator_enable", _set_caching_enabled),
+        (c, "_cuda_cudaCachingAllocator_is_enabled", _caching_enabled),
+        (c, "_cuda_attach_out_of_memory_observer", _attach_out_of_memory_observer),
     ]
     nccl = getattr(getattr(c, "_distributed_c10d", None), "ProcessGroupNCCL", None)
     if nccl is not None:

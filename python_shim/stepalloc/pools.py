@@ -60,11 +60,6 @@ def _segment_functions(allocator: Any) -> tuple[int, int] | None:
     return None if alloc_fn in own else (alloc_fn, free_fn)
 
 
-# The parity table's row for ``MemPool(no_split=True)`` (stepalloc.parity) and the error it raises.
-NO_SPLIT_NOTE = "stepalloc splits a pool's segments as any"
-NO_SPLIT_INSTEAD = "leave no_split out, or give the pool an allocator (MemPool(allocator=...)) whose segments you size"
-
-
 class MemPool:
     """``torch.cuda.MemPool`` under process-wide stepalloc, with PyTorch's arguments and methods.
 
@@ -75,17 +70,14 @@ class MemPool:
             segments, and gives them back through its free function (``empty_cache`` once the
             pool is released, or the out-of-memory path). None: segments from stepalloc.
         use_on_oom: a general allocation that finds no memory may take a free block of this pool.
-        no_split: refused (stepalloc splits a pool's segments as it splits any).
+        no_split: each block takes a whole segment, never split from a larger one (as
+            PyTorch's: a 4 MiB tensor holds a whole 20 MiB segment, and the next one another).
     """
 
     def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False) -> None:
         import torch
 
         self._released = True  # nothing to release until the pool exists
-        if no_split:
-            raise _lib.UnsupportedError(
-                _lib.unsupported_message("torch.cuda.MemPool(no_split=True)", NO_SPLIT_NOTE, NO_SPLIT_INSTEAD)
-            )
         functions = None if allocator is None else _segment_functions(allocator)
         self._device = int(torch.cuda.current_device())
         self._id = tuple(int(x) for x in torch._C._graph_pool_handle())
@@ -99,6 +91,8 @@ class MemPool:
                 _lib.check(int(lib.stepalloc_pool_set_segment_allocator(self._device, *self._id, *functions)))
             if use_on_oom:
                 _lib.check(int(lib.stepalloc_pool_set_use_on_oom(self._device, *self._id, 1)))
+            if no_split:
+                _lib.check(int(lib.stepalloc_pool_set_no_split(self._device, *self._id, 1)))
         except BaseException:
             self._release()
             raise

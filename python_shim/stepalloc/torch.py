@@ -379,14 +379,62 @@ REPLACEMENTS: dict[str, Callable[..., Any]] = {
 }
 
 
+def _accelerator_device(device: Any) -> int | None:
+    """A ``torch.accelerator`` device argument as a CUDA ordinal, checked as torch.accelerator
+    checks it (a ``torch.device`` or string of another type is refused)."""
+    try:
+        from torch.accelerator._utils import _get_device_index
+    except ImportError:  # a torch whose private helper moved: torch.cuda's reading
+        return None if device is None else stats.device_index(device)
+    return _get_device_index(device, optional=True)
+
+
+def _accelerator_replacements(torch: Any) -> dict[str, Callable[..., Any]]:
+    """``torch.accelerator``'s memory functions answered as ``torch.cuda``'s are: under a
+    pluggable allocator torch's own report an empty dict (``_accelerator_isAllocatorInitialized``
+    is False) and ``empty_cache`` does nothing."""
+
+    def on_device(fn: Callable[[Any], Any]) -> Callable[..., Any]:
+        def stepalloc_accelerator(device_index: Any = None, /) -> Any:
+            return fn(_accelerator_device(device_index))
+
+        stepalloc_accelerator.__name__ = stepalloc_accelerator.__qualname__ = fn.__name__
+        stepalloc_accelerator.__doc__ = fn.__doc__
+        return stepalloc_accelerator
+
+    cuda_empty_cache, cuda_mem_get_info = torch.cuda.empty_cache, torch.cuda.mem_get_info
+
+    def empty_cache() -> None:
+        """``torch.accelerator.empty_cache``: ``torch.cuda.empty_cache``, which reaches stepalloc."""
+        cuda_empty_cache()
+
+    def get_memory_info(device_index: Any = None, /) -> tuple[int, int]:
+        """``torch.accelerator.get_memory_info``: ``torch.cuda.mem_get_info`` (free, total)."""
+        index = _accelerator_device(device_index)
+        return tuple(cuda_mem_get_info(torch.cuda.current_device() if index is None else index))
+
+    return {
+        "memory_stats": on_device(stats.memory_stats),
+        "memory_allocated": on_device(stats.memory_allocated),
+        "max_memory_allocated": on_device(stats.max_memory_allocated),
+        "memory_reserved": on_device(stats.memory_reserved),
+        "max_memory_reserved": on_device(stats.max_memory_reserved),
+        "reset_peak_memory_stats": on_device(stats.reset_peak_memory_stats),
+        "reset_accumulated_memory_stats": on_device(stats.reset_accumulated_memory_stats),
+        "empty_cache": empty_cache,
+        "get_memory_info": get_memory_info,
+    }
+
+
 def patch_torch() -> list[str]:
     """Routes torch.cuda's memory statistics to stepalloc; returns the names replaced.
 
     Under a pluggable allocator PyTorch's own ``torch.cuda.memory_stats``,
     ``memory_allocated``, ``memory_reserved``, ``max_memory_*``, ``reset_peak_memory_stats``,
     ``memory_summary`` and ``memory_snapshot`` raise; after this they answer from stepalloc
-    (in ``torch.cuda`` and ``torch.cuda.memory``), so HF Trainer's memory metrics, Lightning's
-    ``DeviceStatsMonitor``, ``torch.cuda.memory._record_memory_history`` and
+    (in ``torch.cuda`` and ``torch.cuda.memory``; ``torch.accelerator``'s memory functions,
+    ``empty_cache`` and ``get_memory_info`` answer as torch.cuda's), so HF Trainer's memory
+    metrics, Lightning's ``DeviceStatsMonitor``, ``torch.cuda.memory._record_memory_history`` and
     ``torch.cuda.memory._dump_snapshot`` keep working. Under process-wide stepalloc it also
     makes CUDA IPC work (``torch.multiprocessing`` queues, ``reduce_tensor``,
     ``torch.cuda.ipc_collect``; see ``stepalloc.ipc``), with stock PyTorch or stepalloc on the
@@ -406,6 +454,16 @@ def patch_torch() -> list[str]:
                     if hasattr(module, name):
                         saved[(module, name)] = getattr(module, name)
                         setattr(module, name, fn)
+            # torch.accelerator (torch >= 2.8), whose accelerator is CUDA in a CUDA build (asking
+            # torch.accelerator.current_accelerator() here could initialise CUDA before install).
+            accelerator = getattr(torch, "accelerator", None)
+            if accelerator is not None:
+                modules = [accelerator] + [m for m in [getattr(accelerator, "memory", None)] if m is not None]
+                for name, fn in _accelerator_replacements(torch).items():
+                    for module in modules:
+                        if hasattr(module, name):
+                            saved[(module, name)] = getattr(module, name)
+                            setattr(module, name, fn)
             ipc.patch(torch, is_installed)
             _patched = saved
         if _installation is not None and not _process_wide_patched:

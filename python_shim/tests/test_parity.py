@@ -107,12 +107,28 @@ torch.cuda.caching_allocator_delete(ptr)
 assert torch.cuda.memory_allocated() == before - MIB
 """,
     "torch.cuda.caching_allocator_enable": """
-torch.cuda.caching_allocator_enable(True)
-refused(lambda: torch.cuda.caching_allocator_enable(False), "torch.cuda.caching_allocator_enable")
+u8(1)  # CUDA initialised: PyTorch's caching_allocator_enable does nothing before
+torch.cuda.caching_allocator_enable(False)
+try:
+    assert not torch._C._cuda_cudaCachingAllocator_is_enabled()
+    before = torch.cuda.memory_reserved()
+    t = u8(3 * MIB)
+    assert torch.cuda.memory_reserved() > before
+    del t
+    assert torch.cuda.memory_reserved() == before  # straight back to the device
+finally:
+    torch.cuda.caching_allocator_enable(True)
+assert torch._C._cuda_cudaCachingAllocator_is_enabled()
 """,
     "torch.cuda.caching_allocator_disabled": """
+u8(1)
 with torch.cuda.caching_allocator_disabled():
-    pass
+    before = torch.cuda.memory_reserved()
+    a, b = u8(100), u8(100)
+    assert pool_of(a.data_ptr()) is not None and torch.cuda.memory_reserved() >= before + 4 * MIB  # a segment each
+    del a, b
+    assert torch.cuda.memory_reserved() == before
+assert torch._C._cuda_cudaCachingAllocator_is_enabled()
 """,
     "torch.cuda.empty_cache": """
 t = u8(64 * MIB); del t
@@ -130,7 +146,60 @@ finally:
     torch.cuda.set_per_process_memory_fraction(1.0)
 u8(200 * MIB)
 """,
-    "torch.cuda.get_per_process_memory_fraction": "torch.cuda.get_per_process_memory_fraction()",
+    "torch.cuda.get_per_process_memory_fraction": """
+assert torch.cuda.get_per_process_memory_fraction() == 1.0
+torch.cuda.set_per_process_memory_fraction(0.25)
+try:
+    assert torch.cuda.get_per_process_memory_fraction() == 0.25
+    assert torch.cuda.memory.get_per_process_memory_fraction(0) == 0.25
+    assert torch.cuda.get_per_process_memory_fraction(1) == 1.0  # per device
+finally:
+    torch.cuda.set_per_process_memory_fraction(1.0)
+""",
+    # torch.accelerator's memory functions give what torch.cuda's give.
+    "torch.accelerator.memory_stats": """
+t = u8(3 * MIB)
+got, want = torch.accelerator.memory_stats(), torch.cuda.memory_stats()
+assert got["active_bytes.all.current"] == want["active_bytes.all.current"] >= 3 * MIB, (got, want)
+assert torch.accelerator.memory_stats("cuda:1")["active_bytes.all.current"] == torch.cuda.memory_stats(1)["active_bytes.all.current"]
+""",
+    "torch.accelerator.memory_allocated": """
+t = u8(3 * MIB)
+assert torch.accelerator.memory_allocated() == torch.cuda.memory_allocated() >= 3 * MIB
+assert torch.accelerator.memory_allocated(torch.device("cuda", 0)) == torch.cuda.memory_allocated(0)
+""",
+    "torch.accelerator.max_memory_allocated": """
+t = u8(3 * MIB)
+assert torch.accelerator.max_memory_allocated() == torch.cuda.max_memory_allocated() >= 3 * MIB
+""",
+    "torch.accelerator.memory_reserved": """
+t = u8(3 * MIB)
+assert torch.accelerator.memory_reserved() == torch.cuda.memory_reserved() >= 3 * MIB
+""",
+    "torch.accelerator.max_memory_reserved": """
+t = u8(3 * MIB)
+assert torch.accelerator.max_memory_reserved() == torch.cuda.max_memory_reserved() >= 3 * MIB
+""",
+    "torch.accelerator.reset_peak_memory_stats": """
+t = u8(30 * MIB); del t
+torch.accelerator.reset_peak_memory_stats()
+assert torch.cuda.max_memory_allocated() == torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+""",
+    "torch.accelerator.reset_accumulated_memory_stats": """
+t = u8(MIB); del t
+torch.accelerator.reset_accumulated_memory_stats()
+assert torch.cuda.memory_stats()["allocation.all.freed"] == 0
+""",
+    "torch.accelerator.empty_cache": """
+t = u8(64 * MIB); del t
+assert torch.cuda.memory_reserved() >= 64 * MIB
+torch.accelerator.empty_cache()
+assert torch.cuda.memory_reserved() < 64 * MIB, torch.cuda.memory_reserved()
+""",
+    "torch.accelerator.get_memory_info": """
+assert torch.accelerator.get_memory_info() == torch.cuda.mem_get_info() == torch.cuda.mem_get_info(0)
+assert torch.accelerator.get_memory_info(1) == torch.cuda.mem_get_info(1)
+""",
     "torch.cuda.mem_get_info": """
 free, total = torch.cuda.mem_get_info()
 assert total == 1024 * MIB and 0 < free <= total, (free, total)
@@ -141,6 +210,19 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     torch.cuda.memory._set_allocator_settings("garbage_collection_threshold:0.9")
 assert any("STEPALLOC_CONF" in str(w.message) for w in caught), [str(w.message) for w in caught]
+def expandable(ptr):
+    return [s["is_expandable"] for s in torch.cuda.memory_snapshot()
+            if s["address"] <= ptr < s["address"] + s["total_size"]] == [True]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    a = u8(30 * MIB)
+    torch.cuda.memory._set_allocator_settings("expandable_segments:False")
+    b = u8(30 * MIB)
+    assert expandable(a.data_ptr()) and not expandable(b.data_ptr())
+assert not any("STEPALLOC_CONF" in str(w.message) for w in caught), [str(w.message) for w in caught]
+del a, b
+torch.cuda.empty_cache()
 """,
     "torch.cuda.change_current_allocator": """
 torch.cuda.change_current_allocator(torch.cuda.memory._get_current_allocator())
@@ -275,7 +357,15 @@ except torch.OutOfMemoryError:
 assert sum(pool_of(k.data_ptr()) == pool.id for k in keep) >= 2, [pool_of(k.data_ptr()) for k in keep]
 del keep
 """,
-    "torch.cuda.MemPool(no_split=True)": "torch.cuda.MemPool(no_split=True)",
+    "torch.cuda.MemPool(no_split=True)": """
+pool = torch.cuda.MemPool(no_split=True)
+with torch.cuda.use_mem_pool(pool):
+    a, b = u8(4 * MIB), u8(4 * MIB)
+segments = pool.snapshot()
+assert len(segments) == 2 and all(len(s["blocks"]) == 1 for s in segments), segments
+assert {s["blocks"][0]["size"] for s in segments} == {20 * MIB}, segments  # the whole segment, as PyTorch
+del a, b
+""",
     "torch.cuda.MemPool.id": """
 pool, handle = torch.cuda.MemPool(), torch.cuda.graph_pool_handle()
 assert pool.id[0] == 0 and pool.id != tuple(handle) and pool.id != torch.cuda.MemPool().id
@@ -392,7 +482,22 @@ with torch.cuda.use_mem_pool(pool):
 assert torch._C._cuda_checkPoolLiveAllocations(0, pool.id, {t.data_ptr()})
 assert not torch._C._cuda_checkPoolLiveAllocations(0, pool.id, set())
 """,
-    "torch._C._cuda_attach_out_of_memory_observer": "torch._C._cuda_attach_out_of_memory_observer(lambda *a: None)",
+    "torch._C._cuda_attach_out_of_memory_observer": """
+seen = []
+def observer(device, alloc, limit, free):
+    # What observers do: a snapshot (and here an allocation) while the failed request unwinds.
+    seen.append((device, alloc, limit, free, len(torch.cuda.memory._snapshot()["segments"]) > 0, u8(MIB).numel()))
+torch._C._cuda_attach_out_of_memory_observer(observer)
+keep = u8(MIB)
+try:
+    u8(4096 * MIB)
+    raise AssertionError("4 GiB fit a 1 GiB device")
+except torch.OutOfMemoryError:
+    pass
+free, total = torch.cuda.mem_get_info()
+assert len(seen) == 1 and seen[0][:3] == (0, 4096 * MIB, total) and 0 < seen[0][3] <= total and seen[0][4:] == (True, MIB), seen
+seen.clear()  # the observer stays for the life of the process, as PyTorch's
+""",
     "torch.multiprocessing.reductions.reduce_tensor (CUDA)": """
 import torch.multiprocessing.reductions as r
 r.reduce_tensor(u8(MIB))

@@ -153,4 +153,17 @@ impl Heap {
     pub fn set_mempool_mode(&mut self, on: bool) {
         self.mempool_mode = on;
     }
+
+    /// `torch.cuda.caching_allocator_enable(enabled)`: while disabled, a general untagged
+    /// request takes a new plain segment of its own (never split, never served from the cache)
+    /// that goes back to the device when it is freed, as PyTorch's allocator then calls
+    /// `cudaMalloc` / `cudaFree` directly. Blocks already cached stay cached.
+    pub fn set_caching_enabled(&mut self, enabled: bool) {
+        self.caching_disabled = !enabled;
+    }
+
+    /// Whether caching is enabled (`set_caching_enabled`).
+    pub fn caching_enabled(&self) -> bool {
+        !self.caching_disabled
+    }
 }

@@ -81,6 +81,23 @@ impl Heap {
         self.config.param_lane = false;
     }
 
+    /// `torch.cuda.memory._set_allocator_settings("expandable_segments:...")` at run time, as
+    /// PyTorch's allocator takes it: the general pool's new segments are expandable (when the
+    /// device can map virtual memory) or plain from now on; segments already made keep their
+    /// kind, and blocks of both kinds serve requests until they are released. Page reuse, page
+    /// release and the parameter lane stay as configured (off when the configuration had
+    /// plain segments).
+    pub fn set_expandable_segments(&mut self, on: bool) {
+        if on == self.config.expandable_segments {
+            return;
+        }
+        self.config.expandable_segments = on;
+        if on {
+            self.check_virtual_memory();
+        }
+        self.page_limit = self.config.expandable_segments && self.config.page_release && self.cache_limit() > 0;
+    }
+
     /// `param_lane`: whether a request of `rounded` bytes belongs in the parameter lane: its
     /// size is that of a block live when the first step began (a parameter, whose gradient and
     /// optimizer states have its size) and the large pool's pages are still fine. Kept apart,

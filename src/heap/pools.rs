@@ -1,8 +1,8 @@
 //! User memory pools (`torch.cuda.MemPool` under process-wide stepalloc) on top of the private
 //! pools of CUDA graphs: a pool created and referenced by its owner, its use count, a segment
 //! source of its own (another library's allocator gives the pool's segments, as vLLM's sleep
-//! mode passes one), and `use_on_oom` (a general allocation that finds no memory takes a free
-//! block of such a pool, PyTorch's last resort). Part of the heap: runs under the device lock.
+//! mode passes one), `use_on_oom` (a general allocation that finds no memory takes a free
+//! block of such a pool, PyTorch's last resort) and `no_split` (each block is a whole segment). Part of the heap: runs under the device lock.
 //!
 //! Invariants: a pool's segments come from its source for as long as it has one; the source is
 //! set before the pool holds any segment (so every segment goes back where it came from); the
@@ -87,6 +87,22 @@ impl Heap {
             p.id.1,
             crate::tags::name(tag)
         )))
+    }
+
+    /// `no_split`: whether each block of pool `id` takes a whole segment, never split from a
+    /// larger free block, as PyTorch's `MemPool(no_split=True)`. The pool must exist.
+    pub fn set_pool_no_split(&mut self, id: PoolId, on: bool) -> Result<()> {
+        let Some(pool) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) else {
+            return Err(Error::InvalidArgument(format!("no memory pool ({}, {})", id.0, id.1)));
+        };
+        pool.no_split = on;
+        Ok(())
+    }
+
+    /// Whether private pool number `number` (1-based) never splits its blocks.
+    pub(super) fn pool_no_split(&self, number: u32) -> bool {
+        let Some(index) = (number as usize).checked_sub(1) else { return false };
+        self.private_pools.get(index).and_then(Option::as_ref).is_some_and(|p| p.no_split)
     }
 
     /// The id of private pool number `number` (1-based, as segments record it); (0, 0) for the

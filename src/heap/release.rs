@@ -337,6 +337,7 @@ impl Heap {
             source: None,
             use_on_oom: false,
             tag: 0,
+            no_split: false,
         };
         match self.private_pools.iter().position(Option::is_none) {
             Some(i) => self.private_pools[i] = Some(pool),

@@ -352,14 +352,36 @@ static void scenario_no_backend(void) {
 
 /* ----- out of memory through stepalloc_malloc ------------------------------------------- */
 
+/* The observer's calls (torch._C._cuda_attach_out_of_memory_observer). */
+static int g_observed;
+static int64_t g_observed_device;
+static size_t g_observed_alloc, g_observed_limit, g_observed_free;
+
+static void oom_observer(int64_t device, size_t alloc, size_t limit, size_t free_bytes) {
+    g_observed++;
+    g_observed_device = device;
+    g_observed_alloc = alloc;
+    g_observed_limit = limit;
+    g_observed_free = free_bytes;
+}
+
 static void scenario_oom(void) {
     CHECK(p_stepalloc_configure("backend:sim,sim_capacity_mb:64") == STEPALLOC_OK, "%s", last_error());
+    CHECK(p_stepalloc_attach_oom_observer(NULL) == STEPALLOC_INVALID_ARGUMENT, "a NULL observer");
+    CHECK(p_stepalloc_attach_oom_observer(oom_observer) == STEPALLOC_OK, "%s", last_error());
     void *a = p_stepalloc_malloc(40 * MIB, 0, NULL);
     CHECK(a != NULL, "first 40 MiB: %s", last_error());
+    CHECK(g_observed == 0, "observer called %d times without an out-of-memory", g_observed);
     void *b = p_stepalloc_malloc(40 * MIB, 0, NULL);
     CHECK(b == NULL, "second 40 MiB fits in 64 MiB?");
     CHECK(status() == STEPALLOC_OUT_OF_MEMORY, "status %d", status());
-    CHECK(strncmp(last_error(), "CUDA out of memory. Tried to allocate 40", 40) == 0, "message: %s", last_error());
+    CHECK(strncmp(last_error(), "CUDA out of memory. Tried to allocate 40.00 MiB. GPU 0 has a total capacity of 64.00 MiB",
+                  88) == 0,
+          "message: %s", last_error());
+    CHECK(g_observed == 1 && g_observed_device == 0 && g_observed_alloc == 40 * MIB && g_observed_limit == 64 * MIB &&
+              g_observed_free == 24 * MIB,
+          "observer: %d calls, device %lld, %zu asked, %zu limit, %zu free", g_observed, (long long)g_observed_device,
+          g_observed_alloc, g_observed_limit, g_observed_free);
     CHECK(stat(0, "num_ooms") == 1, "num_ooms %.0f", stat(0, "num_ooms"));
     check_stats(0, 1, 40.0 * MIB);
     p_stepalloc_free(a, 40 * MIB, 0, NULL);
@@ -368,6 +390,17 @@ static void scenario_oom(void) {
     CHECK(b != NULL, "40 MiB after the free: %s", last_error());
     p_stepalloc_free(b, 40 * MIB, 0, NULL);
     check_stats(0, 0, 0);
+    /* caching_allocator_enable(False): a segment of its own, back to the device at the free;
+       the 40 MiB cached stays cached. */
+    double cached = stat(0, "reserved_bytes.all.current");
+    CHECK(cached == 40.0 * MIB, "cached %.0f", cached);
+    CHECK(p_stepalloc_caching_enabled() == 1, "caching enabled at start");
+    CHECK(p_stepalloc_set_caching_enabled(0) == STEPALLOC_OK && p_stepalloc_caching_enabled() == 0, "%s", last_error());
+    void *uncached = p_stepalloc_malloc(100, 0, NULL);
+    CHECK(uncached != NULL && stat(0, "reserved_bytes.all.current") == cached + 2 * MIB, "uncached: %s", last_error());
+    p_stepalloc_free(uncached, 100, 0, NULL);
+    CHECK(stat(0, "reserved_bytes.all.current") == cached, "uncached block kept: %.0f", stat(0, "reserved_bytes.all.current"));
+    CHECK(p_stepalloc_set_caching_enabled(1) == STEPALLOC_OK && p_stepalloc_caching_enabled() == 1, "%s", last_error());
     check_roundtrip(0);
 }
 
@@ -388,8 +421,11 @@ static void scenario_mempool(void) {
     CHECK(stat(0, "reserved_bytes.all.current") == 0, "MemPool mode keeps %.0f bytes after the frees",
           stat(0, "reserved_bytes.all.current"));
     /* set_per_process_memory_fraction(0.0), as PyTorch accepts it: nothing may be reserved. */
+    CHECK(p_stepalloc_memory_fraction(0) == 1.0, "fraction before any set: %f", p_stepalloc_memory_fraction(0));
     p_stepalloc_set_memory_fraction(0.0, 0);
     CHECK(status() == STEPALLOC_OK, "fraction 0: %s", last_error());
+    CHECK(p_stepalloc_memory_fraction(0) == 0.0, "fraction read back: %f", p_stepalloc_memory_fraction(0));
+    CHECK(p_stepalloc_memory_fraction(99) == -1.0 && status() == STEPALLOC_INVALID_ARGUMENT, "device 99: %d", status());
     CHECK(p_stepalloc_malloc(4096, 0, NULL) == NULL && status() == STEPALLOC_OUT_OF_MEMORY, "fraction 0 allows %d",
           status());
     p_stepalloc_set_memory_fraction(1.0, 0);

@@ -29,11 +29,12 @@
     X(stepalloc_trace_jsonl) X(stepalloc_metrics_text) X(stepalloc_metrics_serve)          \
     X(stepalloc_last_error) X(stepalloc_last_status) X(stepalloc_version)                  \
     X(stepalloc_malloc) X(stepalloc_free) X(stepalloc_init) X(stepalloc_empty_cache)       \
-    X(stepalloc_set_memory_fraction) X(stepalloc_base_alloc) X(stepalloc_record_stream)    \
+    X(stepalloc_set_memory_fraction) X(stepalloc_memory_fraction) X(stepalloc_set_expandable_segments) X(stepalloc_attach_oom_observer) X(stepalloc_set_caching_enabled) X(stepalloc_caching_enabled) \
+    X(stepalloc_base_alloc) X(stepalloc_record_stream) \
     X(stepalloc_set_mempool_mode) X(stepalloc_configure_len) X(stepalloc_step_begin_len)    \
     X(stepalloc_check_phase) X(stepalloc_is_initialised)                                   \
     X(stepalloc_pool_create) X(stepalloc_pool_use_count)                                   \
-    X(stepalloc_pool_set_segment_allocator) X(stepalloc_pool_set_use_on_oom) \
+    X(stepalloc_pool_set_segment_allocator) X(stepalloc_pool_set_use_on_oom) X(stepalloc_pool_set_no_split) \
     X(stepalloc_region_enter) X(stepalloc_region_exit) X(stepalloc_pause) X(stepalloc_resume) \
     X(stepalloc_sleep_report_json) X(stepalloc_release_backup) X(stepalloc_tags_json) \
     X(stepalloc_region_lend) X(stepalloc_region_borrow) X(stepalloc_region_lend_end) \
