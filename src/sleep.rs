@@ -72,7 +72,13 @@ fn named(tag: &str, what: &str) -> Result<TagId> {
 impl Allocator {
     /// Pauses `tag` (None: every tag a region has used) on every device: its physical memory
     /// goes back to the device and its addresses stay reserved. `backup` None follows each
-    /// tag's policy (its latest region's); Some overrides it.
+    /// allocation's region (memory made in a region with a backup is copied to the host, the
+    /// rest discarded); Some overrides it for the whole tag.
+    ///
+    /// Per name, all or none: when one of its numbers on one device fails (no host memory for
+    /// the backup, a driver error), what this call paused of that name resumes again, so the
+    /// error leaves it resident with its bytes (the discarded part excepted, which is paused
+    /// after the backed-up part, when nothing can fail for want of host memory any more).
     pub fn pause(&self, tag: Option<&str>, backup: Option<bool>) -> Result<SleepReport> {
         let started = Instant::now();
         let ids: Vec<TagId> = match tag {
@@ -81,12 +87,26 @@ impl Allocator {
         };
         let mut report = SleepReport { op: "pause", ..Default::default() };
         for id in ids {
-            let copy = backup.unwrap_or_else(|| tags::backup(id));
             let mut skipped = true;
-            for heap in &self.devices {
-                let outcome = heap.lock().pause_tag(id, copy)?;
-                skipped &= outcome.skipped;
-                report.add(&outcome);
+            let mut paused: Vec<(usize, TagId)> = Vec::new();
+            for number in tags::numbers(id) {
+                let copy = backup.unwrap_or_else(|| tags::backup(number));
+                for (device, heap) in self.devices.iter().enumerate() {
+                    let outcome = match heap.lock().pause_tag(number, copy) {
+                        Ok(outcome) => outcome,
+                        Err(e) => {
+                            for &(d, n) in paused.iter().rev() {
+                                let _ = self.devices[d].lock().resume_tag(n);
+                            }
+                            return Err(e);
+                        }
+                    };
+                    if !outcome.skipped {
+                        paused.push((device, number));
+                    }
+                    skipped &= outcome.skipped;
+                    report.add(&outcome);
+                }
             }
             if skipped { &mut report.skipped } else { &mut report.tags }.push(tags::name(id));
         }
@@ -97,35 +117,35 @@ impl Allocator {
     /// same addresses and backed-up bytes restored.
     pub fn resume(&self, tag: Option<&str>) -> Result<SleepReport> {
         let started = Instant::now();
+        let paused_anywhere =
+            |id: TagId| tags::numbers(id).iter().any(|&n| self.devices.iter().any(|h| h.lock().tag_paused(n)));
         let ids: Vec<TagId> = match tag {
             Some(name) => vec![named(name, "resume")?],
-            None => tags::registered()
-                .into_iter()
-                .map(|(id, _)| id)
-                .filter(|&id| self.devices.iter().any(|h| h.lock().tag_paused(id)))
-                .collect(),
+            None => tags::registered().into_iter().map(|(id, _)| id).filter(|&id| paused_anywhere(id)).collect(),
         };
         let mut report = SleepReport { op: "resume", ..Default::default() };
         for id in ids {
             let mut skipped = true;
-            let mut resumed: Vec<usize> = Vec::new();
-            for (device, heap) in self.devices.iter().enumerate() {
-                let outcome = match heap.lock().resume_tag(id) {
-                    Ok(outcome) => outcome,
-                    Err(e) => {
-                        // All devices or none: the devices this call resumed pause again (with
-                        // a backup, so no byte is lost), and the tag is paused everywhere.
-                        for &earlier in &resumed {
-                            let _ = self.devices[earlier].lock().pause_tag(id, true);
+            let mut resumed: Vec<(usize, TagId)> = Vec::new();
+            for number in tags::numbers(id) {
+                for (device, heap) in self.devices.iter().enumerate() {
+                    let outcome = match heap.lock().resume_tag(number) {
+                        Ok(outcome) => outcome,
+                        Err(e) => {
+                            // All or none: what this call resumed pauses again (with a backup,
+                            // so no byte is lost), and the tag is paused everywhere.
+                            for &(d, n) in &resumed {
+                                let _ = self.devices[d].lock().pause_tag(n, true);
+                            }
+                            return Err(e);
                         }
-                        return Err(e);
+                    };
+                    if !outcome.skipped {
+                        resumed.push((device, number));
                     }
-                };
-                if !outcome.skipped {
-                    resumed.push(device);
+                    skipped &= outcome.skipped;
+                    report.add(&outcome);
                 }
-                skipped &= outcome.skipped;
-                report.add(&outcome);
             }
             if skipped { &mut report.skipped } else { &mut report.tags }.push(tags::name(id));
         }
@@ -156,6 +176,7 @@ impl Allocator {
                     Some(a) => {
                         a.live_bytes += f.live_bytes;
                         a.paused |= f.paused;
+                        a.backup |= f.backup;
                         a.paused_bytes += f.paused_bytes;
                         a.backup_bytes += f.backup_bytes;
                         a.host_bytes += f.host_bytes;

@@ -58,7 +58,8 @@ impl Heap {
         self.sleep.is_paused(tag)
     }
 
-    /// Figures of "default" and of every tag with memory, state or a registered name.
+    /// Figures of "default" and of every tag with memory, state or a registered name, one per
+    /// name (its two numbers, with and without backup, summed).
     pub fn tag_figures(&self) -> Vec<TagFigures> {
         let mut figures: BTreeMap<TagId, TagFigures> = BTreeMap::new();
         let mut tagged_live = 0;
@@ -68,10 +69,11 @@ impl Heap {
                 continue;
             }
             let paused = self.sleep.is_paused(seg.tag);
-            let f = figures.entry(seg.tag).or_default();
+            let f = figures.entry(tags::base(seg.tag)).or_default();
             for id in self.arena.segment_blocks(seg_id) {
                 if self.arena.state(id) == BlockState::Allocated {
                     let size = self.arena.block(id).size;
+                    f.backup |= tags::backup(seg.tag);
                     if paused {
                         f.paused_bytes += size;
                     } else {
@@ -85,13 +87,14 @@ impl Heap {
             figures.entry(tag).or_default();
         }
         for (i, state) in self.sleep.tags.iter().enumerate() {
-            let f = figures.entry(i as TagId).or_default();
-            f.backup_bytes = state.backup.values().map(|&(_, bytes)| bytes).sum();
-            f.host_bytes = state.host.iter().map(|&(_, bytes)| bytes).sum();
-            f.pauses = state.pauses;
-            f.resumes = state.resumes;
-            f.pause_seconds = state.pause_ns as f64 / 1e9;
-            f.resume_seconds = state.resume_ns as f64 / 1e9;
+            let f = figures.entry(tags::base(i as TagId)).or_default();
+            f.backup_bytes += state.backup.values().map(|&(_, bytes)| bytes).sum::<u64>();
+            f.host_bytes += state.host.iter().map(|&(_, bytes)| bytes).sum::<u64>();
+            // A pause or resume of a name acts on both its numbers: count it once.
+            f.pauses = f.pauses.max(state.pauses);
+            f.resumes = f.resumes.max(state.resumes);
+            f.pause_seconds += state.pause_ns as f64 / 1e9;
+            f.resume_seconds += state.resume_ns as f64 / 1e9;
         }
         let default = figures.entry(0).or_default();
         default.live_bytes = self.stats.allocated_bytes.current().saturating_sub(tagged_live);
@@ -99,8 +102,7 @@ impl Heap {
             .into_iter()
             .map(|(tag, mut f)| {
                 f.tag = tags::name(tag);
-                f.paused = self.sleep.is_paused(tag);
-                f.backup = tags::backup(tag);
+                f.paused = tags::numbers(tag).iter().any(|&t| self.sleep.is_paused(t));
                 f
             })
             .collect()
