@@ -295,3 +295,36 @@ def test_alias_refuses_once_the_real_one_is_imported() -> None:
         else:
             sys.modules["torch_memory_saver"] = saved
     assert SHIM.exists()
+
+
+# torch_memory_saver's retain_cpu_backup: after a resume with retain on, get_cpu_backup still
+# gives the last backup, at the same host address across cycles; without retain, None.
+@needs_torch
+@pytest.mark.parametrize("hook_mode", ["preload", "torch"])
+def test_a_retained_backup_stays_readable_after_resume(hook_mode: str) -> None:
+    out = run(
+        f"""
+        from stepalloc.memory_saver import torch_memory_saver as SAVER
+        SAVER.hook_mode = {hook_mode!r}
+        expected = torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8)
+        with SAVER.region(tag="r", enable_cpu_backup=True):
+            t = expected.cuda()
+        SAVER.pause("r")
+        first = SAVER.get_cpu_backup(t, zero_copy=True)
+        assert torch.equal(first, expected)
+        SAVER.retain_cpu_backup = True
+        SAVER.resume("r")
+        after = SAVER.get_cpu_backup(t, zero_copy=True)
+        assert after is not None and after.data_ptr() == first.data_ptr() and torch.equal(after, expected)
+        t.copy_(expected.flip(0))
+        SAVER.pause("r")
+        second = SAVER.get_cpu_backup(t, zero_copy=True)
+        assert second.data_ptr() == first.data_ptr() and torch.equal(second, expected.flip(0))
+        SAVER.retain_cpu_backup = False
+        SAVER.resume("r")
+        assert SAVER.get_cpu_backup(t) is None
+        assert torch.equal(t.cpu(), expected.flip(0))
+        print("ok=retain")
+        """
+    )
+    assert "ok=retain" in out

@@ -66,6 +66,10 @@ pub(super) struct TagState {
     /// While paused with a backup: each backed-up block's address -> (offset into the buffers,
     /// bytes). A block freed while paused leaves.
     pub(super) backup: BTreeMap<u64, (u64, u64)>,
+    /// After a resume, the last backup's records while its buffers are kept
+    /// (torch_memory_saver's `retain_cpu_backup`): its bytes stay readable through
+    /// `backup_host_address` until the next pause, `release_backup`, or the block's free.
+    pub(super) retained: BTreeMap<u64, (u64, u64)>,
     pub(super) pauses: u64,
     pub(super) resumes: u64,
     pub(super) pause_ns: u64,
@@ -127,6 +131,8 @@ impl Heap {
         if !self.pending.is_empty() {
             self.synchronize_pending()?;
         }
+        // The buffers are about to be written again: the retained records no longer hold.
+        self.sleep.tag(tag).retained.clear();
         let segments = self.tag_segments(tag);
         self.wait_for_streams(&segments)?;
         let mut out = SleepOutcome::default();
@@ -254,7 +260,7 @@ impl Heap {
         self.count_live_blocks(&segments, true);
         self.step.note_reserved(self.stats.reserved_bytes.current());
         let state = self.sleep.tag(tag);
-        state.backup.clear();
+        state.retained = std::mem::take(&mut state.backup);
         state.resumes += 1;
         state.resume_ns = state.resume_ns.saturating_add(started.elapsed().as_nanos() as u64);
         Ok(out)
@@ -268,6 +274,7 @@ impl Heap {
             if !self.sleep.tags[i].backup.is_empty() {
                 continue;
             }
+            self.sleep.tags[i].retained.clear();
             while let Some((addr, bytes)) = self.sleep.tags[i].host.pop() {
                 self.backend.host_free(addr, bytes)?;
                 freed += bytes;

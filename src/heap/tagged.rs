@@ -220,22 +220,22 @@ impl Heap {
     }
 
     /// The host address holding the backed-up bytes `[ptr, ptr + bytes)` of a block of a paused
-    /// tag (`torch_memory_saver.get_cpu_backup`), when they lie in one backup buffer that this
-    /// process can read; None otherwise (not paused, no backup, another device, the simulated
-    /// device). The bytes are valid until the tag resumes or the block is freed.
+    /// tag (`torch_memory_saver.get_cpu_backup`), or of a resumed one whose buffers were kept
+    /// (the last backup, while the block lives), when they lie in one backup buffer that this
+    /// process can read; None otherwise (no backup, another device, the simulated device). The
+    /// bytes are valid until the tag resumes (or pauses again) or the block is freed.
     pub fn backup_host_address(&mut self, ptr: u64, bytes: u64) -> Option<u64> {
-        if !self.sleep.any_paused() || !self.backend.host_readable() {
+        if !self.backend.host_readable() {
             return None;
         }
         let end = ptr.checked_add(bytes)?;
         for tag in 1..self.sleep.tags.len() {
             let tag = TagId::try_from(tag).ok()?;
-            if !self.sleep.is_paused(tag) {
-                continue;
-            }
-            let state = self.sleep.tag(tag);
-            let Some((&addr, &(offset, size))) = state.backup.range(..=ptr).next_back() else { continue };
-            if end > addr.saturating_add(size) {
+            let paused = self.sleep.is_paused(tag);
+            let state = &self.sleep.tags[usize::from(tag)];
+            let records = if paused { &state.backup } else { &state.retained };
+            let Some((&addr, &(offset, size))) = records.range(..=ptr).next_back() else { continue };
+            if end > addr.saturating_add(size) || (!paused && self.arena.find_allocated(addr).is_none()) {
                 continue;
             }
             // The buffers are filled one after another from offset 0.
