@@ -92,7 +92,9 @@ impl Allocator {
             for number in tags::numbers(id) {
                 let copy = backup.unwrap_or_else(|| tags::backup(number));
                 for (device, heap) in self.devices.iter().enumerate() {
-                    let outcome = match heap.lock().pause_tag(number, copy) {
+                    // The device's lock is let go before an undo takes locks again.
+                    let result = heap.lock().pause_tag(number, copy);
+                    let outcome = match result {
                         Ok(outcome) => outcome,
                         Err(e) => {
                             for &(d, n) in paused.iter().rev() {
@@ -129,7 +131,8 @@ impl Allocator {
             let mut resumed: Vec<(usize, TagId)> = Vec::new();
             for number in tags::numbers(id) {
                 for (device, heap) in self.devices.iter().enumerate() {
-                    let outcome = match heap.lock().resume_tag(number) {
+                    let result = heap.lock().resume_tag(number);
+                    let outcome = match result {
                         Ok(outcome) => outcome,
                         Err(e) => {
                             // All or none: what this call resumed pauses again (with a backup,

@@ -440,3 +440,29 @@ fn a_pause_without_host_memory_for_the_backup_fails_and_loses_nothing() {
         a.free(0, p, s).unwrap();
     }
 }
+
+/// Issue 32: a name whose backed-up part resumes but whose discarded part finds no memory: the
+/// resume fails as a whole (the part it mapped is paused again, with its backup), and a retry
+/// once memory is free restores the backed-up bytes.
+#[test]
+fn a_resume_that_fails_halfway_through_a_name_pauses_it_again_whole() {
+    let a = sim(",sim_capacity_mb:512,expandable_segments:True");
+    let kept = in_region(&a, "sleep_t14", true, &[100 * MIB]);
+    let gone = in_region(&a, "sleep_t14", false, &[100 * MIB]);
+    a.pause(Some("sleep_t14"), None).unwrap();
+    let hog = a.malloc(0, 350 * MIB, S0).unwrap();
+    let with_hog = used(&a, 0);
+    let e = a.resume(Some("sleep_t14")).unwrap_err();
+    assert!(e.is_out_of_memory(), "{e}");
+    a.check_invariants().unwrap();
+    let f = a.tag_figures().into_iter().find(|f| f.tag == "sleep_t14").unwrap();
+    assert!(f.paused && f.live_bytes == 0 && f.backup_bytes == 100 * MIB, "{f:?}");
+    assert_eq!(used(&a, 0), with_hog, "nothing of the failed resume stays mapped");
+    a.free(0, hog, 350 * MIB).unwrap();
+    let r = a.resume(Some("sleep_t14")).unwrap();
+    assert_eq!(r.copied_bytes, 100 * MIB);
+    a.check_invariants().unwrap();
+    for &(p, s) in kept.iter().chain(gone.iter()) {
+        a.free(0, p, s).unwrap();
+    }
+}
