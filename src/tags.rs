@@ -179,6 +179,18 @@ mod tests {
     }
 
     #[test]
+    fn a_block_class_keeps_every_tag_number_and_pool_apart() {
+        use crate::segment::BlockClass;
+        // A name's number with the backup bit and the largest pool both fit in the class word.
+        for tag in [DEFAULT, 1, MAX_TAGS as TagId, BACKUP | 1, MAX_ID] {
+            for pool in [0, 1, BlockClass::MAX_POOL] {
+                let c = BlockClass::new(pool, true, true).in_lane(true).with_tag(tag);
+                assert_eq!((c.tag(), c.pool(), c.small(), c.expandable(), c.lane()), (tag, pool, true, true, true));
+            }
+        }
+    }
+
+    #[test]
     fn regions_nest_per_thread() {
         assert_eq!(current(), DEFAULT);
         let a = enter("tags_test_a", true).unwrap();
