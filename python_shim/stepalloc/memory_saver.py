@@ -245,12 +245,28 @@ class TorchMemorySaver:
                 f"would invalidate the capture; {what} after it ends"
             )
 
+    def _check_state(self, what: str, tag: str | None, paused: bool) -> None:
+        """A named tag with memory in the wrong state: torch_memory_saver prints "Cannot pause
+        allocation that is not active" (or "... resume ... not paused") and exits the process;
+        this raises instead and changes nothing."""
+        if tag is None:
+            return
+        figures = sleep.tags().get(_tag(tag))
+        if figures is None or bool(figures.get("paused")) != paused:
+            return
+        if paused or int(figures.get("live_bytes", 0)) > 0:
+            raise RuntimeError(
+                f"torch_memory_saver.{what}({tag!r}): the tag is {'paused already' if paused else 'not paused'} "
+                f"(torch_memory_saver exits the process here); nothing was changed"
+            )
+
     def pause(self, tag: str | None = None) -> sleep.SleepReport:
         """Releases the memory of ``tag`` (None: every tag of this object's regions), keeping
         the addresses; the tensors made in regions with a backup keep their bytes on the host.
         Returns stepalloc's report (torch_memory_saver returns None)."""
         self._ensure_initialized()
         self._check_capture("pause")
+        self._check_state("pause", tag, paused=True)
         self._sync_pools()
         return _merge("pause", [sleep.pause(t) for t in self._targets(tag)])
 
@@ -260,6 +276,7 @@ class TorchMemorySaver:
         mapped) when less than the margin would stay free on the device afterwards."""
         self._ensure_initialized()
         self._check_capture("resume")
+        self._check_state("resume", tag, paused=False)
         targets = self._targets(tag)
         if self._margin:
             self._check_margin(targets)

@@ -252,15 +252,26 @@ def test_unknown_and_repeated_tags_behave_as_torch_memory_savers() -> None:
     out = run(
         """
         from stepalloc.memory_saver import torch_memory_saver as SAVER
-        SAVER.pause("never_seen")        # torch_memory_saver: nothing to do
+        SAVER.pause("never_seen")        # torch_memory_saver: no allocation of it, nothing to do
         SAVER.resume("never_seen")
         with SAVER.region(tag="x", enable_cpu_backup=True):
             x = full(4 * MIB, 3)
-        SAVER.resume("x")                 # not paused: nothing to do
+        # torch_memory_saver exits the process on these two ("Cannot resume allocation that is
+        # not paused", "Cannot pause allocation that is not active"); here they raise, and
+        # nothing changes.
+        try:
+            SAVER.resume("x")
+            raise AssertionError("resume of a tag that is not paused")
+        except RuntimeError as e:
+            assert "not paused" in str(e), e
         SAVER.pause("x")
-        r = SAVER.pause("x")              # paused already: skipped
-        assert r.skipped == ("x",), r
+        try:
+            SAVER.pause("x")
+            raise AssertionError("pause of a paused tag")
+        except RuntimeError as e:
+            assert "paused already" in str(e), e
         SAVER.resume("x")
+        SAVER.pause(); SAVER.resume()     # without a tag: every tag, whatever its state
         assert read(x) == (3, 3)
         g = torch.cuda.CUDAGraph()
         s = torch.cuda.Stream()
