@@ -102,6 +102,9 @@ pub struct SimConfig {
     pub fail_map_prob: f64,
     pub seed: u64,
     pub cost_model: bool,
+    /// Pinned host memory the simulated host may give (0: no limit); beyond it `host_alloc` is
+    /// out of memory.
+    pub host_capacity: u64,
 }
 
 impl Default for SimConfig {
@@ -116,6 +119,7 @@ impl Default for SimConfig {
             fail_map_prob: 0.0,
             seed: 0,
             cost_model: false,
+            host_capacity: 0,
         }
     }
 }
@@ -399,6 +403,9 @@ impl Config {
             "sim_fail_map_prob" => self.sim.fail_map_prob = parse_unit_interval(value).ok_or_else(bad)?,
             "sim_seed" => self.sim.seed = parse_u64(value).ok_or_else(bad)?,
             "sim_cost_model" => self.sim.cost_model = parse_bool(value).ok_or_else(bad)?,
+            "sim_host_capacity_mb" => {
+                self.sim.host_capacity = parse_u64(value).and_then(|mb| mb.checked_mul(MIB)).ok_or_else(bad)?
+            }
             _ => unreachable!("every key in KEYS has a setter"),
         }
         Ok(())

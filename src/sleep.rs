@@ -7,11 +7,18 @@
 //! CUDA-graph capture; pausing a paused tag and resuming one that is not paused do nothing and
 //! list it in `skipped`; a resume that cannot get the memory is `OutOfMemory` naming the tag and
 //! the shortfall, with the tag still paused and its backup kept (a retry works); on several
-//! devices a resume is all or none: devices it resumed before one failed pause again.
+//! devices a resume is all or none: devices it resumed before one failed pause again, each part
+//! as it was paused (what came back from a backup is backed up again, the rest discarded), and a
+//! rollback that fails says so in the error.
+//!
+//! A call holds every device's lock while it acts on one name (in device order, the only place
+//! that takes more than one): another thread, a metrics scrape or `tags()` sees a name either
+//! untouched or paused with both its numbers on every device, never half, and a capture on any
+//! device refuses the call before any device changes.
 
 use crate::allocator::Allocator;
 use crate::error::{Error, Result};
-use crate::heap::{SleepOutcome, TagFigures};
+use crate::heap::{Heap, SleepOutcome, TagFigures};
 use crate::tags::{self, TagId};
 use std::time::Instant;
 
@@ -54,6 +61,27 @@ impl SleepReport {
     }
 }
 
+/// A capture underway on any device refuses a pause or resume of `id` before any device
+/// changes (an unmap or a synchronization on one device would invalidate a global-mode capture
+/// on another).
+fn refuse_during_capture(heaps: &[parking_lot::MutexGuard<'_, Heap>], id: TagId, what: &str) -> Result<()> {
+    heaps.iter().try_for_each(|h| h.check_sleep_call(id, what))
+}
+
+/// The error of a call whose rollback (`undone`, one result per device and number) did what
+/// it says, or the error with what the rollback could not do: then the name is not whole.
+fn with_rollback(e: Error, undone: Vec<Result<()>>, did: &str) -> Error {
+    let failed: Vec<String> = undone.into_iter().filter_map(|r| r.err()).map(|f| f.to_string()).collect();
+    if failed.is_empty() {
+        return e;
+    }
+    Error::Unavailable(format!(
+        "{e}; and undoing the parts this call had done failed, so the tag is not whole on every device \
+         (what could not be {did}: {}); retry the call once the cause is fixed",
+        failed.join("; ")
+    ))
+}
+
 /// The tag a caller named: a name some region used, never "default".
 fn named(tag: &str, what: &str) -> Result<TagId> {
     tags::check_name(tag)?;
@@ -72,7 +100,13 @@ fn named(tag: &str, what: &str) -> Result<TagId> {
 impl Allocator {
     /// Pauses `tag` (None: every tag a region has used) on every device: its physical memory
     /// goes back to the device and its addresses stay reserved. `backup` None follows each
-    /// tag's policy (its latest region's); Some overrides it.
+    /// allocation's region (memory made in a region with a backup is copied to the host, the
+    /// rest discarded); Some overrides it for the whole tag.
+    ///
+    /// Per name, all or none: when one of its numbers on one device fails (no host memory for
+    /// the backup, a driver error), what this call paused of that name resumes again, so the
+    /// error leaves it resident with its bytes (the discarded part excepted, which is paused
+    /// after the backed-up part, when nothing can fail for want of host memory any more).
     pub fn pause(&self, tag: Option<&str>, backup: Option<bool>) -> Result<SleepReport> {
         let started = Instant::now();
         let ids: Vec<TagId> = match tag {
@@ -81,12 +115,26 @@ impl Allocator {
         };
         let mut report = SleepReport { op: "pause", ..Default::default() };
         for id in ids {
-            let copy = backup.unwrap_or_else(|| tags::backup(id));
+            let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
+            refuse_during_capture(&heaps, id, "pause")?;
             let mut skipped = true;
-            for heap in &self.devices {
-                let outcome = heap.lock().pause_tag(id, copy)?;
-                skipped &= outcome.skipped;
-                report.add(&outcome);
+            let mut paused: Vec<(usize, TagId)> = Vec::new();
+            for number in tags::numbers(id) {
+                let copy = backup.unwrap_or_else(|| tags::backup(number));
+                for device in 0..heaps.len() {
+                    let outcome = match heaps[device].pause_tag(number, copy) {
+                        Ok(outcome) => outcome,
+                        Err(e) => {
+                            let undone = paused.iter().rev().map(|&(d, n)| heaps[d].resume_tag(n).map(|_| ()));
+                            return Err(with_rollback(e, undone.collect(), "resumed"));
+                        }
+                    };
+                    if !outcome.skipped {
+                        paused.push((device, number));
+                    }
+                    skipped &= outcome.skipped;
+                    report.add(&outcome);
+                }
             }
             if skipped { &mut report.skipped } else { &mut report.tags }.push(tags::name(id));
         }
@@ -97,35 +145,38 @@ impl Allocator {
     /// same addresses and backed-up bytes restored.
     pub fn resume(&self, tag: Option<&str>) -> Result<SleepReport> {
         let started = Instant::now();
+        let paused_anywhere =
+            |id: TagId| tags::numbers(id).iter().any(|&n| self.devices.iter().any(|h| h.lock().tag_paused(n)));
         let ids: Vec<TagId> = match tag {
             Some(name) => vec![named(name, "resume")?],
-            None => tags::registered()
-                .into_iter()
-                .map(|(id, _)| id)
-                .filter(|&id| self.devices.iter().any(|h| h.lock().tag_paused(id)))
-                .collect(),
+            None => tags::registered().into_iter().map(|(id, _)| id).filter(|&id| paused_anywhere(id)).collect(),
         };
         let mut report = SleepReport { op: "resume", ..Default::default() };
         for id in ids {
+            let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
+            refuse_during_capture(&heaps, id, "resume")?;
             let mut skipped = true;
-            let mut resumed: Vec<usize> = Vec::new();
-            for (device, heap) in self.devices.iter().enumerate() {
-                let outcome = match heap.lock().resume_tag(id) {
-                    Ok(outcome) => outcome,
-                    Err(e) => {
-                        // All devices or none: the devices this call resumed pause again (with
-                        // a backup, so no byte is lost), and the tag is paused everywhere.
-                        for &earlier in &resumed {
-                            let _ = self.devices[earlier].lock().pause_tag(id, true);
+            // What this call resumed, and whether it restored bytes from a backup.
+            let mut resumed: Vec<(usize, TagId, bool)> = Vec::new();
+            for number in tags::numbers(id) {
+                for device in 0..heaps.len() {
+                    let outcome = match heaps[device].resume_tag(number) {
+                        Ok(outcome) => outcome,
+                        Err(e) => {
+                            // All or none: what this call resumed pauses again as it was paused
+                            // (restored bytes backed up again, discarded ones discarded again).
+                            let undone = resumed.iter().map(|&(d, n, restored)| {
+                                heaps[d].pause_tag(n, restored || tags::backup(n)).map(|_| ())
+                            });
+                            return Err(with_rollback(e, undone.collect(), "paused again"));
                         }
-                        return Err(e);
+                    };
+                    if !outcome.skipped {
+                        resumed.push((device, number, outcome.copied_bytes > 0));
                     }
-                };
-                if !outcome.skipped {
-                    resumed.push(device);
+                    skipped &= outcome.skipped;
+                    report.add(&outcome);
                 }
-                skipped &= outcome.skipped;
-                report.add(&outcome);
             }
             if skipped { &mut report.skipped } else { &mut report.tags }.push(tags::name(id));
         }
@@ -156,6 +207,7 @@ impl Allocator {
                     Some(a) => {
                         a.live_bytes += f.live_bytes;
                         a.paused |= f.paused;
+                        a.backup |= f.backup;
                         a.paused_bytes += f.paused_bytes;
                         a.backup_bytes += f.backup_bytes;
                         a.host_bytes += f.host_bytes;

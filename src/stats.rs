@@ -453,7 +453,8 @@ pub struct TagFigures {
     pub paused: bool,
     /// Bytes of the tag's allocated blocks while paused.
     pub paused_bytes: u64,
-    /// The tag's backup policy (the latest region entered for it).
+    /// Whether some of the tag's allocated memory was made in a region with a backup (a pause
+    /// copies that memory to the host and discards the rest).
     pub backup: bool,
     /// Bytes of paused blocks held in host memory.
     pub backup_bytes: u64,

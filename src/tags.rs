@@ -2,6 +2,12 @@
 //! of the allocating thread (`stepalloc_region_enter`), else "default" (tag 0). Layer: beside
 //! the allocator; the heap only sees the small number (`TagId`).
 //!
+//! Whether a pause backs an allocation up belongs to the allocation, not to its tag's name: the
+//! number an allocation carries is its name's number with `BACKUP` set when the region it was
+//! made in asked for a backup. So a name has two numbers, the heap keeps their memory apart
+//! (segments, lists) and a pause of the name backs up exactly the memory of the `BACKUP` one;
+//! two regions of one name with different backups never change each other's memory.
+//!
 //! Invariants:
 //! - the registry is process-wide and only grows: a name keeps its number for the life of the
 //!   process, so every device's heap and every statistic agree on it; at most `MAX_TAGS` names
@@ -15,8 +21,14 @@ use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::cell::{Cell, RefCell};
 
-/// A tag's number: 0 is "default", 1..=`MAX_TAGS` are registered names.
+/// A tag's number: 0 is "default", 1..=`MAX_TAGS` are registered names, each also with
+/// `BACKUP` set (its memory made in regions with a backup).
 pub type TagId = u8;
+
+/// The bit of a tag number that marks memory a pause copies to the host (`enter(_, true)`).
+pub const BACKUP: TagId = 64;
+/// Tag numbers the heap may see: names and their `BACKUP` numbers.
+pub const MAX_ID: TagId = BACKUP | MAX_TAGS as TagId;
 
 /// The tag outside any region.
 pub const DEFAULT: TagId = 0;
@@ -30,8 +42,6 @@ pub const MAX_NAME: usize = 64;
 
 struct Entry {
     name: String,
-    /// Whether a pause copies the tag's live bytes to host memory (the latest region wins).
-    backup: bool,
 }
 
 static REGISTRY: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
@@ -64,15 +74,15 @@ pub fn lookup(name: &str) -> Option<TagId> {
     REGISTRY.lock().iter().position(|e| e.name == name).map(|i| (i + 1) as TagId)
 }
 
-/// Registers `name` (or finds it) and sets its backup policy. The 33rd name is refused.
-pub fn register(name: &str, backup: bool) -> Result<TagId> {
+/// Registers `name` (or finds it); returns its number (without `BACKUP`). The 33rd name is
+/// refused.
+pub fn register(name: &str) -> Result<TagId> {
     check_name(name)?;
     if name == DEFAULT_NAME {
         return Ok(DEFAULT);
     }
     let mut registry = REGISTRY.lock();
     if let Some(i) = registry.iter().position(|e| e.name == name) {
-        registry[i].backup = backup;
         return Ok((i + 1) as TagId);
     }
     if registry.len() >= MAX_TAGS {
@@ -81,21 +91,35 @@ pub fn register(name: &str, backup: bool) -> Result<TagId> {
              set); reuse one"
         )));
     }
-    registry.push(Entry { name: name.to_string(), backup });
+    registry.push(Entry { name: name.to_string() });
     Ok(registry.len() as TagId)
+}
+
+/// The name's number of a tag number (`BACKUP` cleared).
+#[inline]
+pub fn base(tag: TagId) -> TagId {
+    tag & !BACKUP
+}
+
+/// Whether memory with this tag number is copied to the host at a pause.
+#[inline]
+pub fn backup(tag: TagId) -> bool {
+    tag & BACKUP != 0 && base(tag) != DEFAULT
+}
+
+/// The numbers memory of the name numbered `id` carries: backed up first (a pause that cannot
+/// back up fails before it discards anything), then discarded.
+pub fn numbers(id: TagId) -> [TagId; 2] {
+    [base(id) | BACKUP, base(id)]
 }
 
 /// A tag's name ("default" for 0; "tag<N>" for a number never registered).
 pub fn name(tag: TagId) -> String {
-    if tag == DEFAULT {
+    let id = base(tag);
+    if id == DEFAULT {
         return DEFAULT_NAME.to_string();
     }
-    REGISTRY.lock().get(tag as usize - 1).map_or_else(|| format!("tag{tag}"), |e| e.name.clone())
-}
-
-/// The tag's backup policy (false for "default" and unknown numbers).
-pub fn backup(tag: TagId) -> bool {
-    tag != DEFAULT && REGISTRY.lock().get(tag as usize - 1).is_some_and(|e| e.backup)
+    REGISTRY.lock().get(id as usize - 1).map_or_else(|| format!("tag{id}"), |e| e.name.clone())
 }
 
 /// Every registered tag besides "default", in registration order.
@@ -113,15 +137,17 @@ pub fn current() -> TagId {
     }
 }
 
-/// Enters a region of `name` on the calling thread (registering the name, setting its backup
-/// policy). Returns its number.
+/// Enters a region of `name` on the calling thread (registering the name): what the thread
+/// allocates until the matching `exit` is backed up at a pause when `backup`. Returns the
+/// number its allocations carry (with `BACKUP` when `backup`; "default" never has it).
 pub fn enter(name: &str, backup: bool) -> Result<TagId> {
     if STACK.with(|s| s.borrow().len()) >= MAX_DEPTH {
         return Err(Error::InvalidArgument(format!(
             "region {name:?}: this thread is already {MAX_DEPTH} regions deep; exit one first"
         )));
     }
-    let tag = register(name, backup)?;
+    let id = register(name)?;
+    let tag = if backup && id != DEFAULT { id | BACKUP } else { id };
     STACK.with(|s| s.borrow_mut().push(tag));
     CURRENT.with(|c| c.set(tag));
     Ok(tag)
@@ -159,6 +185,18 @@ mod tests {
     }
 
     #[test]
+    fn a_block_class_keeps_every_tag_number_and_pool_apart() {
+        use crate::segment::BlockClass;
+        // A name's number with the backup bit and the largest pool both fit in the class word.
+        for tag in [DEFAULT, 1, MAX_TAGS as TagId, BACKUP | 1, MAX_ID] {
+            for pool in [0, 1, BlockClass::MAX_POOL] {
+                let c = BlockClass::new(pool, true, true).in_lane(true).with_tag(tag);
+                assert_eq!((c.tag(), c.pool(), c.small(), c.expandable(), c.lane()), (tag, pool, true, true, true));
+            }
+        }
+    }
+
+    #[test]
     fn regions_nest_per_thread() {
         assert_eq!(current(), DEFAULT);
         let a = enter("tags_test_a", true).unwrap();
@@ -166,13 +204,20 @@ mod tests {
         let b = enter("tags_test_b", false).unwrap();
         assert_eq!(current(), b);
         assert!(backup(a) && !backup(b));
+        assert_eq!(name(a), "tags_test_a");
+        // The same name without a backup: another number, one name.
+        let a2 = enter("tags_test_a", false).unwrap();
+        assert!(!backup(a2) && base(a2) == base(a) && a2 != a);
+        assert_eq!(current(), a2);
+        assert_eq!(exit().unwrap(), a2);
         std::thread::spawn(|| assert_eq!(current(), DEFAULT)).join().unwrap();
         assert_eq!(exit().unwrap(), b);
         assert_eq!(current(), a);
         assert_eq!(exit().unwrap(), a);
         assert_eq!(current(), DEFAULT);
         assert!(exit().is_err());
-        assert_eq!(lookup("tags_test_a"), Some(a));
+        assert_eq!(lookup("tags_test_a"), Some(base(a)));
+        assert_eq!(numbers(base(a)), [a, base(a)]);
         assert_eq!(name(a), "tags_test_a");
         assert_eq!(lookup("default"), Some(DEFAULT));
         assert_eq!(enter("default", true).unwrap(), DEFAULT);

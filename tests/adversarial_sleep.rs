@@ -136,9 +136,6 @@ fn resumes_that_fail_while_mapping_lose_nothing_and_retries_succeed() {
 /// for, and a host allocation failure there leaves device 0 resumed (the error is ignored) while
 /// the error says the tag stays paused.
 #[test]
-#[ignore = "defect (4th adversarial pass): Allocator::resume's rollback re-pauses the devices it resumed with \
-            backup=true, so a no-backup tag gets pinned host buffers and a copy of discarded bytes \
-            (src/sleep.rs, owned by the sleep helper)"]
 fn a_failed_resume_on_two_devices_rolls_back_without_backing_up_a_no_backup_tag() {
     let a = sim(",sim_devices:2,sim_capacity_mb:1024");
     let on0 = in_region(&a, 0, "adv_rb_kv", false, &[256 * MIB]);
@@ -195,8 +192,6 @@ fn a_failed_resume_on_two_devices_is_all_or_none_and_the_retry_restores_both() {
 /// device 0, made while a global-mode capture is underway on another thread, invalidate that
 /// capture. A capture on any device must refuse the whole call before any device changes.
 #[test]
-#[ignore = "defect (4th adversarial pass): Allocator::pause/resume check for a capture device by device, so a \
-            capture on device 1 leaves the tag paused on device 0 (src/sleep.rs, owned by the sleep helper)"]
 fn a_pause_during_a_capture_on_another_device_changes_no_device() {
     let a = sim(",sim_devices:2");
     let on0 = in_region(&a, 0, "adv_cap_w", true, &[8 * MIB]);
@@ -307,8 +302,8 @@ fn race(conf: &str) {
     let stop = Arc::new(AtomicBool::new(false));
     let refused = Arc::new(AtomicU64::new(0));
     // Registered before the threads start, so the controller can name it.
-    tags::register("adv_race_kv", false).unwrap();
-    tags::register("adv_race_w", true).unwrap();
+    tags::register("adv_race_kv").unwrap();
+    tags::register("adv_race_w").unwrap();
     let mut workers = Vec::new();
     for t in 0..4u64 {
         let (a, shadow, stop, refused) = (Arc::clone(&a), Arc::clone(&shadow), Arc::clone(&stop), Arc::clone(&refused));

@@ -121,7 +121,9 @@ fn the_tag_label_set_is_bounded_and_the_families_follow_the_rules() {
     let tag_values: BTreeSet<String> = samples.keys().filter_map(|(_, l)| l.get("tag").cloned()).collect();
     let registered: BTreeSet<String> =
         tags::registered().into_iter().map(|(_, n)| n).chain([tags::DEFAULT_NAME.to_string()]).collect();
-    assert_eq!(tag_values, registered, "one label value per tag a region named, plus default");
+    // Tags of other tests in this binary may have no memory on this allocator, so no series.
+    assert!(tag_values.is_subset(&registered), "label values beyond the tags regions named: {tag_values:?}");
+    assert!(tag_values.contains("metrics_tags_bounded") && tag_values.contains(tags::DEFAULT_NAME));
     assert!(tag_values.len() <= tags::MAX_TAGS + 1);
     for spec in METRICS.iter().filter(|m| m.name.starts_with("stepalloc_tag_")) {
         assert!(spec.labels.contains(&"tag") && spec.labels.contains(&"device"), "{}", spec.name);

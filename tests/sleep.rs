@@ -360,3 +360,109 @@ fn pause_and_resume_under_page_release_and_a_cache_limit() {
     a.empty_cache().unwrap();
     assert_eq!(used(&a, 0), 0);
 }
+
+/// Issue 32: the backup belongs to the allocation (the region it was made in), not to the tag:
+/// two regions of one tag with different backups never change each other's memory, in either
+/// order, and an override still covers the whole tag.
+#[test]
+fn the_backup_belongs_to_the_allocation_not_to_the_tag() {
+    for (first_backup, name) in [(true, "sleep_t12_a"), (false, "sleep_t12_b")] {
+        let a = sim(",sim_cost_model:True");
+        let first = in_region(&a, name, first_backup, &[64 * MIB, 3 * MIB]);
+        let second = in_region(&a, name, !first_backup, &[32 * MIB, 1000]);
+        let (kept, gone) = if first_backup { (&first, &second) } else { (&second, &first) };
+        let before = used(&a, 0);
+        let r = a.pause(Some(name), None).unwrap();
+        a.check_invariants().unwrap();
+        assert_eq!(r.tags, [name], "one name in the report");
+        assert_eq!(r.copied_bytes, r_copied(kept), "exactly the backed-up region's bytes are copied");
+        assert_eq!(r.discarded_bytes, r_copied(gone), "exactly the other region's bytes are discarded");
+        assert!(before - used(&a, 0) >= 96 * MIB, "both regions' memory goes back");
+        let f = a.tag_figures().into_iter().find(|f| f.tag == name).unwrap();
+        assert!(f.paused && f.backup && f.backup_bytes == r_copied(kept) && f.live_bytes == 0, "{f:?}");
+        // Allocating in either region of the paused name is refused.
+        for backup in [true, false] {
+            tags::enter(name, backup).unwrap();
+            assert!(matches!(a.malloc(0, MIB, S0), Err(Error::Paused(_))));
+            tags::exit().unwrap();
+        }
+        let r = a.resume(Some(name)).unwrap();
+        assert_eq!(r.tags, [name]);
+        assert_eq!(r.copied_bytes, r_copied(kept), "the backed-up bytes come back");
+        a.check_invariants().unwrap();
+        assert!(!a.tag_figures().into_iter().find(|f| f.tag == name).unwrap().paused);
+        // A second cycle (of every tag: the registry is the process's) behaves the same, and an
+        // override still covers both.
+        let r = a.pause(None, None).unwrap();
+        assert_eq!((r.copied_bytes, r.discarded_bytes), (r_copied(kept), r_copied(gone)));
+        assert!(a.resume(None).unwrap().tags.contains(&name.to_string()));
+        let r = a.pause(Some(name), Some(true)).unwrap();
+        assert_eq!((r.copied_bytes, r.discarded_bytes), (r_copied(kept) + r_copied(gone), 0));
+        a.resume(Some(name)).unwrap();
+        let r = a.pause(Some(name), Some(false)).unwrap();
+        assert_eq!((r.copied_bytes, r.discarded_bytes), (0, r_copied(kept) + r_copied(gone)));
+        a.resume(Some(name)).unwrap();
+        for &(p, s) in first.iter().chain(second.iter()) {
+            a.free(0, p, s).unwrap();
+        }
+        a.check_invariants().unwrap();
+    }
+}
+
+/// Issue 32, bad input: no host memory for the backup. The pause fails with an error that says
+/// so, before anything is released or discarded: the tag stays resident (the device still holds
+/// its memory, its figures say live), a retry with host memory works.
+#[test]
+fn a_pause_without_host_memory_for_the_backup_fails_and_loses_nothing() {
+    let a = sim(",sim_host_capacity_mb:16");
+    let backed = in_region(&a, "sleep_t13", true, &[32 * MIB]);
+    let discarded = in_region(&a, "sleep_t13", false, &[8 * MIB]);
+    let before = used(&a, 0);
+    let e = a.pause(Some("sleep_t13"), None).unwrap_err().to_string();
+    assert!(e.contains("pinned host memory") && e.contains("sleep_t13") && e.contains("nothing was released"), "{e}");
+    a.check_invariants().unwrap();
+    assert_eq!(used(&a, 0), before, "nothing was released");
+    let f = a.tag_figures().into_iter().find(|f| f.tag == "sleep_t13").unwrap();
+    assert!(!f.paused && f.live_bytes == 40 * MIB && f.paused_bytes == 0, "{f:?}");
+    assert_eq!(a.with_heap(0, |h| h.backup_host_bytes()).unwrap(), 0, "no host buffer left behind");
+    // Allocations in the tag still work: it is not paused.
+    tags::enter("sleep_t13", false).unwrap();
+    let more = a.malloc(0, MIB, S0).unwrap();
+    tags::exit().unwrap();
+    a.free(0, more, MIB).unwrap();
+    // Small enough to fit: the pause works, and only the backed-up bytes are copied.
+    a.free(0, backed[0].0, backed[0].1).unwrap();
+    let small = in_region(&a, "sleep_t13", true, &[8 * MIB]);
+    let r = a.pause(Some("sleep_t13"), None).unwrap();
+    assert_eq!((r.copied_bytes, r.discarded_bytes), (8 * MIB, 8 * MIB));
+    a.resume(Some("sleep_t13")).unwrap();
+    for &(p, s) in small.iter().chain(discarded.iter()) {
+        a.free(0, p, s).unwrap();
+    }
+}
+
+/// Issue 32: a name whose backed-up part resumes but whose discarded part finds no memory: the
+/// resume fails as a whole (the part it mapped is paused again, with its backup), and a retry
+/// once memory is free restores the backed-up bytes.
+#[test]
+fn a_resume_that_fails_halfway_through_a_name_pauses_it_again_whole() {
+    let a = sim(",sim_capacity_mb:512,expandable_segments:True");
+    let kept = in_region(&a, "sleep_t14", true, &[100 * MIB]);
+    let gone = in_region(&a, "sleep_t14", false, &[100 * MIB]);
+    a.pause(Some("sleep_t14"), None).unwrap();
+    let hog = a.malloc(0, 350 * MIB, S0).unwrap();
+    let with_hog = used(&a, 0);
+    let e = a.resume(Some("sleep_t14")).unwrap_err();
+    assert!(e.is_out_of_memory(), "{e}");
+    a.check_invariants().unwrap();
+    let f = a.tag_figures().into_iter().find(|f| f.tag == "sleep_t14").unwrap();
+    assert!(f.paused && f.live_bytes == 0 && f.backup_bytes == 100 * MIB, "{f:?}");
+    assert_eq!(used(&a, 0), with_hog, "nothing of the failed resume stays mapped");
+    a.free(0, hog, 350 * MIB).unwrap();
+    let r = a.resume(Some("sleep_t14")).unwrap();
+    assert_eq!(r.copied_bytes, 100 * MIB);
+    a.check_invariants().unwrap();
+    for &(p, s) in kept.iter().chain(gone.iter()) {
+        a.free(0, p, s).unwrap();
+    }
+}

@@ -39,8 +39,9 @@ unsafe fn optional_tag<'a>(tag: *const c_char) -> Result<Option<&'a str>, AbiErr
 /// own, which `stepalloc_pause` can give back. `tag` is 1 to 64 characters of letters, digits,
 /// `_`, `.`, `:` and `-`; "default" is the tag outside any region. At most 32 tags besides
 /// "default" per process (the 33rd is `STEPALLOC_INVALID_ARGUMENT`); regions nest up to 64
-/// deep. `backup` (0 or 1) sets the tag's backup policy: whether a pause copies its live bytes
-/// to host memory (the latest region entered for the tag wins). Returns a status.
+/// deep. `backup` (0 or 1): whether a pause copies what this region allocates to host memory;
+/// it belongs to each allocation, so regions of one tag with different `backup` never change
+/// each other's memory. Returns a status.
 ///
 /// # Safety
 /// `tag` must be NULL or a NUL-terminated string.
@@ -70,7 +71,7 @@ pub extern "C" fn stepalloc_region_exit() -> c_int {
 /// Pauses `tag` (NULL: every tag a region has used) on every device: the physical memory of
 /// its live blocks and cached pages goes back to the device, every address stays reserved
 /// (tensors keep their pointers; CUDA graphs captured before stay valid), after a
-/// stream-ordered wait for the work that used it. `backup` -1 follows the tag's policy; 0
+/// stream-ordered wait for the work that used it. `backup` -1 follows each allocation's region; 0
 /// discards the live bytes; 1 copies them to pinned host memory first. Idle cached pages of
 /// other tags are released too, so the device shows the memory free when this returns.
 /// Returns a status; `stepalloc_sleep_report_json` tells what it did.

@@ -67,6 +67,12 @@ from .stats import (
 from .steps import step, step_begin, step_end
 from .torch import RECOMMENDED, Installation, install, installation, is_installed, mempool, patch_torch, unpatch_torch
 
+if __import__("os").environ.get("STEPALLOC_AS_TORCH_MEMORY_SAVER", "") == "1":
+    # `import torch_memory_saver` gives stepalloc's saver (stepalloc.memory_saver, "Sleep and wake").
+    from .memory_saver import alias_torch_memory_saver as _alias
+
+    _alias()
+
 __version__ = "0.1.0"
 
 

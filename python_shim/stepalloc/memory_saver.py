@@ -1,5 +1,5 @@
 """Layer: a torch_memory_saver-shaped object over ``stepalloc.sleep``, so code written against
-torch_memory_saver (0.0.10: SGLang, slime, AReaL) moves with one import::
+torch_memory_saver (0.0.10: SGLang, slime, AReaL, verl) moves with one import::
 
     from stepalloc.memory_saver import torch_memory_saver
 
@@ -10,21 +10,37 @@ torch_memory_saver (0.0.10: SGLang, slime, AReaL) moves with one import::
     torch_memory_saver.pause("kv_cache"); torch_memory_saver.pause()   # memory goes back
     torch_memory_saver.resume()                                         # same addresses
 
+Unchanged code that does ``from torch_memory_saver import torch_memory_saver`` gets this object
+when run as ``python -m stepalloc.memory_saver script.py ARGS`` (the script runs as ``__main__``
+with ``torch_memory_saver`` aliased to this module), or after
+``stepalloc.memory_saver.alias_torch_memory_saver()`` (which ``import stepalloc`` calls when
+``STEPALLOC_AS_TORCH_MEMORY_SAVER=1``).
+
+Two routes, chosen at the first use, as torch_memory_saver's two hook modes:
+- process-wide: stepalloc is (or becomes, when CUDA is not initialised yet and ``hook_mode`` is
+  not ``"torch"``) PyTorch's allocator; a region is ``stepalloc.region``.
+- pools (``hook_mode = "torch"``, or CUDA already initialised): PyTorch keeps its allocator, and
+  each region allocates through a ``torch.cuda.MemPool`` over stepalloc (``stepalloc.mempool()``),
+  one per (tag, backup, device), as torch_memory_saver keeps one per key; PyTorch caches in front
+  and stepalloc holds the tagged segments, which pause and resume keep at their addresses.
+
 Invariants:
-- Tags, pause and resume are the library's (``sleep``); this object keeps only its own
-  settings (memory margin, whether to keep host buffers) and the regions it opened.
-- The first use installs stepalloc as PyTorch's allocator when nothing did (torch_memory_saver
-  also takes over allocation on first use); an installation made before is used as it is.
+- Tags, pause, resume and the backup are the library's (``sleep``): whether bytes are backed up
+  belongs to each allocation (the region it was made in). This object keeps only its settings
+  (margin, retain, backend names) and the regions and pools it opened.
+- Settings are accepted before the first region (nothing is initialised by setting them).
 - Where torch_memory_saver's behaviour and stepalloc's differ, this object follows
   torch_memory_saver when the difference would break code written for it (pausing a tag that
-  has no memory is a no-op, not an error) and says so in python_shim/README.md, "Sleep and
-  wake".
+  has no memory and resuming one that is not paused do nothing) and says so in the README,
+  "Sleep and wake".
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -39,6 +55,8 @@ SAVER_DEFAULT_TAG = "memory_saver.default"
 # Allocations inside ``disable()`` carry stepalloc's own default tag, which this object never
 # pauses: torch_memory_saver leaves such memory alone.
 DISABLED_TAG = "default"
+# The environment variable that makes ``import torch_memory_saver`` give this module.
+ALIAS_ENV = "STEPALLOC_AS_TORCH_MEMORY_SAVER"
 
 
 def _tag(tag: str) -> str:
@@ -46,30 +64,62 @@ def _tag(tag: str) -> str:
     return SAVER_DEFAULT_TAG if tag == _TAG_DEFAULT else tag
 
 
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
 class TorchMemorySaver:
     """The shape of ``torch_memory_saver.TorchMemorySaver`` (0.0.10), over stepalloc."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._ready = False
+        self._route: str | None = None  # "process" or "pools" once initialised
         self._margin = 0
-        self._retain = True  # stepalloc keeps its host buffers; False gives them back on resume
+        # As torch_memory_saver: host backups are given back after resume unless retained.
+        self._retain = _env_flag("TMS_RETAIN_CPU_BACKUP")
+        self._backend = os.environ.get("TMS_INIT_CPU_BACKUP_BACKEND") or "pinned"
+        self._disk_dir = os.environ.get("TMS_DISK_BACKUP_DIR")
         self._tags: set[str] = set()  # the tags this object's regions named
         self._hook_mode: str | None = None
+        self._pools: dict[tuple[str, bool, str, int], Any] = {}
+        self._init_region: sleep.region | None = None
 
     # --- setup ---------------------------------------------------------------------------
 
+    @property
+    def _ready(self) -> bool:
+        return self._route is not None
+
+    @_ready.setter
+    def _ready(self, value: bool) -> None:
+        # Tests mark an object ready without touching PyTorch (the session's simulated device).
+        self._route = "process" if value else None
+
     def _ensure_initialized(self) -> None:
-        if self._ready:
+        if self._route is not None:
             return
         with self._lock:
-            if self._ready:
+            if self._route is not None:
                 return
             from . import torch as _torch
 
-            if not _torch.is_installed():
-                _torch.install()
-            self._ready = True
+            if _torch.is_installed():
+                route = "process"
+            else:
+                import torch
+
+                if self._hook_mode == "torch" or torch.cuda.is_initialized():
+                    route = "pools"
+                else:
+                    _torch.install()
+                    route = "process"
+            if route == "process" and _env_flag("TMS_INIT_ENABLE"):
+                # torch_memory_saver's TMS_INIT_ENABLE: what this thread allocates outside any
+                # region is pauseable under "default" (backed up with TMS_INIT_ENABLE_CPU_BACKUP).
+                self._init_region = sleep.region(SAVER_DEFAULT_TAG, backup=_env_flag("TMS_INIT_ENABLE_CPU_BACKUP"))
+                self._init_region.__enter__()
+                self._tags.add(SAVER_DEFAULT_TAG)
+            self._route = route
 
     @property
     def enabled(self) -> bool:
@@ -81,13 +131,30 @@ class TorchMemorySaver:
 
     @hook_mode.setter
     def hook_mode(self, value: str) -> None:
-        # torch_memory_saver chooses LD_PRELOAD or a pluggable allocator; stepalloc is always
-        # PyTorch's pluggable allocator, so both modes are the same here.
+        # "torch": the pools route (works after CUDA is initialised); "preload": stepalloc becomes
+        # PyTorch's allocator at the first use (torch_memory_saver's LD_PRELOAD needs no more).
         if value not in ("preload", "torch"):
             raise ValueError(f"hook_mode must be 'preload' or 'torch', not {value!r}")
+        if self._route is not None and value != self._hook_mode and (value == "torch") != (self._route == "pools"):
+            raise RuntimeError(
+                f"hook_mode={value!r} after the first region: the saver already runs "
+                f"{'with pools' if self._route == 'pools' else 'process-wide'}; set hook_mode first"
+            )
         self._hook_mode = value
 
     # --- regions ---------------------------------------------------------------------------
+
+    def _pool(self, tag: str, backup: bool) -> Any:
+        """The ``torch.cuda.MemPool`` over stepalloc of (tag, backup, backend, device)."""
+        import torch
+
+        from . import torch as _torch
+
+        key = (tag, backup, self._backend if backup else "", torch.cuda.current_device())
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = _torch.mempool()
+        return pool
 
     @contextlib.contextmanager
     def region(
@@ -98,11 +165,18 @@ class TorchMemorySaver:
         cpu_backup_backend: str | None = None,
     ) -> Iterator[None]:
         """Tensors allocated inside carry ``tag``; with ``enable_cpu_backup`` their bytes are
-        kept on the host through ``pause``/``resume``, else they are discarded."""
+        kept on the host through ``pause``/``resume``, else they are discarded. The choice
+        belongs to the tensors made here: other regions of the same tag keep theirs."""
         _check_backend(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
         self._ensure_initialized()
-        with sleep.region(_tag(tag), backup=enable_cpu_backup):
-            self._tags.add(_tag(tag))
+        name = _tag(tag)
+        with contextlib.ExitStack() as stack:
+            if self._route == "pools":
+                import torch
+
+                stack.enter_context(torch.cuda.use_mem_pool(self._pool(name, enable_cpu_backup)))
+            stack.enter_context(sleep.region(name, backup=enable_cpu_backup))
+            self._tags.add(name)
             yield
 
     @contextlib.contextmanager
@@ -120,9 +194,15 @@ class TorchMemorySaver:
         pool (its intermediates and outputs) is put under the tag, so pausing the tag gives that
         memory back and ``resume`` maps it again at the same addresses: the graph replays with
         no recapture. The region is entered before the capture begins, which is when the pool
-        takes its tag."""
+        takes its tag. As torch_memory_saver's, it needs the process-wide route (its
+        ``cuda_graph`` needs the preload hook mode)."""
         _check_backend(enable_cpu_backup, False, cpu_backup_backend)
         self._ensure_initialized()
+        if self._route != "process":
+            raise RuntimeError(
+                "cuda_graph needs stepalloc as PyTorch's allocator (hook_mode='preload' before CUDA is "
+                "initialised); torch_memory_saver's hook_mode='torch' does not support it either"
+            )
         import torch
 
         graph = torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
@@ -136,6 +216,15 @@ class TorchMemorySaver:
         if not dispose_mem_pool_after_use:
             raise AssertionError("Only dispose_mem_pool_after_use=true is supported now")
         self._ensure_initialized()
+        if self._route == "pools":
+            # PyTorch's own allocator, in a pool of its own (torch_memory_saver does the same).
+            import torch
+
+            pool = torch.cuda.MemPool()
+            with torch.cuda.use_mem_pool(pool), sleep.region(DISABLED_TAG, backup=False):
+                yield
+            del pool
+            return
         with sleep.region(DISABLED_TAG, backup=False):
             yield
 
@@ -149,10 +238,38 @@ class TorchMemorySaver:
             return [_tag(tag)] if _tag(tag) in known else []
         return sorted(t for t in self._tags if t in known)
 
+    def _check_capture(self, what: str) -> None:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(
+                f"torch_memory_saver.{what}() during a CUDA graph capture: unmapping or mapping memory "
+                f"would invalidate the capture; {what} after it ends"
+            )
+
+    def _check_state(self, what: str, tag: str | None, paused: bool) -> None:
+        """A named tag with memory in the wrong state: torch_memory_saver prints "Cannot pause
+        allocation that is not active" (or "... resume ... not paused") and exits the process;
+        this raises instead and changes nothing."""
+        if tag is None:
+            return
+        figures = sleep.tags().get(_tag(tag))
+        if figures is None or bool(figures.get("paused")) != paused:
+            return
+        if paused or int(figures.get("live_bytes", 0)) > 0:
+            raise RuntimeError(
+                f"torch_memory_saver.{what}({tag!r}): the tag is {'paused already' if paused else 'not paused'} "
+                f"(torch_memory_saver exits the process here); nothing was changed"
+            )
+
     def pause(self, tag: str | None = None) -> sleep.SleepReport:
         """Releases the memory of ``tag`` (None: every tag of this object's regions), keeping
-        the addresses. Returns stepalloc's report (torch_memory_saver returns None)."""
+        the addresses; the tensors made in regions with a backup keep their bytes on the host.
+        Returns stepalloc's report (torch_memory_saver returns None)."""
         self._ensure_initialized()
+        self._check_capture("pause")
+        self._check_state("pause", tag, paused=True)
+        self._sync_pools()
         return _merge("pause", [sleep.pause(t) for t in self._targets(tag)])
 
     def resume(self, tag: str | None = None) -> sleep.SleepReport:
@@ -160,6 +277,8 @@ class TorchMemorySaver:
         restores its backup. With ``memory_margin_bytes`` set, refuses (out of memory, nothing
         mapped) when less than the margin would stay free on the device afterwards."""
         self._ensure_initialized()
+        self._check_capture("resume")
+        self._check_state("resume", tag, paused=False)
         targets = self._targets(tag)
         if self._margin:
             self._check_margin(targets)
@@ -167,6 +286,14 @@ class TorchMemorySaver:
         if not self._retain:
             sleep.release_backup()
         return report
+
+    def _sync_pools(self) -> None:
+        """Pools route: PyTorch queued its work on its streams; stepalloc waits, stream-ordered,
+        for the streams its segments were made on, which covers what PyTorch ran on them."""
+        if self._route == "pools":
+            import torch
+
+            torch.cuda.synchronize()
 
     def _check_margin(self, targets: list[str]) -> None:
         import torch
@@ -181,7 +308,7 @@ class TorchMemorySaver:
                 "the tags stay paused, free memory and call resume again"
             )
 
-    # --- settings --------------------------------------------------------------------------
+    # --- settings (accepted before the first region) -----------------------------------------
 
     @property
     def memory_margin_bytes(self) -> int:
@@ -193,15 +320,20 @@ class TorchMemorySaver:
 
     @property
     def retain_cpu_backup(self) -> bool:
-        """Whether host backup buffers are kept after ``resume`` (True by default here:
-        stepalloc reuses them at the next pause; torch_memory_saver's default is False)."""
+        """Whether host backup buffers are kept after ``resume`` (False by default, as
+        torch_memory_saver; ``TMS_RETAIN_CPU_BACKUP=1`` makes it True). Kept buffers are reused
+        by the next pause."""
         return self._retain
 
     @retain_cpu_backup.setter
     def retain_cpu_backup(self, value: bool) -> None:
         self._retain = bool(value)
-        if not self._retain:
-            sleep.release_backup()
+
+    def set_disk_backup_dir(self, path: str) -> None:
+        """torch_memory_saver's directory for disk backups (created if needed). stepalloc backs
+        up to host memory only: ``enable_disk_backup`` is refused, saying so."""
+        os.makedirs(path, exist_ok=True)
+        self._disk_dir = path
 
     def get_cpu_backup(self, x: Any, zero_copy: bool = False) -> Any:
         """The host copy of CUDA tensor ``x`` while its memory is paused with a backup (a CPU
@@ -225,9 +357,11 @@ class TorchMemorySaver:
 
 
 def _check_backend(enable_cpu_backup: bool, enable_disk_backup: bool, backend: str | None) -> None:
+    if enable_cpu_backup and enable_disk_backup:
+        raise AssertionError("enable_cpu_backup and enable_disk_backup are mutually exclusive")
     if enable_disk_backup:
         raise NotImplementedError(
-            "enable_disk_backup: stepalloc backs up to pinned host memory only (enable_cpu_backup=True)"
+            "enable_disk_backup: stepalloc backs up to pinned host memory only; use enable_cpu_backup=True"
         )
     if backend is None:
         return
@@ -263,5 +397,38 @@ def configure_subprocess() -> Iterator[None]:
     yield
 
 
+def alias_torch_memory_saver() -> None:
+    """Makes ``import torch_memory_saver`` (and ``from torch_memory_saver import
+    torch_memory_saver``) give this module, so unchanged code uses stepalloc's saver. Call it
+    before that import runs; ``STEPALLOC_AS_TORCH_MEMORY_SAVER=1`` does it at ``import stepalloc``."""
+    existing = sys.modules.get("torch_memory_saver")
+    if existing is not None and existing is not sys.modules[__name__]:
+        raise RuntimeError(
+            "alias_torch_memory_saver(): torch_memory_saver was imported already; call it (or set "
+            f"{ALIAS_ENV}=1) before anything imports torch_memory_saver"
+        )
+    sys.modules["torch_memory_saver"] = sys.modules[__name__]
+
+
 # The global singleton, as torch_memory_saver exports it.
 torch_memory_saver = TorchMemorySaver()
+
+
+def _main(argv: list[str]) -> int:
+    """``python -m stepalloc.memory_saver script.py ARGS``: runs the script with
+    ``torch_memory_saver`` aliased to stepalloc's saver."""
+    import runpy
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m stepalloc.memory_saver script.py [args...]", file=sys.stderr)
+        return 2
+    from stepalloc import memory_saver
+
+    memory_saver.alias_torch_memory_saver()
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main(sys.argv[1:]))

@@ -129,11 +129,12 @@ class region:
     """``with stepalloc.region(tag, backup=False):`` — what this thread allocates inside carries
     ``tag`` (the innermost region wins; outside every region, ``"default"``).
 
-    ``backup`` sets the tag's policy for ``pause``: True copies its live bytes to host memory
-    before the memory is released, False discards them (the latest region entered for a tag
-    sets it). Regions nest and are per thread; other threads are not affected, except autograd's
-    device thread while it runs a ``backward()`` / ``autograd.grad()`` called inside the region:
-    it borrows the tag for that call (``stepalloc.follow``). A bad tag (empty,
+    ``backup`` belongs to what is allocated inside: at ``pause``, True copies those bytes to
+    host memory before the memory is released, False discards them. Two regions of one tag with
+    different ``backup`` never change each other's memory. Regions nest and are per thread;
+    other threads are not affected, except autograd's device thread while it runs a
+    ``backward()`` / ``autograd.grad()`` called inside the region: it borrows the tag for that
+    call (``stepalloc.follow``). A bad tag (empty,
     over 64 bytes, characters outside ``[A-Za-z0-9_.:-]``, the 33rd distinct tag) raises
     ``ValueError`` with the library's message. Allocating inside the region of a paused tag
     raises ``stepalloc.PausedError``: resume it first.
@@ -160,7 +161,8 @@ def pause(tag: str | None = None, backup: bool | None = None) -> SleepReport:
     """Releases the physical memory of ``tag`` (None: every tag that has had a region) to the
     device, keeping every address: tensors keep their ``data_ptr()`` and CUDA graphs captured
     before stay valid once ``resume`` ran. Live bytes are copied to host memory first when the
-    tag's policy (or ``backup``) says so, else discarded. Waits, stream-ordered, for the work that
+    region they were allocated in asked for a backup (or ``backup`` is True), else discarded. No
+    host memory for the backup fails the pause before anything is released. Waits, stream-ordered, for the work that
     used the memory; when it returns, another process sees the memory free.
 
     A tag never seen raises ``ValueError``; a tag already paused is skipped (``.skipped``);

@@ -481,6 +481,9 @@ impl Backend for SimDevice {
         if bytes == 0 {
             return Err(invalid("cuMemHostAlloc"));
         }
+        if self.config.host_capacity != 0 && self.host_bytes().saturating_add(bytes) > self.config.host_capacity {
+            return Err(Error::OutOfMemory(Box::<OomReport>::default()));
+        }
         let addr = self.next_host;
         self.next_host = addr.saturating_add(bytes.div_ceil(ALIGNMENT) * ALIGNMENT);
         self.host.insert(addr, bytes);

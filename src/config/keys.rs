@@ -250,4 +250,10 @@ pub const KEYS: &[KeyDoc] = &[
         form: "True or False",
         doc: "simulated device: charge modelled time for driver calls (reported in statistics)",
     },
+    KeyDoc {
+        name: "sim_host_capacity_mb",
+        default: "0 (no limit)",
+        form: "integer",
+        doc: "simulated device: pinned host memory it gives for backups; beyond it a host allocation fails (out of memory)",
+    },
 ];

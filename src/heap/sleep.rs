@@ -52,8 +52,8 @@ const HOST_GROWTH: u64 = 64 * MIB;
 /// Paused tags and what each tag keeps across pauses.
 #[derive(Default)]
 pub(crate) struct SleepState {
-    /// Bit `t` set while tag `t` is paused on this device.
-    pub(super) paused: u64,
+    /// Bit `t` set while tag number `t` is paused on this device (`tags::MAX_ID` < 128).
+    pub(super) paused: u128,
     /// Per tag number (grown on demand).
     pub(super) tags: Vec<TagState>,
 }
@@ -66,6 +66,10 @@ pub(super) struct TagState {
     /// While paused with a backup: each backed-up block's address -> (offset into the buffers,
     /// bytes). A block freed while paused leaves.
     pub(super) backup: BTreeMap<u64, (u64, u64)>,
+    /// After a resume, the last backup's records while its buffers are kept
+    /// (torch_memory_saver's `retain_cpu_backup`): its bytes stay readable through
+    /// `backup_host_address` until the next pause, `release_backup`, or the block's free.
+    pub(super) retained: BTreeMap<u64, (u64, u64)>,
     pub(super) pauses: u64,
     pub(super) resumes: u64,
     pub(super) pause_ns: u64,
@@ -80,7 +84,7 @@ impl SleepState {
 
     #[inline]
     pub(crate) fn is_paused(&self, tag: TagId) -> bool {
-        tag != 0 && self.paused & (1u64 << (tag & 63)) != 0
+        tag != 0 && self.paused & (1u128 << (tag & 127)) != 0
     }
 
     pub(super) fn tag(&mut self, tag: TagId) -> &mut TagState {
@@ -115,7 +119,9 @@ pub struct SleepOutcome {
 impl Heap {
     /// Gives back the physical memory of `tag`'s pages, keeping every address: with `backup`,
     /// the live blocks' bytes are copied to host memory first; without, they are discarded.
-    /// A tag paused already is skipped. Refused during a CUDA-graph capture.
+    /// `tag` is a tag number (one of a name's `tags::numbers`). A tag paused already is
+    /// skipped. Refused during a CUDA-graph capture. On an error before any page was released
+    /// (no host memory for the backup, a failed copy) the tag is as it was: resident, intact.
     pub fn pause_tag(&mut self, tag: TagId, backup: bool) -> Result<SleepOutcome> {
         self.check_sleep_call(tag, "pause")?;
         if self.sleep.is_paused(tag) {
@@ -125,6 +131,8 @@ impl Heap {
         if !self.pending.is_empty() {
             self.synchronize_pending()?;
         }
+        // The buffers are about to be written again: the retained records no longer hold.
+        self.sleep.tag(tag).retained.clear();
         let segments = self.tag_segments(tag);
         self.wait_for_streams(&segments)?;
         let mut out = SleepOutcome::default();
@@ -162,7 +170,7 @@ impl Heap {
             }
         }
         // From here on the tag is paused: its live blocks leave the heap's statistics.
-        self.sleep.paused |= 1u64 << tag;
+        self.sleep.paused |= 1u128 << (tag & 127);
         self.count_live_blocks(&segments, false);
         let state = self.sleep.tag(tag);
         state.backup = backups;
@@ -253,11 +261,11 @@ impl Heap {
             return Err(e);
         }
         out.mapped_bytes = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
-        self.sleep.paused &= !(1u64 << tag);
+        self.sleep.paused &= !(1u128 << (tag & 127));
         self.count_live_blocks(&segments, true);
         self.step.note_reserved(self.stats.reserved_bytes.current());
         let state = self.sleep.tag(tag);
-        state.backup.clear();
+        state.retained = std::mem::take(&mut state.backup);
         state.resumes += 1;
         state.resume_ns = state.resume_ns.saturating_add(started.elapsed().as_nanos() as u64);
         Ok(out)
@@ -271,6 +279,7 @@ impl Heap {
             if !self.sleep.tags[i].backup.is_empty() {
                 continue;
             }
+            self.sleep.tags[i].retained.clear();
             while let Some((addr, bytes)) = self.sleep.tags[i].host.pop() {
                 self.backend.host_free(addr, bytes)?;
                 freed += bytes;
@@ -286,7 +295,7 @@ impl Heap {
 
     // ----- the steps ------------------------------------------------------------------------
 
-    fn check_sleep_call(&self, tag: TagId, what: &str) -> Result<()> {
+    pub(crate) fn check_sleep_call(&self, tag: TagId, what: &str) -> Result<()> {
         if tag == 0 {
             return Err(Error::InvalidArgument(format!(
                 "{what} of tag \"default\": memory allocated outside any region has no tag of its own and \
@@ -429,10 +438,36 @@ impl Heap {
         if have >= need {
             return Ok(());
         }
-        let bytes = (need - have).max(HOST_GROWTH).div_ceil(2 * MIB).saturating_mul(2 * MIB);
-        let addr = self.backend.host_alloc(bytes)?;
+        let mut bytes = (need - have).max(HOST_GROWTH).div_ceil(2 * MIB).saturating_mul(2 * MIB);
+        // The growth is a floor for speed, not a need: short of host memory, ask for the need.
+        let addr = match self.backend.host_alloc(bytes) {
+            Ok(addr) => addr,
+            Err(_) if bytes > need - have => {
+                bytes = (need - have).div_ceil(2 * MIB).saturating_mul(2 * MIB);
+                self.backend.host_alloc(bytes).map_err(|e| self.host_short(tag, bytes, e))?
+            }
+            Err(e) => return Err(self.host_short(tag, bytes, e)),
+        };
         self.sleep.tag(tag).host.push((addr, bytes));
         Ok(())
+    }
+
+    /// The error of a pause that could not get `bytes` of pinned host memory for `tag`'s backup:
+    /// nothing was released yet, so the tag stays resident with its bytes.
+    #[cold]
+    fn host_short(&self, tag: TagId, bytes: u64, cause: Error) -> Error {
+        let why = match cause {
+            Error::OutOfMemory(_) => "out of memory".to_string(),
+            other => other.to_string(),
+        };
+        Error::Unavailable(format!(
+            "pause of tag {:?} on device {}: could not allocate {} of pinned host memory for its backup ({why}); \
+             nothing was released: the tag stays on the device with its contents. Free host memory, or pause it \
+             with backup=False (its contents are then discarded)",
+            tags::name(tag),
+            self.device,
+            format_bytes(bytes)
+        ))
     }
 
     /// Unmaps and releases the remaining pages of paused `segments` in address order, each once

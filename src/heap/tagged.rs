@@ -58,7 +58,8 @@ impl Heap {
         self.sleep.is_paused(tag)
     }
 
-    /// Figures of "default" and of every tag with memory, state or a registered name.
+    /// Figures of "default" and of every tag with memory, state or a registered name, one per
+    /// name (its two numbers, with and without backup, summed).
     pub fn tag_figures(&self) -> Vec<TagFigures> {
         let mut figures: BTreeMap<TagId, TagFigures> = BTreeMap::new();
         let mut tagged_live = 0;
@@ -68,10 +69,11 @@ impl Heap {
                 continue;
             }
             let paused = self.sleep.is_paused(seg.tag);
-            let f = figures.entry(seg.tag).or_default();
+            let f = figures.entry(tags::base(seg.tag)).or_default();
             for id in self.arena.segment_blocks(seg_id) {
                 if self.arena.state(id) == BlockState::Allocated {
                     let size = self.arena.block(id).size;
+                    f.backup |= tags::backup(seg.tag);
                     if paused {
                         f.paused_bytes += size;
                     } else {
@@ -85,13 +87,14 @@ impl Heap {
             figures.entry(tag).or_default();
         }
         for (i, state) in self.sleep.tags.iter().enumerate() {
-            let f = figures.entry(i as TagId).or_default();
-            f.backup_bytes = state.backup.values().map(|&(_, bytes)| bytes).sum();
-            f.host_bytes = state.host.iter().map(|&(_, bytes)| bytes).sum();
-            f.pauses = state.pauses;
-            f.resumes = state.resumes;
-            f.pause_seconds = state.pause_ns as f64 / 1e9;
-            f.resume_seconds = state.resume_ns as f64 / 1e9;
+            let f = figures.entry(tags::base(i as TagId)).or_default();
+            f.backup_bytes += state.backup.values().map(|&(_, bytes)| bytes).sum::<u64>();
+            f.host_bytes += state.host.iter().map(|&(_, bytes)| bytes).sum::<u64>();
+            // A pause or resume of a name acts on both its numbers: count it once.
+            f.pauses = f.pauses.max(state.pauses);
+            f.resumes = f.resumes.max(state.resumes);
+            f.pause_seconds += state.pause_ns as f64 / 1e9;
+            f.resume_seconds += state.resume_ns as f64 / 1e9;
         }
         let default = figures.entry(0).or_default();
         default.live_bytes = self.stats.allocated_bytes.current().saturating_sub(tagged_live);
@@ -99,8 +102,7 @@ impl Heap {
             .into_iter()
             .map(|(tag, mut f)| {
                 f.tag = tags::name(tag);
-                f.paused = self.sleep.is_paused(tag);
-                f.backup = tags::backup(tag);
+                f.paused = tags::numbers(tag).iter().any(|&t| self.sleep.is_paused(t));
                 f
             })
             .collect()
@@ -220,22 +222,22 @@ impl Heap {
     }
 
     /// The host address holding the backed-up bytes `[ptr, ptr + bytes)` of a block of a paused
-    /// tag (`torch_memory_saver.get_cpu_backup`), when they lie in one backup buffer that this
-    /// process can read; None otherwise (not paused, no backup, another device, the simulated
-    /// device). The bytes are valid until the tag resumes or the block is freed.
+    /// tag (`torch_memory_saver.get_cpu_backup`), or of a resumed one whose buffers were kept
+    /// (the last backup, while the block lives), when they lie in one backup buffer that this
+    /// process can read; None otherwise (no backup, another device, the simulated device). The
+    /// bytes are valid until the tag resumes (or pauses again) or the block is freed.
     pub fn backup_host_address(&mut self, ptr: u64, bytes: u64) -> Option<u64> {
-        if !self.sleep.any_paused() || !self.backend.host_readable() {
+        if !self.backend.host_readable() {
             return None;
         }
         let end = ptr.checked_add(bytes)?;
         for tag in 1..self.sleep.tags.len() {
             let tag = TagId::try_from(tag).ok()?;
-            if !self.sleep.is_paused(tag) {
-                continue;
-            }
-            let state = self.sleep.tag(tag);
-            let Some((&addr, &(offset, size))) = state.backup.range(..=ptr).next_back() else { continue };
-            if end > addr.saturating_add(size) {
+            let paused = self.sleep.is_paused(tag);
+            let state = &self.sleep.tags[usize::from(tag)];
+            let records = if paused { &state.backup } else { &state.retained };
+            let Some((&addr, &(offset, size))) = records.range(..=ptr).next_back() else { continue };
+            if end > addr.saturating_add(size) || (!paused && self.arena.find_allocated(addr).is_none()) {
                 continue;
             }
             // The buffers are filled one after another from offset 0.

@@ -102,7 +102,7 @@ mod tests {
     #[test]
     fn a_borrowed_tag_lasts_until_the_lease_ends() {
         let _turn = SERIAL.lock();
-        let tag = super::super::register("lend_test", false).unwrap();
+        let tag = super::super::register("lend_test").unwrap();
         let token = lend(tag).unwrap();
         assert_ne!(token, 0);
         let seen = std::thread::spawn(move || {
@@ -120,7 +120,7 @@ mod tests {
         assert!(borrow(token).is_err(), "an ended lease cannot be borrowed");
         assert!(borrow(0).is_err() && end(u64::MAX).is_err());
         // A thread's own region wins over a borrowed tag.
-        let other = super::super::register("lend_test_own", false).unwrap();
+        let other = super::super::register("lend_test_own").unwrap();
         let token = lend(tag).unwrap();
         borrow(token).unwrap();
         super::super::enter("lend_test_own", false).unwrap();
