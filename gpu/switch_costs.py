@@ -9,8 +9,8 @@ make); and one small synchronous copy's latency (vLLM's sleep makes one per allo
 Beside each figure stands the constant the stress tool's colocated cost model uses
 (stress/src/workload/colocated/cost.rs, and the simulated device's per-call costs in
 src/backend/sim.rs that it reads through the driver-time statistics), so a GPU run checks
-them: ``ratio`` is measured / modelled. gpu/tests/test_switch_costs.py keeps MODEL equal to
-those files.
+them: ``ratio`` is measured / modelled. The constants are read from those files (the bundle
+carries them in model/), with the values of 2026-12-06 where a file is not there.
 
 Run by gpu/sleep_check.py's colocated part (``--parts colocated``), or alone:
   python3 switch_costs.py [--pages N] [--big-pages N] [--copy-mb N] [--repeats N] [--json FILE] [--json-stdout]
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import re
 import statistics
 import sys
 import time
@@ -35,23 +36,63 @@ from cudrv import Driver  # noqa: E402
 MIB = 1 << 20
 GIB = 1 << 30
 
-# The cost model's constants, in seconds and GB/s (10^9 bytes per second), with where they live.
-MODEL = {
-    # stress/src/workload/colocated/cost.rs
-    "link_gbps_pcie4": 25.0,  # PCIE4_X16_GBPS
-    "link_gbps_pcie5": 50.0,  # PCIE5_X16_GBPS
-    "sync_copy_latency_s": 10e-6,  # SYNC_COPY_LATENCY_S
-    "vm_unmap_release_s": 20e-6,  # VM_UNMAP_RELEASE_S (vLLM's pool, per allocation)
-    "vm_create_map_s": 30e-6,  # VM_CREATE_MAP_S
-    # src/backend/sim.rs (the simulated device's per-call costs, stepalloc's side of the model)
-    "create_s": 20e-6,  # COST_CREATE_NS (+ COST_CREATE_PER_GIB_NS a GiB)
-    "create_per_gib_s": 5e-6,  # COST_CREATE_PER_GIB_NS
-    "map_s": 10e-6,  # COST_MAP_NS
-    "unmap_s": 10e-6,  # COST_UNMAP_NS
-    "release_s": 10e-6,  # COST_RELEASE_PHYSICAL_NS
-    "copy_call_s": 3e-6,  # COST_COPY_CALL_NS
-    "sim_copy_gib_s": 25.0,  # COPY_BYTES_PER_S (GiB/s)
+# The cost model's constants, in seconds and GB/s (10^9 bytes per second): key -> (file, name,
+# scale to seconds or GB/s, the value when the file is not there). Read from the files where they
+# are (the repository, or the bundle's model/ copy), so that a GPU run checks the model as built.
+CONSTANTS = {
+    "link_gbps_pcie4": ("cost.rs", "PCIE4_X16_GBPS", 1.0, 25.0),
+    "link_gbps_pcie5": ("cost.rs", "PCIE5_X16_GBPS", 1.0, 50.0),
+    "sync_copy_latency_s": ("cost.rs", "SYNC_COPY_LATENCY_S", 1.0, 10e-6),
+    "vm_unmap_release_s": ("cost.rs", "VM_UNMAP_RELEASE_S", 1.0, 20e-6),  # vLLM's pool, per allocation
+    "vm_create_map_s": ("cost.rs", "VM_CREATE_MAP_S", 1.0, 30e-6),
+    # The simulated device's per-call costs: stepalloc's side of the model.
+    "create_s": ("sim.rs", "COST_CREATE_NS", 1e-9, 20e-6),
+    "create_per_gib_s": ("sim.rs", "COST_CREATE_PER_GIB_NS", 1e-9, 5e-6),
+    "map_s": ("sim.rs", "COST_MAP_NS", 1e-9, 10e-6),
+    "unmap_s": ("sim.rs", "COST_UNMAP_NS", 1e-9, 10e-6),
+    "release_s": ("sim.rs", "COST_RELEASE_PHYSICAL_NS", 1e-9, 10e-6),
+    "copy_call_s": ("sim.rs", "COST_COPY_CALL_NS", 1e-9, 3e-6),
+    "sim_copy_gib_s": ("sim.rs", "COPY_BYTES_PER_S", 1.0 / GIB, 25.0),
 }
+SOURCES = {
+    "cost.rs": ["stress/src/workload/colocated/cost.rs", "model/cost.rs"],
+    "sim.rs": ["src/backend/sim.rs", "model/sim.rs"],
+}
+
+
+def rust_constant(text: str, name: str) -> float | None:
+    """A `const NAME: f64|u64 = literal;` of a Rust file: a number (underscores allowed) or
+    `A << B`; None when absent or another form."""
+    m = re.search(rf"\bconst {name}: (?:f64|u64) = ([^;]+);", text)
+    if not m:
+        return None
+    expr = m[1].replace("_", "").strip()
+    try:
+        if "<<" in expr:
+            a, b = (int(x) for x in expr.split("<<"))
+            return float(a << b)
+        return float(expr)
+    except ValueError:
+        return None
+
+
+def load_model(root: Path) -> tuple[dict, dict]:
+    """The cost model's constants (CONSTANTS' keys) and where each came from."""
+    texts = {}
+    for f, candidates in SOURCES.items():
+        for rel in candidates:
+            if (root / rel).is_file():
+                texts[f] = (rel, (root / rel).read_text())
+                break
+    model, source = {}, {}
+    for key, (f, name, scale, default) in CONSTANTS.items():
+        value = rust_constant(texts[f][1], name) if f in texts else None
+        model[key] = default if value is None else value * scale
+        source[key] = f"{texts[f][0]} {name}" if value is not None else f"built-in (no {f} {name})"
+    return model, source
+
+
+MODEL, MODEL_SOURCE = load_model(Path(__file__).resolve().parent.parent)
 
 
 class MemLocation(Structure):
@@ -232,15 +273,17 @@ def compare(pages: dict, big: dict | None, copies: dict) -> list[dict]:
         {"what": w, "measured_s": got, "model_s": want, "ratio": got / want, "constant": c}
         for w, got, want, c in rows
     ]
+    links = {"PCIE4_X16_GBPS": m["link_gbps_pcie4"], "PCIE5_X16_GBPS": m["link_gbps_pcie5"]}
     for key, label in (("dtoh", "device to host"), ("htod", "host to device")):
         got = copies[f"{key}_gbps"]
+        nearest = min(links, key=lambda k: abs(links[k] - got))
         out.append(
             {
                 "what": f"pinned copy {label}, GB/s",
                 "measured_gbps": got,
-                "model_gbps": [m["link_gbps_pcie4"], m["link_gbps_pcie5"]],
-                "nearest": "PCIE5_X16_GBPS" if abs(got - 50) < abs(got - 25) else "PCIE4_X16_GBPS",
-                "ratio": got / (50.0 if abs(got - 50) < abs(got - 25) else 25.0),
+                "model_gbps": list(links.values()),
+                "nearest": nearest,
+                "ratio": got / links[nearest],
                 "constant": "cost.rs PCIE4_X16_GBPS / PCIE5_X16_GBPS",
             }
         )
@@ -269,6 +312,7 @@ def measure(pages: int, big_pages: int, copy_bytes: int, repeats: int) -> dict:
         "big_pages": big,
         "copy": copies,
         "model": MODEL,
+        "model_source": MODEL_SOURCE,
         "compare": compare(small, big, copies),
     }
 
@@ -284,7 +328,8 @@ def text(doc: dict) -> str:
             )
         else:
             lines.append(
-                f"  {r['what']:42} {r['measured_gbps']:>7.1f} GB/s {'25 / 50':>10} {r['ratio']:>7.2f}  "
+                f"  {r['what']:42} {r['measured_gbps']:>7.1f} GB/s {' / '.join(f'{g:g}' for g in r['model_gbps']):>10} "
+                f"{r['ratio']:>7.2f}  "
                 f"{r['constant']} (nearest {r['nearest']})"
             )
     c = doc["copy"]
