@@ -19,8 +19,10 @@ are the median of the iterations after it. Addresses and bytes are checked (samp
 tensor; on testdrv the first and last bytes, its stub runtime runs no kernels).
 
 Over testdrv's host-memory driver (``STEPALLOC_HOSTCUDA=1``) every size is divided by
-``--scale`` (default 256 there, 1 on a GPU). Prints one JSON object (the last line).
-Usage: colocated_7b.py [--scale N] [--kv-gb G] [--activations-gb G] [--iterations N]
+``--scale`` (default 256 there, 1 on a GPU) and every 16 consecutive weight tensors are one
+(``--group``: there every copy waits ``HOSTCUDA_DELAY_US``). Prints one JSON object (the last
+line).
+Usage: colocated_7b.py [--scale N] [--group N] [--kv-gb G] [--activations-gb G] [--iterations N]
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ def on_host_driver() -> bool:
     return os.environ.get("STEPALLOC_HOSTCUDA", "") not in ("", "0")
 
 
-def weight_sizes(torch, scale: int) -> tuple[list[int], int]:
-    """The 7 B model's parameter tensors in bytes (bf16), each divided by `scale` (at least 512,
-    a multiple of 512), from the model built on the meta device; and its parameter count."""
+def weight_sizes(torch, scale: int, group: int) -> tuple[list[int], int]:
+    """The 7 B model's parameter tensors in bytes (bf16), from the model built on the meta
+    device, every `group` consecutive ones as one tensor, each divided by `scale` (at least 512,
+    a multiple of 512); and the model's parameter count."""
     model = build_model(torch, SIZES["7b"], "meta")
     numels = [p.numel() for p in model.parameters()]
-    return [max(512, (2 * n // scale) // 512 * 512) for n in numels], sum(numels)
+    grouped = [sum(numels[i : i + group]) for i in range(0, len(numels), group)]
+    return [max(512, (2 * n // scale) // 512 * 512) for n in grouped], sum(numels)
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -62,7 +66,7 @@ def run(a: argparse.Namespace) -> dict:
     import stepalloc
 
     host = on_host_driver()
-    sizes, params = weight_sizes(torch, a.scale)
+    sizes, params = weight_sizes(torch, a.scale, a.group)
     stepalloc.install("backend:cuda," + stepalloc.RECOMMENDED)
     total = torch.cuda.mem_get_info()[1]
     train = pick_variant(SIZES["7b"], params // a.scale, total)
@@ -73,6 +77,7 @@ def run(a: argparse.Namespace) -> dict:
         "device": torch.cuda.get_device_name(0),
         "host_memory_driver": host,
         "scale": a.scale,
+        "group": a.group,
         "total_bytes": total,
         "train": train,
     }
@@ -226,12 +231,18 @@ def main() -> int:
     host = on_host_driver()
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--scale", type=int, default=256 if host else 1, help="every size divided by this")
+    ap.add_argument(
+        "--group",
+        type=int,
+        default=16 if host else 1,
+        help="consecutive weight tensors made one (testdrv: 16, as every copy there waits HOSTCUDA_DELAY_US)",
+    )
     ap.add_argument("--kv-gb", type=float, default=16.0, help="the engine's KV cache, GiB before --scale")
     ap.add_argument("--activations-gb", type=float, default=4.0, help="the trainer's activations, GiB before --scale")
     ap.add_argument("--iterations", type=int, default=3, help="iterations (the first pins the host buffers)")
     a = ap.parse_args()
-    if not (1 <= a.scale <= 65536 and 0 < a.kv_gb <= 1024 and 0 < a.activations_gb <= 1024 and 2 <= a.iterations):
-        ap.error("--scale 1..65536, --kv-gb and --activations-gb in (0, 1024], --iterations at least 2")
+    if not (1 <= a.scale <= 65536 and 1 <= a.group <= 1024 and 0 < a.kv_gb <= 1024 and 0 < a.activations_gb <= 1024 and 2 <= a.iterations):
+        ap.error("--scale 1..65536, --group 1..1024, --kv-gb and --activations-gb in (0, 1024], --iterations at least 2")
     doc = run(a)
     print(json.dumps(doc), flush=True)
     return 0

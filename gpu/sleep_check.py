@@ -502,7 +502,7 @@ def colocated_7b_phrase(c7: dict) -> str:
         f"7 B engine ({sz['weights_bytes'] / GIB:.2f} GiB weights in {sz['weight_tensors']} tensors, "
         f"{sz['kv_bytes'] / GIB:.2f} GiB KV) and {c7['train']['variant']} trainer "
         f"({sz['trainer_backed_up_bytes'] / GIB:.2f} GiB backed up, {sz['trainer_discarded_bytes'] / GIB:.2f} GiB "
-        f"discarded), 1/{c7['scale']} scale: switch "
+        f"discarded), 1/{c7['scale']} scale{', tensors in groups of ' + str(c7['group']) if c7.get('group', 1) > 1 else ''}: switch "
         f"{c7['switch_s'] * 1e3:.0f} ms an iteration against a pinned-copy floor of {c7['floor_s'] * 1e3:.0f} ms "
         f"({c7['over_floor']:.2f}x; the first, pinning the host buffers, {c7['first_switch_s'] * 1e3:.0f} ms); "
         f"peak {c7['peak_in_use_bytes'] / GIB:.2f} GiB of {c7['total_bytes'] / GIB:.2f}; addresses kept "
@@ -733,9 +733,9 @@ def main() -> int:
     if "colocated" in parts:
         # The example, the switch's component costs, then the 7 B loop (the longest: it pins
         # the 7 B engine's and trainer's host buffers in its first iteration).
-        doc["colocated"] = {"skip": no_device} if no_device else run_colocated(a, env, max(10.0, left() * 0.2))
-        doc["switch_costs"] = {"skip": no_device} if no_device else run_switch_costs(a, env, max(10.0, left() * 0.15))
-        doc["colocated_7b"] = {"skip": no_device} if no_device else run_colocated_7b(a, env, max(20.0, left() * 0.7))
+        doc["colocated"] = {"skip": no_device} if no_device else run_colocated(a, env, max(10.0, left() * 0.35))
+        doc["switch_costs"] = {"skip": no_device} if no_device else run_switch_costs(a, env, max(10.0, left() * 0.1))
+        doc["colocated_7b"] = {"skip": no_device} if no_device else run_colocated_7b(a, env, max(20.0, left() * 0.8))
     if "tms" in parts:
         doc["tms"] = {"skip": no_device} if no_device else run_child("tms", a, env, max(10.0, left() - 5))
     results = judge(doc)

@@ -325,7 +325,7 @@ def test_run_all_runs_the_7b_figures_first() -> None:
         body.index('"$BUNDLE/gpu/summarize.py"'),
     ]
     assert order == sorted(order)
-    assert 'STEPALLOC_E2E7B_BUDGET:-200' in text and 'STEPALLOC_RUN_BUDGET:-470' in text
+    assert "STEPALLOC_E2E7B_BUDGET:-200" in text and "STEPALLOC_RUN_BUDGET:-$([ $HOST_DRIVER = 1 ] && echo 900 || echo 470)" in text
 
 
 def test_run_all_refuses_a_budget_that_is_not_whole_seconds(bundle: Path, tmp_path: Path) -> None:
