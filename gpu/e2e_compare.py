@@ -215,7 +215,8 @@ def orchestrate(a: argparse.Namespace) -> int:
     stress = find_stress(a.stress)
     work = Path(tempfile.mkdtemp(prefix="stepalloc-e2e-"))
     order = list(a.configs)
-    if any(c in MEASURED for c in order) and "native_record" not in order and a.device == "cuda":
+    capped = SIZES[a.size].headroom == "cap"
+    if capped and any(c in MEASURED for c in order) and "native_record" not in order and a.device == "cuda":
         log("note: without native_record there is no headroom cap and no replay")
     results: dict[str, dict] = {}
     cap = 0

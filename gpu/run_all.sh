@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The whole GPU run from a bundle (scripts/gpu-bundle.sh), in one call, without cargo. The
 # stages run most valuable figures first, so that what the time budget cuts off is what earlier
-# runs already answered (estimates on an H100 / H200 from the H200 run of 2026-12-04 and the
-# 7 B sizes; a stage that starts with too little time left is skipped with the reason):
+# runs already answered; a stage that starts with too little time left is skipped with the
+# reason. Times are estimates for an H100 / H200: the H200 run of 2026-12-04 (docs/performance.md)
+# had 1.4 B steps of 1.5-2.1 s and its PyTorch runs stopped after 4 of 6 iterations at a 420 s
+# budget, so the 1.4 B comparison alone wants about 250 s; a 7 B step at batch 2 is about 5x
+# the FLOPs a token at half the batch (2-3 s), a 7 B process about 15 s to start and make its
+# 13.2 GiB of weights on the device, 4 iterations and 2-3 headroom probes about 30 s more:
 #   0. the bundle's MANIFEST.json checked (files, hashes, glibc needs)                  ~1 s
 #   1. gpu/e2e_compare.py --size 7b: the 7 B LLaVA-style agent loop (13.2 GiB of bf16
 #      weights made on the device) under PyTorch, stepalloc, expandable segments and
