@@ -10,7 +10,10 @@ One iteration, as a colocated RL loop runs it (verl's order): the engine wakes i
 rolls out, then sleeps (its weights copied out, the cache discarded); the trainer wakes (its
 state copied in, its scratch mapped), runs a step, wakes the engine's weights and copies its new
 weights into them on the device, then sleeps (its state copied out, the scratch discarded).
-Copied per iteration: the weights out, the trainer's state in and out, the weights in.
+Copied per iteration: the weights out, the trainer's state in and out, the weights in. The
+engine's own pauses and resumes are also reported apart (``engine_*``): that is the switch
+``stepalloc-stress colocated`` models (its trainer stays resident), to be compared with it at
+the measured link speed (``link_gbps``: ``--link-gbps``).
 
 The switch time (every pause and resume of the iteration, wall clock with a synchronize) is set
 against the pinned-copy floor: the same bytes at the bandwidth a pinned ``copy_()`` reaches in
@@ -42,6 +45,7 @@ from e2e_model import SIZES, build_model, pick_variant  # noqa: E402
 
 MIB, GIB = 1 << 20, 1 << 30
 ENGINE, KV, TRAINER, SCRATCH = "engine_weights", "kv_cache", "trainer", "trainer_scratch"
+ENGINE_CALLS = {"resume kv", "pause kv", "pause weights", "resume weights"}
 
 
 def on_host_driver() -> bool:
@@ -201,9 +205,17 @@ def run(a: argparse.Namespace) -> dict:
         s = sum(c[1] for c in calls)
         copied_out, copied_in = sum(c[2] for c in calls), sum(c[3] for c in calls)
         floor = copied_out / floor_out + copied_in / floor_in
+        # The engine's own calls: the switch the stress tool's colocated workload models (its
+        # trainer stays resident), copied bytes against the same floor.
+        engine = [c for c in calls if c[0] in ENGINE_CALLS]
+        engine_s = sum(c[1] for c in engine)
+        engine_floor = sum(c[2] for c in engine) / floor_out + sum(c[3] for c in engine) / floor_in
         iterations.append(
             {
                 "iteration": it,
+                "engine_switch_s": engine_s,
+                "engine_floor_s": engine_floor,
+                "engine_over_floor": engine_s / engine_floor if engine_floor else 0.0,
                 "switch_s": s,
                 "copied_out_bytes": copied_out,
                 "copied_in_bytes": copied_in,
@@ -219,6 +231,10 @@ def run(a: argparse.Namespace) -> dict:
     out["switch_s"] = statistics.median(r["switch_s"] for r in steady)
     out["floor_s"] = statistics.median(r["floor_s"] for r in steady)
     out["over_floor"] = statistics.median(r["over_floor"] for r in steady)
+    out["engine_switch_s"] = statistics.median(r["engine_switch_s"] for r in steady)
+    out["engine_over_floor"] = statistics.median(r["engine_over_floor"] for r in steady)
+    # The link speed to give `stepalloc-stress colocated --link-gbps` for the same comparison.
+    out["link_gbps"] = 2 / (1 / floor_out + 1 / floor_in) / 1e9
     out["first_switch_s"] = iterations[0]["switch_s"]
     out["peak_in_use_bytes"] = peak
     out["addresses_kept"] = now == addresses

@@ -92,9 +92,10 @@ def pick_variant(size: Size, params: int, total_bytes: int, forced: str | None =
         f"{FULL_BYTES_PER_PARAM} bytes x {params / 1e9:.2f} B = {state / (1 << 30):.1f} GiB) is "
         f"{share:.0%} of the device's {total_bytes / (1 << 30):.1f} GiB"
     )
-    choice = forced or (size.train if size.train != "auto" else None)
-    if choice is not None:
-        return {"variant": choice, "why": f"asked for ({said})", "state_bytes": state}
+    if forced is not None:
+        return {"variant": forced, "why": f"asked for ({said})", "state_bytes": state}
+    if size.train != "auto":
+        return {"variant": size.train, "why": f"this size's own ({said})", "state_bytes": state}
     if share <= FULL_SHARE:
         return {"variant": "full", "why": f"{said}: at most {FULL_SHARE:.0%}, so it fits", "state_bytes": state}
     return {

@@ -505,6 +505,8 @@ def colocated_7b_phrase(c7: dict) -> str:
         f"discarded), 1/{c7['scale']} scale{', tensors in groups of ' + str(c7['group']) if c7.get('group', 1) > 1 else ''}: switch "
         f"{c7['switch_s'] * 1e3:.0f} ms an iteration against a pinned-copy floor of {c7['floor_s'] * 1e3:.0f} ms "
         f"({c7['over_floor']:.2f}x; the first, pinning the host buffers, {c7['first_switch_s'] * 1e3:.0f} ms); "
+        f"the engine's own {c7.get('engine_switch_s', 0) * 1e3:.0f} ms, {c7.get('engine_over_floor', 0):.2f}x its floor "
+        f"(stepalloc-stress colocated --link-gbps {c7.get('link_gbps', 0):.1f} models it); "
         f"peak {c7['peak_in_use_bytes'] / GIB:.2f} GiB of {c7['total_bytes'] / GIB:.2f}; addresses kept "
         f"{c7['addresses_kept']}, bytes kept {c7['bytes_kept']}"
     )
