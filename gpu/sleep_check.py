@@ -613,7 +613,7 @@ def text_table(doc: dict) -> str:
     c = doc.get("cycle") or {}
     if "stepalloc_backup" not in c:
         why = c.get("skip") or c.get("error", "not run")
-        return f"sleep and wake: no figures ({str(why)[-300:]})\n"
+        return "\n".join([f"sleep and wake: no figures ({str(why)[-300:]})", *colocated_7b_lines(doc)]) + "\n"
     s = c["sizes"]
     lines = [
         f"sleep and wake (gpu/sleep_check.py) on {c['device']}"
@@ -655,6 +655,12 @@ def text_table(doc: dict) -> str:
         )
     elif co:
         lines.append(f"colocated loop: {one_line(co.get('error') or co.get('skip', ''), 300)}")
+    return "\n".join(lines + colocated_7b_lines(doc)) + "\n"
+
+
+def colocated_7b_lines(doc: dict) -> list[str]:
+    """The table's lines on the 7 B colocated loop and the switch's component costs."""
+    lines = []
     c7 = doc.get("colocated_7b") or {}
     if "switch_s" in c7:
         lines.append("colocated loop at 7 B: " + colocated_7b_phrase(c7))
@@ -667,7 +673,7 @@ def text_table(doc: dict) -> str:
         lines.append(costs_text(sc).rstrip())
     elif sc:
         lines.append(f"switch component costs: {one_line(sc.get('error') or sc.get('skip', ''), 300)}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def bandwidth(c: dict) -> dict:
