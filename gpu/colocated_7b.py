@@ -257,8 +257,16 @@ def main() -> int:
     ap.add_argument("--activations-gb", type=float, default=4.0, help="the trainer's activations, GiB before --scale")
     ap.add_argument("--iterations", type=int, default=3, help="iterations (the first pins the host buffers)")
     a = ap.parse_args()
-    if not (1 <= a.scale <= 65536 and 1 <= a.group <= 1024 and 0 < a.kv_gb <= 1024 and 0 < a.activations_gb <= 1024 and 2 <= a.iterations):
-        ap.error("--scale 1..65536, --group 1..1024, --kv-gb and --activations-gb in (0, 1024], --iterations at least 2")
+    if not (
+        1 <= a.scale <= 65536
+        and 1 <= a.group <= 1024
+        and 0 < a.kv_gb <= 1024
+        and 0 < a.activations_gb <= 1024
+        and 2 <= a.iterations
+    ):
+        ap.error(
+            "--scale 1..65536, --group 1..1024, --kv-gb and --activations-gb in (0, 1024], --iterations at least 2"
+        )
     doc = run(a)
     print(json.dumps(doc), flush=True)
     return 0

@@ -327,8 +327,8 @@ def main() -> int:
         "--train",
         choices=["auto", "full", "lora"],
         default="auto",
-        help="training variant: full fine-tuning, LoRA on the frozen base, or auto: the size's own (full for the 1.4 B; "
-        "for 7b full where its state fits the device, else LoRA)",
+        help="training variant: full fine-tuning, LoRA on the frozen base, or auto: the size's own (full for "
+        "the 1.4 B; for 7b full where its state fits the device, else LoRA)",
     )
     ap.add_argument("--dry-run", action="store_true", help="the tiny configuration on the CPU")
     ap.add_argument(

@@ -16,6 +16,7 @@ import dataclasses
 import random
 import time
 
+
 @dataclasses.dataclass(frozen=True)
 class Size:
     """The model and the workload: vision tower, language model, batch, shapes, iterations."""
@@ -285,7 +286,11 @@ class Loop:
                 if mask is not None:
                     mask = torch.cat([mask, mask.new_ones((batch, 1))], 1)
                 out = self.model(
-                    input_ids=tokens[-1], attention_mask=mask, use_cache=True, logits_to_keep=1, **{self.cache_kw: cache}
+                    input_ids=tokens[-1],
+                    attention_mask=mask,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{self.cache_kw: cache},
                 )
                 tokens.append(self.next_token(out))
                 del out

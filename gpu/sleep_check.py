@@ -498,14 +498,16 @@ def cost_phrases(sc: dict) -> list[str]:
 
 def colocated_7b_phrase(c7: dict) -> str:
     sz = c7["sizes"]
+    grouped = f", tensors in groups of {c7['group']}" if c7.get("group", 1) > 1 else ""
     return (
         f"7 B engine ({sz['weights_bytes'] / GIB:.2f} GiB weights in {sz['weight_tensors']} tensors, "
         f"{sz['kv_bytes'] / GIB:.2f} GiB KV) and {c7['train']['variant']} trainer "
         f"({sz['trainer_backed_up_bytes'] / GIB:.2f} GiB backed up, {sz['trainer_discarded_bytes'] / GIB:.2f} GiB "
-        f"discarded), 1/{c7['scale']} scale{', tensors in groups of ' + str(c7['group']) if c7.get('group', 1) > 1 else ''}: switch "
+        f"discarded), 1/{c7['scale']} scale{grouped}: switch "
         f"{c7['switch_s'] * 1e3:.0f} ms an iteration against a pinned-copy floor of {c7['floor_s'] * 1e3:.0f} ms "
         f"({c7['over_floor']:.2f}x; the first, pinning the host buffers, {c7['first_switch_s'] * 1e3:.0f} ms); "
-        f"the engine's own {c7.get('engine_switch_s', 0) * 1e3:.0f} ms, {c7.get('engine_over_floor', 0):.2f}x its floor "
+        f"the engine's own {c7.get('engine_switch_s', 0) * 1e3:.0f} ms, "
+        f"{c7.get('engine_over_floor', 0):.2f}x its floor "
         f"(stepalloc-stress colocated --link-gbps {c7.get('link_gbps', 0):.1f} models it); "
         f"peak {c7['peak_in_use_bytes'] / GIB:.2f} GiB of {c7['total_bytes'] / GIB:.2f}; addresses kept "
         f"{c7['addresses_kept']}, bytes kept {c7['bytes_kept']}"
@@ -696,7 +698,9 @@ def main() -> int:
     for k, (gpu, small) in DEFAULTS.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=small if host else gpu)
     ap.add_argument("--parts", default=",".join(PARTS))
-    ap.add_argument("--scale-7b", type=int, help="the 7 B colocated loop's sizes divided by this (colocated_7b.py's default)")
+    ap.add_argument(
+        "--scale-7b", type=int, help="the 7 B colocated loop's sizes divided by this (colocated_7b.py's default)"
+    )
     ap.add_argument("--budget", type=float, default=140.0, help="seconds for all parts together")
     ap.add_argument("--stub-runtime", help="testdrv's libcudart.so.13 (default: found beside libcuda.so.1)")
     ap.add_argument("--json")

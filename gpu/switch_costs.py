@@ -254,7 +254,8 @@ def compare(pages: dict, big: dict | None, copies: dict) -> list[dict]:
         ("create a 2 MiB page", pages["create"]["median_us"] * 1e-6, m["create_s"], "sim.rs COST_CREATE_NS"),
         ("map + set access a 2 MiB page", pages["map_and_access_s"], m["map_s"], "sim.rs COST_MAP_NS"),
         ("unmap a 2 MiB page", pages["unmap"]["median_us"] * 1e-6, m["unmap_s"], "sim.rs COST_UNMAP_NS"),
-        ("release a 2 MiB page", pages["release"]["median_us"] * 1e-6, m["release_s"], "sim.rs COST_RELEASE_PHYSICAL_NS"),
+        ("release a 2 MiB page", pages["release"]["median_us"] * 1e-6, m["release_s"],
+         "sim.rs COST_RELEASE_PHYSICAL_NS"),
         ("create + map (vLLM, per allocation)", pages["create_map_s"], m["vm_create_map_s"], "cost.rs VM_CREATE_MAP_S"),
         ("unmap + release (vLLM, per allocation)", pages["unmap_release_s"], m["vm_unmap_release_s"],
          "cost.rs VM_UNMAP_RELEASE_S"),
@@ -270,8 +271,7 @@ def compare(pages: dict, big: dict | None, copies: dict) -> list[dict]:
              "sim.rs COST_RELEASE_PHYSICAL_NS"),
         ]  # fmt: skip
     out = [
-        {"what": w, "measured_s": got, "model_s": want, "ratio": got / want, "constant": c}
-        for w, got, want, c in rows
+        {"what": w, "measured_s": got, "model_s": want, "ratio": got / want, "constant": c} for w, got, want, c in rows
     ]
     links = {"PCIE4_X16_GBPS": m["link_gbps_pcie4"], "PCIE5_X16_GBPS": m["link_gbps_pcie5"]}
     for key, label in (("dtoh", "device to host"), ("htod", "host to device")):

@@ -40,7 +40,8 @@ def colocated_problems(sleep: dict | None) -> list[str]:
     if c7.get("addresses_kept") is not True or c7.get("bytes_kept") is not True:
         why = str(c7.get("error") or c7.get("skip") or "")[-300:]
         problems.append(
-            f"sleep: the 7 B colocated loop kept addresses {c7.get('addresses_kept')}, bytes {c7.get('bytes_kept')} ({why})"
+            f"sleep: the 7 B colocated loop kept addresses {c7.get('addresses_kept')}, "
+            f"bytes {c7.get('bytes_kept')} ({why})"
         )
     elif not all(c7.get(k, 0) > 0 for k in ("switch_s", "floor_s", "over_floor")) or c7.get("scale", 0) < 1:
         problems.append(f"sleep: the 7 B colocated loop's figures missing or not positive: {c7.get('switch_s')}")
@@ -72,7 +73,14 @@ def e2e_7b_problems(e2e: dict | None) -> list[str]:
 def main() -> int:
     out = Path(sys.argv[1])
     problems = []
-    for name in ("summary.json", "summary.txt", "e2e/e2e.json", "e2e/e2e.txt", "e2e_7b/e2e.json", "validate/summary.txt"):
+    for name in (
+        "summary.json",
+        "summary.txt",
+        "e2e/e2e.json",
+        "e2e/e2e.txt",
+        "e2e_7b/e2e.json",
+        "validate/summary.txt",
+    ):
         if not (out / name).is_file():
             problems.append(f"{out / name} is missing")
     if problems:

@@ -97,7 +97,9 @@ def test_per_sample_shapes_vary_within_the_ranges_and_the_full_size_keeps_its_dr
     # The 1.4 B size: one draw per iteration, in the order of the runs on record.
     full = e2e_model.SIZES["full"]
     rng = random.Random(1)
-    old = [(rng.randint(0, full.max_images), rng.randint(*full.prompt), rng.randint(*full.new_tokens)) for _ in range(8)]
+    old = [
+        (rng.randint(0, full.max_images), rng.randint(*full.prompt), rng.randint(*full.new_tokens)) for _ in range(8)
+    ]
     new = e2e_model.iteration_plan(full, 1, 8)
     assert [(p["images"], p["prompt"], p["new"]) for p in new] == [([i] * 4, [n] * 4, t) for i, n, t in old]
     assert e2e_model.largest(s7) == {"images": [3, 3], "prompt": [1024, 1024], "new": 32}
@@ -327,7 +329,10 @@ def test_run_all_runs_the_7b_figures_first() -> None:
         body.index('"$BUNDLE/gpu/summarize.py"'),
     ]
     assert order == sorted(order)
-    assert "STEPALLOC_E2E7B_BUDGET:-200" in text and "STEPALLOC_RUN_BUDGET:-$([ $HOST_DRIVER = 1 ] && echo 900 || echo 470)" in text
+    assert (
+        "STEPALLOC_E2E7B_BUDGET:-200" in text
+        and "STEPALLOC_RUN_BUDGET:-$([ $HOST_DRIVER = 1 ] && echo 900 || echo 470)" in text
+    )
 
 
 def test_run_all_refuses_a_budget_that_is_not_whole_seconds(bundle: Path, tmp_path: Path) -> None:
@@ -354,6 +359,5 @@ def test_check_gpu_run_requires_the_7b_dry_run() -> None:
         "e2e_7b: size 7b, expected tiny7b in a dry run",
         "e2e_7b: only ['native', 'native_expandable', 'stepalloc'] ran",
         "e2e_7b: no training variant picked: None",
-        "e2e_7b: no iteration with a different number of images per sample: "
-        + str([[1, 1]] * 6),
+        "e2e_7b: no iteration with a different number of images per sample: " + str([[1, 1]] * 6),
     ]
