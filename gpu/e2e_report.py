@@ -116,7 +116,7 @@ def text_report(doc: dict) -> str:
         cells = []
         for n in names:
             r = res.get(n, {})
-            cells.append(("FAILED" if "failed" in r else f(r)).rjust(col))
+            cells.append(("FAILED" if "failed" in r else "SKIPPED" if "skipped" in r else f(r)).rjust(col))
         lines.append(label.ljust(width) + "".join(cells))
     cap = next((r["headroom"].get("cap_bytes") for r in res.values() if "headroom" in r), None)
     if SIZES[doc["size"]].headroom == "device":
@@ -161,7 +161,7 @@ def text_report(doc: dict) -> str:
     for n in doc["order"]:
         for note in res.get(n, {}).get("notes", []):
             lines.append(f"  note ({n}): {note}")
-        for key in ("failed", "error"):
+        for key in ("failed", "error", "skipped"):
             if key in res.get(n, {}):
                 lines.append(f"  {key.upper()} ({n}): {res[n][key]}")
     return "\n".join(lines) + "\n"

@@ -104,7 +104,7 @@ Stages, most valuable figures first (a stage the time budget cuts off is skipped
   6. the 1.4 B comparison with its snapshot replay (with what is left)
 Output: $OUT/summary.txt and $OUT/summary.json (every check, both comparison tables, the
 sleep/wake figures), logs under $OUT/validate, $OUT/checks, $OUT/e2e_7b and $OUT/e2e.
-Budgets: STEPALLOC_RUN_BUDGET (470), STEPALLOC_E2E7B_BUDGET (200), STEPALLOC_VALIDATE_BUDGET (150).
+Budgets: STEPALLOC_RUN_BUDGET (470), STEPALLOC_E2E7B_BUDGET (240), STEPALLOC_VALIDATE_BUDGET (150).
 Runtime: MANIFEST.json "runtime_needs" (glibc / libstdc++ symbol versions), checked against
 "target_runtime" when the bundle was built.
 EOF

@@ -204,17 +204,20 @@ def test_the_report_answers_whether_it_fits_under_stepalloc_where_pytorch_runs_o
     assert "not measured (no headroom search)" in answer(res)
     # The table: the base batch row, the device headroom line, the answer.
     res = {"native": result("native", 0, oom=True), "stepalloc": result("stepalloc", 4)}
+    res["native_expandable"] = {"config": "native_expandable", "skipped": "the time budget is spent"}
     doc = {
         "date": "2026-12-06 04:00 UTC", "device_name": "NVIDIA H100 80GB HBM3", "size": "7b",
-        "order": ["native", "stepalloc"], "headroom_factor": 1.5, "configs": res, "replay": {"skipped": "x"},
+        "order": ["native", "stepalloc", "native_expandable"], "headroom_factor": 1.5, "configs": res,
+        "replay": {"skipped": "x"},
         "targets": [], "train": {"variant": "full", "why": "it fits", "trainable_params": 7_063_427_072},
     }  # fmt: skip
     text = e2e_report.text_report(doc)
     assert "training: full fine-tuning (7063.4 M trainable): it fits" in text
-    assert next(line for line in text.splitlines() if line.startswith("base batch")).split()[2:] == [
-        "OOM", "at", "it.", "0", "fits"
-    ]  # fmt: skip
+    row = next(line for line in text.splitlines() if line.startswith("base batch"))
+    assert row.split()[2:] == ["OOM", "at", "it.", "0", "SKIPPED", "fits"]  # the columns in CONFIGS' order
     assert "fits the whole device (79.10 GiB), from base batch 2" in text
+    assert "SKIPPED" in next(line for line in text.splitlines() if line.startswith("peak reserved"))
+    assert "SKIPPED (native_expandable): the time budget is spent" in text
     assert "fits under stepalloc where PyTorch runs out of memory? yes: the base batch (2)" in text
 
 
@@ -330,7 +333,7 @@ def test_run_all_runs_the_7b_figures_first() -> None:
     ]
     assert order == sorted(order)
     assert (
-        "STEPALLOC_E2E7B_BUDGET:-200" in text
+        "STEPALLOC_E2E7B_BUDGET:-240" in text
         and "STEPALLOC_RUN_BUDGET:-$([ $HOST_DRIVER = 1 ] && echo 900 || echo 470)" in text
     )
 
