@@ -364,3 +364,44 @@ def test_check_gpu_run_requires_the_7b_dry_run() -> None:
         "e2e_7b: no training variant picked: None",
         "e2e_7b: no iteration with a different number of images per sample: " + str([[1, 1]] * 6),
     ]
+
+
+def test_the_headroom_search_on_the_whole_device_sets_no_memory_fraction() -> None:
+    """e2e_worker.headroom, which only a GPU run reaches, with a stand-in torch and loop: with no
+    cap (the 7 B size) it searches the whole device; with a cap it sets the fraction and resets it."""
+    import types
+
+    import e2e_worker
+
+    calls: list = []
+    cuda = types.SimpleNamespace(
+        mem_get_info=lambda: (10 * GIB, 80 * GIB),
+        set_per_process_memory_fraction=lambda f: calls.append(("fraction", f)),
+        empty_cache=lambda: calls.append("empty_cache"),
+    )
+    fake_torch = types.SimpleNamespace(cuda=cuda)
+
+    class Loop:
+        opt = types.SimpleNamespace(zero_grad=lambda set_to_none: None)
+
+        def iteration(self, shape: dict, batch: int) -> dict:
+            calls.append(("batch", batch, tuple(shape["images"])))
+            if batch > 5:
+                raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+            return {}
+
+    size = e2e_model.SIZES["7b"]
+    h = e2e_worker.headroom(fake_torch, Loop(), size, 0, 5, float("inf"), 0.0)
+    assert not [c for c in calls if isinstance(c, tuple) and c[0] == "fraction"]
+    assert [c[1] for c in calls if isinstance(c, tuple) and c[0] == "batch"] == [2, 4, 8, 6, 5]
+    assert all(c[2] == (3, 3) for c in calls if isinstance(c, tuple) and c[0] == "batch")  # the largest shape
+    assert h["cap"] == "device" and h["cap_bytes"] == 80 * GIB and h["fraction"] == 1.0
+    assert (h["largest_batch"], h["first_failing_batch"], h["exact"]) == (5, 6, True) and h["scale"] == 2.5
+    calls.clear()
+    h = e2e_worker.headroom(fake_torch, Loop(), size, 40 * GIB, 5, float("inf"), 0.0)
+    fractions = [c[1] for c in calls if isinstance(c, tuple) and c[0] == "fraction"]
+    assert fractions == [0.5, 1.0] and h["cap"] == "native peak" and h["cap_bytes"] == 40 * GIB
+    # Another error than out-of-memory is not a probe's answer.
+    Loop.iteration = lambda self, shape, batch: (_ for _ in ()).throw(RuntimeError("illegal memory access"))
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        e2e_worker.headroom(fake_torch, Loop(), size, 0, 5, float("inf"), 0.0)
