@@ -2,14 +2,26 @@
 """End-to-end comparison on a real model: stepalloc against PyTorch's own allocator.
 
 The model is a LLaVA-style multimodal model built from a transformers configuration with random
-weights (a CLIP ViT-L/14-336 vision tower, a projector and a 1.1 B Llama language model: 1.4 B
-parameters in bf16; nothing is downloaded). The workload is an agent loop: each iteration
-rolls out a batch (prefill with 0-3 images per sample and a prompt of variable length, then a
-greedy decode loop under torch.no_grad with HF's growing KV cache) and then trains on the
-episodes (gradient checkpointing, AdamW). Every configuration runs in its own process:
+weights, created on the device in bf16 (nothing is downloaded). Sizes (`--size`):
+
+  full  a CLIP ViT-L/14-336 vision tower, a projector and a 1.1 B Llama: 1.4 B parameters;
+        batch 4, 0-3 images and 128-768 prompt tokens per iteration; full fine-tuning; headroom
+        under a cap of native_record's peak x --headroom-factor
+  7b    the same tower and a Llama-2-7B-shaped language model (LLaVA-1.5-7B's shape): 7.06 B
+        parameters; batch 2, each sample its own 0-3 images and 128-1024 prompt tokens
+        (left-padded, with an attention mask); full fine-tuning (bf16 weights, gradients and
+        fused AdamW's states: 8 bytes a parameter, 52.6 GiB) where that is at most 75% of the
+        device, as on an H100 80 GB or an H200, else LoRA on the frozen base (`--train` forces
+        one); headroom: the largest batch that fits the whole device
+
+The workload is an agent loop: each iteration rolls out a batch (prefill with the images and
+prompts, then a greedy decode loop under torch.no_grad with HF's growing KV cache) and then
+trains on the episodes (gradient checkpointing, AdamW). Every configuration runs in its own
+process:
 
   native_record      PyTorch's allocator, with torch.cuda.memory._record_memory_history; its
                      snapshot is replayed by `stepalloc-stress replay --compare pytorch stepalloc`
+                     (not run for 7b by default: its figure is the cap, which 7b does not use)
   native             PyTorch's allocator, default settings
   native_expandable  PyTorch's allocator, PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
   stepalloc          stepalloc.install() (process-wide, the recommended configuration)
@@ -18,19 +30,24 @@ episodes (gradient checkpointing, AdamW). Every configuration runs in its own pr
 
 Per configuration: peak reserved, peak allocated, reserved / allocated, the driver's peak used
 memory, the median step time, device mallocs (maps and creates under stepalloc) per steady
-step, and the headroom: the largest batch whose largest iteration fits under
-torch.cuda.set_per_process_memory_fraction(cap / total), found by doubling and bisection over a
-few probes. The cap is the native_record run's peak reserved times --headroom-factor, so the
-search is quick and the same for every configuration.
+step, and the headroom: the largest batch whose largest iteration fits, found by doubling and
+bisection over a few probes: for full under torch.cuda.set_per_process_memory_fraction(cap /
+total), the cap being the native_record run's peak reserved times --headroom-factor (quick and
+the same for every configuration); for 7b on the whole device. A configuration that runs out of
+memory at the base batch reports that (its answer, not a failure); for 7b the report answers
+whether the loop fits under stepalloc where it runs out of memory under PyTorch.
 
-Dry run (`--dry-run`, or no CUDA device): a tiny configuration on the CPU through the same
-code; the allocator set-up, the statistics and the headroom search are skipped with a message,
-and the PyTorch profiler's memory events stand in for the memory history (written as a snapshot
-in torch's layout, so the replay path is the same).
+Dry run (`--dry-run`, or no CUDA device): the size's tiny counterpart (tiny, tiny7b: the same
+structure) on the CPU through the same code; the allocator set-up, the statistics and the
+headroom search are skipped with a message, and the PyTorch profiler's memory events stand in
+for the memory history (written as a snapshot in torch's layout, so the replay path is the
+same).
 
-Usage: e2e_compare.py --out DIR [--stress BIN] [--budget S] [--configs NAME...] [--dry-run]
+Usage: e2e_compare.py --out DIR [--size full|7b] [--train auto|full|lora] [--stress BIN] [--budget S]
+                      [--configs NAME...] [--dry-run]
 Writes DIR/e2e.json, DIR/e2e.txt and one DIR/NAME.json / NAME.log per configuration.
-Exit status: 0 when every configuration ran, 1 when one failed, 2 on bad input.
+Exit status: 0 when no configuration failed (one the time budget left no time for is skipped and
+said so), 1 when one failed, 2 on bad input.
 
 The parts beside this file: e2e_common.py (the configurations, units, log), e2e_model.py (the
 model, its sizes and the agent loop), e2e_worker.py (one configuration in its own process:
@@ -54,11 +71,13 @@ import time
 from pathlib import Path
 
 from e2e_common import CONFIGS, MEASURED, MIB, log
-from e2e_model import SIZES
-from e2e_report import evaluate, text_report
+from e2e_model import DRY, SIZES
+from e2e_report import answer, evaluate, text_report
 from e2e_worker import search, worker  # noqa: F401 - search: the headroom search, also e2e_compare.search
 
 HERE = Path(__file__).resolve().parent
+# Shares of the time for a size whose headroom is the device (the others: 2).
+WEIGHTS = {"native": 3, "stepalloc": 3}
 
 
 def find_stress(given: str | None) -> str | None:
@@ -111,6 +130,8 @@ def run_worker(name: str, a: argparse.Namespace, out: Path, work: Path, timeout:
         "--snapshot",
         str(work / "native_snapshot.pickle"),
     ]
+    if a.train != "auto":
+        cmd += ["--train", a.train]
     log(f"--- {name} (timeout {timeout:.0f} s)")
     t = time.time()
     with open(out / f"{name}.log", "w") as logf:
@@ -166,7 +187,8 @@ def orchestrate(a: argparse.Namespace) -> int:
     t0 = time.time()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.device == "auto":
+    auto = a.device == "auto"
+    if auto:
         # Ask NVML, not the CUDA runtime: this process must hold no CUDA context (the driver's
         # used-memory figures of the configurations would count it).
         os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -176,7 +198,18 @@ def orchestrate(a: argparse.Namespace) -> int:
         if a.device == "cpu":
             log("no CUDA device: CPU dry run with the tiny configuration")
     if a.size is None:
-        a.size = "full" if a.device == "cuda" else "tiny"
+        a.size = "full"
+    if a.device == "cpu" and (a.dry_run or auto) and DRY[a.size] != a.size:
+        log(f"CPU dry run: size {DRY[a.size]}, the structure of {a.size} at a tiny scale")
+        a.size = DRY[a.size]
+    if a.configs is None:
+        # Sizes whose headroom is the whole device need no native_record (its peak is the cap of
+        # the others') and leave out its replay to keep within the budget: PyTorch first, then
+        # stepalloc, the pair that answers whether stepalloc fits where PyTorch does not.
+        device_headroom = SIZES[a.size].headroom == "device"
+        a.configs = (
+            ["native", "stepalloc", "native_expandable", "stepalloc_mempool"] if device_headroom else list(CONFIGS)
+        )
     if a.jobs is None:
         a.jobs = len(a.configs) if a.device == "cpu" else 1
     if a.jobs > 1 and a.device == "cuda":
@@ -185,7 +218,8 @@ def orchestrate(a: argparse.Namespace) -> int:
     stress = find_stress(a.stress)
     work = Path(tempfile.mkdtemp(prefix="stepalloc-e2e-"))
     order = list(a.configs)
-    if any(c in MEASURED for c in order) and "native_record" not in order and a.device == "cuda":
+    capped = SIZES[a.size].headroom == "cap"
+    if capped and any(c in MEASURED for c in order) and "native_record" not in order and a.device == "cuda":
         log("note: without native_record there is no headroom cap and no replay")
     results: dict[str, dict] = {}
     cap = 0
@@ -203,11 +237,17 @@ def orchestrate(a: argparse.Namespace) -> int:
             futures = {name: pool.submit(run_worker, name, a, out, work, timeout, 0) for name in order}
         results = {name: f.result() for name, f in futures.items()}
         sequential = []
-    # One after another, native_record first: each gets an equal share of the time left.
+    # One after another, native_record first: each gets its share of the time left (for sizes
+    # whose headroom is the device, PyTorch's and stepalloc's runs 3 parts to the others' 2: they
+    # answer the question, and their headroom probes are the slowest part). A configuration the
+    # budget leaves no time for is skipped, said so, and not counted as failed.
+    device_headroom = SIZES[a.size].headroom == "device"
+    weights = [WEIGHTS.get(n, 2) if device_headroom else 1 for n in sequential]
     for i, name in enumerate(sequential):
-        timeout = (a.budget - (time.time() - t0) - replay_budget - 5) / (len(sequential) - i)
+        share = weights[i] / sum(weights[i:])
+        timeout = (a.budget - (time.time() - t0) - replay_budget - 5) * share
         if timeout < 20:
-            results[name] = {"config": name, "failed": "skipped: the time budget is spent"}
+            results[name] = {"config": name, "skipped": "the time budget is spent"}
             log(f"--- {name}: skipped, the time budget ({a.budget:.0f} s) is spent")
             continue
         results[name] = run_worker(name, a, out, work, timeout, cap)
@@ -253,6 +293,7 @@ def orchestrate(a: argparse.Namespace) -> int:
         "device_name": rec.get("device_name")
         or next((r.get("device_name") for r in results.values() if r.get("device_name")), "CPU (dry run)"),
         "size": a.size,
+        "train": next((r["train"] for r in results.values() if r.get("train")), None),
         "order": order,
         "headroom_factor": a.headroom_factor,
         "configs": results,
@@ -264,6 +305,8 @@ def orchestrate(a: argparse.Namespace) -> int:
         if a.device == "cuda"
         else [{"target": "all", "status": "n/a", "detail": "CPU dry run: the targets need a GPU"}]
     )
+    if SIZES[a.size].headroom == "device":
+        doc["answer"] = answer(results) if a.device == "cuda" else "n/a: CPU dry run"
     failed = [n for n, r in results.items() if "failed" in r or "error" in r]
     if "failed" in rp:
         failed.append("replay")
@@ -272,9 +315,12 @@ def orchestrate(a: argparse.Namespace) -> int:
     text = text_report(doc)
     (out / "e2e.txt").write_text(text)
     print(text, end="")
+    skipped = [n for n, r in results.items() if "skipped" in r]
+    doc["skipped"] = skipped
     log(
-        f"e2e: {len(order) - len(failed)} of {len(order)} configurations ran"
-        f"{'; failed: ' + ', '.join(failed) if failed else ''} ({doc['wall_s']} s); {out / 'e2e.json'}"
+        f"e2e: {len(order) - len(failed) - len(skipped)} of {len(order)} configurations ran"
+        f"{'; failed: ' + ', '.join(failed) if failed else ''}"
+        f"{'; skipped (time budget): ' + ', '.join(skipped) if skipped else ''} ({doc['wall_s']} s); {out / 'e2e.json'}"
     )
     return 1 if failed else 0
 
@@ -284,10 +330,25 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     ap.add_argument(
-        "--size", choices=sorted(SIZES), help="model and workload size (default: full on CUDA, tiny on CPU)"
+        "--size",
+        choices=sorted(SIZES),
+        help="model and workload size: full (1.4 B, the default), 7b; on the CPU (a dry run, or no CUDA device) the "
+        "tiny size of the same structure (tiny, tiny7b)",
+    )
+    ap.add_argument(
+        "--train",
+        choices=["auto", "full", "lora"],
+        default="auto",
+        help="training variant: full fine-tuning, LoRA on the frozen base, or auto: the size's own (full for "
+        "the 1.4 B; for 7b full where its state fits the device, else LoRA)",
     )
     ap.add_argument("--dry-run", action="store_true", help="the tiny configuration on the CPU")
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), metavar="NAME", help=f"of {', '.join(CONFIGS)}")
+    ap.add_argument(
+        "--configs",
+        nargs="+",
+        metavar="NAME",
+        help=f"of {', '.join(CONFIGS)} (default: all; for 7b all but native_record, PyTorch and stepalloc first)",
+    )
     ap.add_argument("--stress", help="stepalloc-stress binary (default: the bundle's bin/, then target/release)")
     ap.add_argument("--budget", type=float, default=270.0, help="seconds for the whole comparison (default 270)")
     ap.add_argument("--headroom-factor", type=float, default=1.5, help="headroom cap = native peak reserved x this")
@@ -301,7 +362,7 @@ def main() -> int:
     ap.add_argument("--deadline", type=float, default=0.0, help=argparse.SUPPRESS)
     ap.add_argument("--snapshot", help=argparse.SUPPRESS)
     a = ap.parse_args()
-    unknown = [c for c in a.configs if c not in CONFIGS]
+    unknown = [c for c in a.configs or [] if c not in CONFIGS]
     if unknown:
         ap.error(f"--configs: unknown configuration(s) {', '.join(unknown)}; accepted: {', '.join(CONFIGS)}")
     if not 10 <= a.budget <= 3600:
@@ -315,7 +376,7 @@ def main() -> int:
     if a.dry_run:
         if a.device == "cuda":
             ap.error("--dry-run runs on the CPU; it cannot be combined with --device cuda")
-        a.device, a.size = "cpu", a.size or "tiny"
+        a.device = "cpu"
     if a.worker:
         return worker(a)
     return orchestrate(a)

@@ -3,7 +3,7 @@ text report of every configuration side by side with the replay of the native sn
 
 from __future__ import annotations
 
-from e2e_common import GIB, MIB
+from e2e_common import CONFIGS, GIB, MIB
 from e2e_model import SIZES
 
 def gib(v) -> str:
@@ -62,9 +62,32 @@ def evaluate(res: dict) -> list[dict]:
     ]
 
 
+def answer(res: dict) -> str:
+    """The seed's question: does the loop fit under stepalloc where it runs out of memory under
+    PyTorch? From the base batch's runs and the largest batches found."""
+    n, s, x = res.get("native", {}), res.get("stepalloc", {}), res.get("native_expandable", {})
+    if not n.get("iterations") and "oom" not in n or not s.get("iterations") and "oom" not in s:
+        return "not measured (PyTorch's or stepalloc's run did not complete)"
+    if "oom" in n and "oom" not in s:
+        return f"yes: the base batch ({n['oom']['batch']}) runs out of memory under PyTorch and fits under stepalloc"
+    if "oom" in s:
+        return f"no: the base batch ({s['oom']['batch']}) runs out of memory under stepalloc"
+    hn, hs, hx = (r.get("headroom", {}).get("largest_batch") for r in (n, s, x))
+    if hn is None or hs is None:
+        return "the base batch fits under both; the largest batch was not measured (no headroom search)"
+    more = "" if s["headroom"].get("exact") else " or more"
+    also = f", expandable segments {hx}" if hx is not None else ""
+    if hs > hn:
+        return (
+            f"yes: batch {hn + 1}{'' if hs == hn + 1 else f'-{hs}'} fits under stepalloc and runs out of memory "
+            f"under PyTorch (largest batch: stepalloc {hs}{more}, PyTorch {hn}{also})"
+        )
+    return f"no difference at this size: largest batch stepalloc {hs}{more}, PyTorch {hn}{also}"
+
+
 def text_report(doc: dict) -> str:
     res, lines = doc["configs"], []
-    names = [c for c in doc["order"] if c != "native_record"]
+    names = [c for c in CONFIGS if c in doc["order"] and c != "native_record"]
     first = next((r for r in res.values() if "params" in r), {})
     lines.append(f"stepalloc end-to-end comparison, {doc['date']}, device: {doc['device_name']}")
     lines.append(
@@ -72,8 +95,15 @@ def text_report(doc: dict) -> str:
         f"random weights; size '{doc['size']}'; torch {first.get('torch', '?')}, transformers "
         f"{first.get('transformers', '?')}"
     )
+    train = doc.get("train")
+    if train:
+        lines.append(
+            f"training: {'full fine-tuning' if train['variant'] == 'full' else 'LoRA on the frozen base'} "
+            f"({train.get('trainable_params', 0) / 1e6:.1f} M trainable): {train['why']}"
+        )
     lines.append("")
     rows = [
+        ("base batch", lambda r: "OOM at it. " + str(r["oom"]["iteration"]) if "oom" in r else "fits"),
         ("peak reserved", lambda r: gib(r.get("peak_reserved"))),
         ("peak allocated", lambda r: gib(r.get("peak_allocated"))),
         ("reserved / allocated", lambda r: fmt(r.get("reserved_over_allocated"), ".3f")),
@@ -94,10 +124,17 @@ def text_report(doc: dict) -> str:
         cells = []
         for n in names:
             r = res.get(n, {})
-            cells.append(("FAILED" if "failed" in r else f(r)).rjust(col))
+            cells.append(("FAILED" if "failed" in r else "SKIPPED" if "skipped" in r else f(r)).rjust(col))
         lines.append(label.ljust(width) + "".join(cells))
-    cap = next((r["headroom"]["cap_bytes"] for r in res.values() if "headroom" in r), None)
-    if cap:
+    cap = next((r["headroom"].get("cap_bytes") for r in res.values() if "headroom" in r), None)
+    if SIZES[doc["size"]].headroom == "device":
+        lines.append(
+            f"(headroom: the largest batch whose largest iteration fits the whole device"
+            f"{' (' + gib(cap) + ')' if cap else ''}, from base batch {SIZES[doc['size']].batch}: "
+            f"doubling, then bisection; + where the probes ran out)"
+        )
+        lines.append(f"fits under stepalloc where PyTorch runs out of memory? {answer(res)}")
+    elif cap:
         lines.append(
             f"(headroom: base batch {SIZES[doc['size']].batch}, the largest iteration, under a cap of "
             f"{gib(cap)} = native peak x {doc['headroom_factor']})"
@@ -132,7 +169,7 @@ def text_report(doc: dict) -> str:
     for n in doc["order"]:
         for note in res.get(n, {}).get("notes", []):
             lines.append(f"  note ({n}): {note}")
-        for key in ("failed", "error"):
+        for key in ("failed", "error", "skipped"):
             if key in res.get(n, {}):
                 lines.append(f"  {key.upper()} ({n}): {res[n][key]}")
     return "\n".join(lines) + "\n"

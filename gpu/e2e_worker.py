@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from e2e_common import CONFIGS, MIB, log
-from e2e_model import SIZES, Loop, Size, build_model, iteration_plan, largest
+from e2e_model import SIZES, Loop, Size, build_model, iteration_plan, largest, pick_variant
 
 class Stats:
     """Allocator statistics for this configuration (None on the CPU)."""
@@ -92,10 +92,12 @@ def search(fits, base: int, probes: int, time_left) -> tuple[int, int | None, bo
 
 
 def headroom(torch, loop: Loop, size: Size, cap: int, probes: int, deadline: float, per_probe_s: float) -> dict:
-    """The largest batch whose largest iteration fits under the cap (see `search`)."""
+    """The largest batch whose largest iteration fits under the cap, or with `cap` 0 on the
+    whole device (see `search`)."""
     total = torch.cuda.mem_get_info()[1]
-    fraction = min(1.0, cap / total)
-    torch.cuda.set_per_process_memory_fraction(fraction)
+    fraction = min(1.0, cap / total) if cap > 0 else 1.0
+    if cap > 0:
+        torch.cuda.set_per_process_memory_fraction(fraction)
     shape = largest(size)
     tried: list[dict] = []
 
@@ -118,11 +120,13 @@ def headroom(torch, loop: Loop, size: Size, cap: int, probes: int, deadline: flo
     lo, hi, exact = search(fits, size.batch, probes, lambda: time.time() + per_probe_s < deadline)
     if not exact:
         log(f"headroom search stopped after {len(tried)} probes (limit {probes} or the time budget)")
-    torch.cuda.set_per_process_memory_fraction(1.0)
+    if cap > 0:
+        torch.cuda.set_per_process_memory_fraction(1.0)
     gc.collect()
     torch.cuda.empty_cache()
     return {
-        "cap_bytes": cap,
+        "cap_bytes": cap if cap > 0 else total,
+        "cap": "device" if cap <= 0 else "native peak",
         "fraction": round(fraction, 5),
         "probes": tried,
         "largest_batch": lo,
@@ -153,6 +157,11 @@ def cpu_snapshot(prof, path: Path) -> int:
     with open(path, "wb") as f:
         pickle.dump({"segments": [], "device_traces": [trace]}, f, protocol=4)
     return len(trace)
+
+
+def host_memory() -> int:
+    """The host's physical memory (the CPU dry run's stand-in for the device's)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def worker(a: argparse.Namespace) -> int:
@@ -226,7 +235,14 @@ def worker(a: argparse.Namespace) -> int:
         log(
             f"{a.worker}: model of {result['params'] / 1e9:.3f} B parameters built in {result['build_s']} s on {device}"
         )
-        loop = Loop(torch, model, size, device, marker)
+        total = torch.cuda.mem_get_info()[1] if device == "cuda" else host_memory()
+        forced = None if a.train == "auto" else a.train
+        result["train"] = pick_variant(size, result["params"], total, forced)
+        if device != "cuda":
+            result["train"]["why"] += " (CPU dry run: host memory stands for the device)"
+        loop = Loop(torch, model, size, device, marker, result["train"]["variant"])
+        result["train"]["trainable_params"] = loop.trainable
+        log(f"{a.worker}: training variant {result['train']['variant']}: {result['train']['why']}")
         plan = iteration_plan(size, a.seed, size.warmup + size.iters)
         its = []
         before = None
@@ -240,18 +256,31 @@ def worker(a: argparse.Namespace) -> int:
                 notes.append(f"stopped after {i - size.warmup} measured iterations of {size.iters}: time budget")
                 log(f"{a.worker}: {notes[-1]}")
                 break
-            r = loop.iteration(shape, size.batch)
+            try:
+                r = loop.iteration(shape, size.batch)
+            except RuntimeError as e:
+                if not is_oom(e):
+                    raise
+                # Not fitting at the base batch is this configuration's answer, not a failure.
+                result["oom"] = {"iteration": i, "batch": size.batch, "error": str(e)[:300]}
+                notes.append(f"out of memory at iteration {i} (batch {size.batch})")
+                log(f"{a.worker}: {notes[-1]}: {str(e)[:300]}")
+                loop.opt.zero_grad(set_to_none=True)
+                break
             stats.sample_device()
             r["i"] = i
             its.append(r)
             shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
             log(f"{a.worker}: iteration {i}: {json.dumps(shown)}")
+        if before is None:  # out of memory in the warm-up
+            before = stats.read()
         after = stats.read()
         steady = its[size.warmup :]
         result["iterations"] = its
-        result["median_step_s"] = statistics.median(r["step_s"] for r in steady)
-        result["median_rollout_s"] = statistics.median(r["rollout_s"] for r in steady)
-        result["median_train_s"] = statistics.median(r["train_s"] for r in steady)
+        if steady:
+            result["median_step_s"] = statistics.median(r["step_s"] for r in steady)
+            result["median_rollout_s"] = statistics.median(r["rollout_s"] for r in steady)
+            result["median_train_s"] = statistics.median(r["train_s"] for r in steady)
         if after is not None:
             result["stats"] = after
             result["peak_reserved"] = after["reserved_bytes.all.peak"]
@@ -281,15 +310,19 @@ def worker(a: argparse.Namespace) -> int:
         if spec.get("headroom", True):
             if device != "cuda":
                 log(f"SKIP headroom for {a.worker}: needs a CUDA device")
-            elif a.cap_bytes <= 0:
+            elif "oom" in result:
+                result["headroom"] = {"largest_batch": 0, "first_failing_batch": size.batch, "exact": True,
+                                      "scale": 0.0, "probes": [], "cap": size.headroom}  # fmt: skip
+            elif a.cap_bytes <= 0 and size.headroom != "device":
                 log(f"SKIP headroom for {a.worker}: no cap (the native_record run gave no peak)")
                 notes.append("headroom skipped: no cap")
             else:
                 # The measurements are kept even if the search fails or the process is killed.
                 Path(a.result).write_text(json.dumps(result, indent=1) + "\n")
                 per_probe = 3 * max(r["step_s"] for r in its)
+                cap = 0 if size.headroom == "device" else a.cap_bytes
                 try:
-                    result["headroom"] = headroom(torch, loop, size, a.cap_bytes, a.probes, a.deadline, per_probe)
+                    result["headroom"] = headroom(torch, loop, size, cap, a.probes, a.deadline, per_probe)
                 except Exception as e:  # noqa: BLE001 - any failure here is a finding to report, not a crash
                     result["error"] = f"headroom search: {type(e).__name__}: {str(e)[:400]}"
                     log(f"{a.worker}: {result['error']}")

@@ -25,7 +25,12 @@ Parts, each in its own child process (the allocator is chosen once per process):
     private pool under the tag; pausing the tag gives the pool's bytes back per
     ``mem_get_info`` and the same graph replays right after the resume, with no recapture.
 - ``colocated``: the example ``colocated_loop.py`` (``python/examples`` in a bundle) end to end
-  with ``--unit-mb`` and ``--iterations``: addresses and bytes kept, switch time, peak.
+  with ``--unit-mb`` and ``--iterations``: addresses and bytes kept, switch time, peak; then
+  ``switch_costs.py``: the switch's component costs on the device (create, map, unmap and
+  release a page, pinned copy bandwidth each way, a small synchronous copy) beside the stress
+  tool's colocated cost model's constants; then ``colocated_7b.py``: the loop with a 7 B engine
+  (weights backed up, KV cache discarded) and trainer (full fine-tuning's or LoRA's state, as
+  the device fits), switch time per iteration against the pinned-copy floor of its bytes.
 - ``tms``: torch_memory_saver's own wheel (``hook_mode = "torch"``, its defaults) on the same
   tensors and bytes, pause and resume timed alike; skipped with the reason when it does not
   import.
@@ -35,13 +40,14 @@ On testdrv (``STEPALLOC_HOSTCUDA=1``) the children preload its stub CUDA runtime
 ``--stub-runtime``), and the default sizes are small.
 
 Output: ``RESULT PASS|FAIL|SKIP <name> <detail>`` lines (sleep_cycle, sleep_bandwidth, sleep_graph,
-sleep_graph_pool, sleep_colocated, sleep_tms), the table on stdout, and with ``--json FILE`` the figures there and
-the table beside it (FILE with ``.txt``). Exit status 1 when a check failed: a correctness
-check, or on a GPU the bandwidth target (torch_memory_saver failing is recorded as a skip: it
-is a comparison, not a check of stepalloc).
+sleep_graph_pool, sleep_colocated, sleep_switch_costs, sleep_colocated_7b, sleep_tms), the table on stdout, and with
+``--json FILE`` the figures there and the table beside it (FILE with ``.txt``). Exit status 1
+when a check failed: a correctness check, or on a GPU the bandwidth target (torch_memory_saver
+failing is recorded as a skip: it is a comparison, not a check of stepalloc; the 7 B loop's and
+the component costs' figures are reported, not judged).
 Usage: python3 sleep_check.py [--json FILE] [--backup-mb N] [--discard-mb N] [--tensors N]
                               [--cycles N] [--graph-mb N] [--unit-mb N] [--iterations N]
-                              [--parts cycle,colocated,tms] [--budget SECONDS]
+                              [--parts cycle,colocated,tms] [--scale-7b N] [--budget SECONDS]
 """
 
 from __future__ import annotations
@@ -499,6 +505,84 @@ def run_colocated(a: argparse.Namespace, env: dict[str, str], timeout: float) ->
     return out
 
 
+def run_script(script: str, args: list[str], env: dict[str, str], timeout: float) -> dict:
+    """One of the colocated part's measurements (switch_costs.py, colocated_7b.py) in its own
+    process: its JSON (the last line of colocated_7b.py's output, or --json's file)."""
+    cmd = [sys.executable, str(HERE / script), *args]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return {"error": f"{script} timed out after {timeout:.0f}s"}
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    if done.returncode != 0 or not lines:
+        return {"error": f"{script}: status {done.returncode}: " + (done.stdout + done.stderr)[-2000:]}
+    return json.loads(lines[-1])
+
+
+def run_switch_costs(a: argparse.Namespace, env: dict[str, str], timeout: float) -> dict:
+    """The switch's component costs on the device (switch_costs.py), beside the cost model's."""
+    small = on_host_driver()
+    args = ["--pages", "32" if small else "256", "--big-pages", "4" if small else "32"]
+    args += ["--copy-mb", "64" if small else "1024", "--json-stdout"]
+    return run_script("switch_costs.py", args, env, timeout)
+
+
+def run_colocated_7b(a: argparse.Namespace, env: dict[str, str], timeout: float) -> dict:
+    """The colocated loop with the 7 B engine and trainer (colocated_7b.py)."""
+    args = ["--scale", str(a.scale_7b)] if a.scale_7b else []
+    return run_script("colocated_7b.py", args, env, timeout)
+
+
+def judge_colocated_7b(doc: dict) -> list[tuple[str, str, str]]:
+    """sleep_switch_costs and sleep_colocated_7b: the figures, reported; failed only when a
+    measurement failed or an address or a byte moved."""
+    res = []
+    sc = doc.get("switch_costs")
+    if sc is not None:
+        if "skip" in sc or "error" in sc:
+            why = one_line(sc.get("skip") or sc["error"], 600)
+            res.append(("SKIP" if "skip" in sc else "FAIL", "sleep_switch_costs", why))
+        else:
+            res.append(("PASS", "sleep_switch_costs", "; ".join(cost_phrases(sc))))
+    c7 = doc.get("colocated_7b")
+    if c7 is not None:
+        if "skip" in c7 or "error" in c7:
+            why = one_line(c7.get("skip") or c7["error"], 600)
+            res.append(("SKIP" if "skip" in c7 else "FAIL", "sleep_colocated_7b", why))
+        else:
+            ok = c7["addresses_kept"] and c7["bytes_kept"]
+            res.append(("PASS" if ok else "FAIL", "sleep_colocated_7b", colocated_7b_phrase(c7)))
+    return res
+
+
+def cost_phrases(sc: dict) -> list[str]:
+    out = []
+    for r in sc["compare"]:
+        if "measured_s" in r:
+            out.append(f"{r['what']} {r['measured_s'] * 1e6:.1f} us ({r['ratio']:.2f}x the model's)")
+        else:
+            out.append(f"{r['what']} {r['measured_gbps']:.1f}")
+    return out
+
+
+def colocated_7b_phrase(c7: dict) -> str:
+    sz = c7["sizes"]
+    grouped = f", tensors in groups of {c7['group']}" if c7.get("group", 1) > 1 else ""
+    return (
+        f"7 B engine ({sz['weights_bytes'] / GIB:.2f} GiB weights in {sz['weight_tensors']} tensors, "
+        f"{sz['kv_bytes'] / GIB:.2f} GiB KV) and {c7['train']['variant']} trainer "
+        f"({sz['trainer_backed_up_bytes'] / GIB:.2f} GiB backed up, {sz['trainer_discarded_bytes'] / GIB:.2f} GiB "
+        f"discarded), 1/{c7['scale']} scale{grouped}: switch "
+        f"{c7['switch_s'] * 1e3:.0f} ms an iteration against a pinned-copy floor of {c7['floor_s'] * 1e3:.0f} ms "
+        f"({c7['over_floor']:.2f}x; the first, pinning the host buffers, {c7['first_switch_s'] * 1e3:.0f} ms); "
+        f"the engine's own {c7.get('engine_switch_s', 0) * 1e3:.0f} ms, "
+        f"{c7.get('engine_over_floor', 0):.2f}x its floor "
+        f"(stepalloc-stress colocated --link-gbps {c7.get('link_gbps', 0):.1f} models it); "
+        f"peak {c7['peak_in_use_bytes'] / GIB:.2f} GiB of {c7['total_bytes'] / GIB:.2f}; addresses kept "
+        f"{c7['addresses_kept']}, bytes kept {c7['bytes_kept']}"
+    )
+
+
 def one_line(text: str, n: int) -> str:
     return text[-n:].replace("\n", " | ")
 
@@ -591,6 +675,7 @@ def judge(doc: dict) -> list[tuple[str, str, str]]:
     res = judge_cycle(doc) if "cycle" in doc else []
     if "colocated" in doc:
         res.append(judge_colocated(doc["colocated"]))
+        res += judge_colocated_7b(doc)
     if "tms" in doc:
         res.append(judge_tms(doc["tms"]))
     return res
@@ -609,7 +694,7 @@ def text_table(doc: dict) -> str:
     c = doc.get("cycle") or {}
     if "stepalloc_backup" not in c:
         why = c.get("skip") or c.get("error", "not run")
-        return f"sleep and wake: no figures ({str(why)[-300:]})\n"
+        return "\n".join([f"sleep and wake: no figures ({str(why)[-300:]})", *colocated_7b_lines(doc)]) + "\n"
     s = c["sizes"]
     lines = [
         f"sleep and wake (gpu/sleep_check.py) on {c['device']}"
@@ -651,7 +736,25 @@ def text_table(doc: dict) -> str:
         )
     elif co:
         lines.append(f"colocated loop: {one_line(co.get('error') or co.get('skip', ''), 300)}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + colocated_7b_lines(doc)) + "\n"
+
+
+def colocated_7b_lines(doc: dict) -> list[str]:
+    """The table's lines on the 7 B colocated loop and the switch's component costs."""
+    lines = []
+    c7 = doc.get("colocated_7b") or {}
+    if "switch_s" in c7:
+        lines.append("colocated loop at 7 B: " + colocated_7b_phrase(c7))
+    elif c7:
+        lines.append(f"colocated loop at 7 B: {one_line(c7.get('error') or c7.get('skip', ''), 300)}")
+    sc = doc.get("switch_costs") or {}
+    if "compare" in sc:
+        from switch_costs import text as costs_text
+
+        lines.append(costs_text(sc).rstrip())
+    elif sc:
+        lines.append(f"switch component costs: {one_line(sc.get('error') or sc.get('skip', ''), 300)}")
+    return lines
 
 
 def bandwidth(c: dict) -> dict:
@@ -674,6 +777,9 @@ def main() -> int:
     for k, (gpu, small) in DEFAULTS.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=small if host else gpu)
     ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument(
+        "--scale-7b", type=int, help="the 7 B colocated loop's sizes divided by this (colocated_7b.py's default)"
+    )
     ap.add_argument("--budget", type=float, default=140.0, help="seconds for all parts together")
     ap.add_argument("--stub-runtime", help="testdrv's libcudart.so.13 (default: found beside libcuda.so.1)")
     ap.add_argument("--json")
@@ -718,7 +824,11 @@ def main() -> int:
             }
     no_device = skip or (doc.get("cycle") or {}).get("skip")
     if "colocated" in parts:
-        doc["colocated"] = {"skip": no_device} if no_device else run_colocated(a, env, max(10.0, left() * 0.5))
+        # The example, the switch's component costs, then the 7 B loop (the longest: it pins
+        # the 7 B engine's and trainer's host buffers in its first iteration).
+        doc["colocated"] = {"skip": no_device} if no_device else run_colocated(a, env, max(10.0, left() * 0.35))
+        doc["switch_costs"] = {"skip": no_device} if no_device else run_switch_costs(a, env, max(10.0, left() * 0.1))
+        doc["colocated_7b"] = {"skip": no_device} if no_device else run_colocated_7b(a, env, max(20.0, left() * 0.8))
     if "tms" in parts:
         doc["tms"] = {"skip": no_device} if no_device else run_child("tms", a, env, max(10.0, left() - 5))
     results = judge(doc)

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """One summary of a GPU run (gpu/run_all.sh): every check's pass / fail / skip (validate.sh's
-and run_all.sh's own), the sleep/wake figures (gpu/sleep_check.py's checks/sleep.json), the
-end-to-end comparison tables and the replay's predicted peaks, as OUT/summary.json and
-OUT/summary.txt. Prints the text.
+and run_all.sh's own), the end-to-end comparisons (the 7 B one, OUT/e2e_7b, and its answer to
+whether the loop fits under stepalloc where PyTorch runs out of memory; then the 1.4 B one,
+OUT/e2e, with the replay's predicted peaks), the sleep/wake figures (gpu/sleep_check.py's
+checks/sleep.json: the cycle, the 7 B colocated loop, the switch's component costs), as
+OUT/summary.json and OUT/summary.txt. Prints the text.
 
 Usage: summarize.py OUT [--bundle BUNDLE] [--seconds S]
-Exit status: 0 when no check failed and the comparison ran, 1 otherwise, 2 on bad input.
+Exit status: 0 when no check failed and a comparison ran (one the time budget skipped is a
+SKIP), 1 otherwise, 2 on bad input.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ def results(path: Path) -> list[dict]:
     return out
 
 
+def state(e2e: dict | None) -> str:
+    if e2e is None:
+        return "not run"
+    return "FAILED" if e2e.get("failed") else "ran"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
@@ -54,6 +63,10 @@ def main() -> int:
     e2e_path = a.out / "e2e" / "e2e.json"
     if e2e_path.is_file():
         e2e = json.loads(e2e_path.read_text())
+    e2e_7b = None
+    e2e_7b_path = a.out / "e2e_7b" / "e2e.json"
+    if e2e_7b_path.is_file():
+        e2e_7b = json.loads(e2e_7b_path.read_text())
     sleep = None
     sleep_path = a.out / "checks" / "sleep.json"
     if sleep_path.is_file():
@@ -63,7 +76,8 @@ def main() -> int:
         source = json.loads((a.bundle / "MANIFEST.json").read_text()).get("source")
     every = validate + checks
     counts = {k: sum(1 for c in every if c["status"] == k) for k in ("PASS", "FAIL", "SKIP")}
-    ok = counts["FAIL"] == 0 and e2e is not None and not e2e.get("failed")
+    ran = [c for c in (e2e_7b, e2e) if c is not None and not c.get("failed")]
+    ok = counts["FAIL"] == 0 and bool(ran)
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "source": source,
@@ -73,6 +87,7 @@ def main() -> int:
         "checks": every,
         "answers": answers,
         "sleep": sleep,
+        "e2e_7b": e2e_7b,
         "e2e": e2e,
     }
     (a.out / "summary.json").write_text(json.dumps(doc, indent=1) + "\n")
@@ -89,6 +104,13 @@ def main() -> int:
         lines.append("answers to open questions:")
         lines += [f"  * {x}" for x in answers]
     lines.append("")
+    e2e_7b_txt = a.out / "e2e_7b" / "e2e.txt"
+    lines.append(
+        e2e_7b_txt.read_text().rstrip()
+        if e2e_7b_txt.is_file()
+        else "end-to-end comparison at 7 B: no result (see e2e_7b.log)"
+    )
+    lines.append("")
     sleep_txt = a.out / "checks" / "sleep.txt"
     lines.append(
         sleep_txt.read_text().rstrip()
@@ -103,7 +125,7 @@ def main() -> int:
     lines.append("")
     lines.append(
         f"stepalloc GPU run: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped; "
-        f"comparison {'ran' if e2e is not None and not e2e.get('failed') else 'FAILED'}; "
+        f"comparisons: 7 B {state(e2e_7b)}, 1.4 B {state(e2e)}; "
         f"{'OK' if ok else 'NOT OK'} (summary.json, summary.txt in {a.out})"
     )
     text = "\n".join(lines) + "\n"

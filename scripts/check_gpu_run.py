@@ -3,7 +3,9 @@
 testdrv's host-memory driver): summary.json says OK, every check passed or skipped with a
 reason, the driver-level checks ran, the sleep/wake step ran with its correctness fields true
 (data_ptr and bytes kept, memory given back, the graph's replay right) and its figures there,
-and the end-to-end dry run ran every configuration and its snapshot replay.
+the switch's component costs measured and the 7 B colocated loop run with addresses and bytes
+kept, the 7 B comparison's dry run (tiny7b) ran its four configurations with a training variant
+picked, and the 1.4 B dry run ran every configuration and its snapshot replay.
 Usage: check_gpu_run.py OUT. Exit status 0 good, 1 otherwise."""
 
 from __future__ import annotations
@@ -30,10 +32,55 @@ def sleep_problems(sleep: dict | None) -> list[str]:
     return problems
 
 
+def colocated_problems(sleep: dict | None) -> list[str]:
+    """What is wrong with the sleep section's 7 B colocated loop and switch component costs."""
+    sleep = sleep or {}
+    problems = []
+    c7 = sleep.get("colocated_7b") or {}
+    if c7.get("addresses_kept") is not True or c7.get("bytes_kept") is not True:
+        why = str(c7.get("error") or c7.get("skip") or "")[-300:]
+        problems.append(
+            f"sleep: the 7 B colocated loop kept addresses {c7.get('addresses_kept')}, "
+            f"bytes {c7.get('bytes_kept')} ({why})"
+        )
+    elif not all(c7.get(k, 0) > 0 for k in ("switch_s", "floor_s", "over_floor")) or c7.get("scale", 0) < 1:
+        problems.append(f"sleep: the 7 B colocated loop's figures missing or not positive: {c7.get('switch_s')}")
+    costs = (sleep.get("switch_costs") or {}).get("compare") or []
+    measured = [r.get("measured_s", r.get("measured_gbps", 0)) for r in costs]
+    if len(costs) < 9 or not all(isinstance(m, (int, float)) and m > 0 for m in measured):
+        problems.append(f"sleep: switch component costs missing or not positive: {len(costs)} rows, {measured}")
+    return problems
+
+
+def e2e_7b_problems(e2e: dict | None) -> list[str]:
+    """What is wrong with the 7 B comparison's dry run (tiny7b: the 7 B code path at a tiny size)."""
+    if not e2e:
+        return ["summary.json: no e2e_7b section (e2e_7b/e2e.json missing)"]
+    problems = []
+    if e2e.get("size") != "tiny7b":
+        problems.append(f"e2e_7b: size {e2e.get('size')}, expected tiny7b in a dry run")
+    ran = sorted(n for n, r in e2e["configs"].items() if "failed" not in r and r.get("iterations"))
+    if ran != sorted(["native", "native_expandable", "stepalloc", "stepalloc_mempool"]):
+        problems.append(f"e2e_7b: only {ran} ran")
+    if (e2e.get("train") or {}).get("variant") not in ("full", "lora"):
+        problems.append(f"e2e_7b: no training variant picked: {e2e.get('train')}")
+    shapes = [i["images"] for r in e2e["configs"].values() for i in r.get("iterations", [])]
+    if not any(len(set(s)) > 1 for s in shapes):
+        problems.append(f"e2e_7b: no iteration with a different number of images per sample: {shapes}")
+    return problems
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     problems = []
-    for name in ("summary.json", "summary.txt", "e2e/e2e.json", "e2e/e2e.txt", "validate/summary.txt"):
+    for name in (
+        "summary.json",
+        "summary.txt",
+        "e2e/e2e.json",
+        "e2e/e2e.txt",
+        "e2e_7b/e2e.json",
+        "validate/summary.txt",
+    ):
         if not (out / name).is_file():
             problems.append(f"{out / name} is missing")
     if problems:
@@ -56,6 +103,9 @@ def main() -> int:
         "sleep_cycle",
         "sleep_graph",
         "sleep_colocated",
+        "sleep_switch_costs",
+        "sleep_colocated_7b",
+        "e2e_7b",
         "e2e",
     ):
         if names.get(name) != "PASS":
@@ -66,6 +116,8 @@ def main() -> int:
         if names.get(name) not in ("PASS", "SKIP"):
             problems.append(f"check {name}: {names.get(name, 'absent')}, expected PASS or SKIP")
     problems += sleep_problems(doc.get("sleep"))
+    problems += colocated_problems(doc.get("sleep"))
+    problems += e2e_7b_problems(doc.get("e2e_7b"))
     e2e = doc["e2e"]
     ran = [n for n, r in e2e["configs"].items() if "failed" not in r and r.get("iterations")]
     if sorted(ran) != sorted(["native_record", "native", "native_expandable", "stepalloc", "stepalloc_mempool"]):
@@ -75,7 +127,8 @@ def main() -> int:
     print(
         "\n".join(problems)
         or f"GPU run kit: {doc['counts']['PASS']} checks passed, "
-        f"{doc['counts']['SKIP']} skipped, the dry run ran {len(ran)} configurations and the replay"
+        f"{doc['counts']['SKIP']} skipped, the dry runs ran {len(ran)} configurations and the replay (1.4 B's "
+        f"structure) and 4 (7 B's)"
     )
     return 1 if problems else 0
 

@@ -74,6 +74,9 @@ cp python_shim/stepalloc/*.py python_shim/stepalloc/py.typed python_shim/stepall
 # The colocated loop, run end to end by gpu/sleep_check.py.
 cp python_shim/examples/colocated_loop.py "$OUT/python/examples/"
 cp gpu/*.py gpu/*.sh "$OUT/gpu/"
+# The colocated cost model's constants, which gpu/switch_costs.py sets beside its measurements.
+mkdir -p "$OUT/model"
+cp stress/src/workload/colocated/cost.rs src/backend/sim.rs "$OUT/model/"
 cp scripts/cuda_matches_sim.py scripts/gpu_manifest.py "$OUT/scripts/"
 cp stress/tests/data/model_vlm_agent.jsonl "$OUT/traces/"
 # torch_memory_saver's wheel (abi3, CUDA 12 and 13), which gpu/sleep_check.py runs beside
@@ -87,9 +90,21 @@ elif ! timeout 120 python3 -m pip download --quiet --timeout 20 --retries 1 --no
 fi
 cat > "$OUT/README.txt" <<'EOF'
 stepalloc GPU bundle (built by scripts/gpu-bundle.sh; see MANIFEST.json).
-Run on the GPU machine, no Rust needed:   gpu/run_all.sh . "$OUT"
-Output: $OUT/summary.txt and $OUT/summary.json (validation checks, the sleep/wake figures and
-the end-to-end comparison tables), logs under $OUT/validate, $OUT/checks and $OUT/e2e.
+Run on the GPU machine, no Rust needed:   gpu/run_all.sh . "$OUT"   (within 470 s, about 8 minutes)
+Stages, most valuable figures first (a stage the time budget cuts off is skipped and says so):
+  1. the 7 B comparison (gpu/e2e_compare.py --size 7b): a LLaVA-1.5-7B-shaped model, random bf16
+     weights made on the device, batch 2, under PyTorch, stepalloc, expandable segments and
+     stepalloc.mempool(): peaks, step times, the largest batch that fits the device, and the
+     answer to "does it fit under stepalloc where it runs out of memory under PyTorch?"; full
+     fine-tuning where its state fits 75% of the device (H100 80 GB, H200), else LoRA
+  2. sleep and wake (gpu/sleep_check.py): pause/resume against a pinned copy_(), the colocated
+     loop with a 7 B engine and trainer against the pinned-copy floor, and the switch's
+     component costs (gpu/switch_costs.py) beside the cost model's constants (model/*.rs)
+  3. validation (gpu/validate.sh), 4. the CUDA backend checks, 5. CUDA IPC with stock PyTorch,
+  6. the 1.4 B comparison with its snapshot replay (with what is left)
+Output: $OUT/summary.txt and $OUT/summary.json (every check, both comparison tables, the
+sleep/wake figures), logs under $OUT/validate, $OUT/checks, $OUT/e2e_7b and $OUT/e2e.
+Budgets: STEPALLOC_RUN_BUDGET (470), STEPALLOC_E2E7B_BUDGET (240), STEPALLOC_VALIDATE_BUDGET (150).
 Runtime: MANIFEST.json "runtime_needs" (glibc / libstdc++ symbol versions), checked against
 "target_runtime" when the bundle was built.
 EOF
