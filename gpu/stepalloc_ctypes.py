@@ -33,7 +33,7 @@ EXPORTS = sorted(set(_SIGNATURES) | {
     "stepalloc_torch_malloc", "stepalloc_begin_allocate_to_pool", "stepalloc_end_allocate_to_pool",
     "stepalloc_release_pool", "stepalloc_reset_peak_stats", "stepalloc_reset_accumulated_stats",
     "stepalloc_trace_jsonl", "stepalloc_config_help", "stepalloc_metrics_serve",
-    "stepalloc_ipc_share", "stepalloc_ipc_open", "stepalloc_ipc_close",
+    "stepalloc_ipc_share", "stepalloc_ipc_open", "stepalloc_ipc_close", "stepalloc_ipc_unshare",
 })
 
 

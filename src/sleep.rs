@@ -68,6 +68,23 @@ fn refuse_during_capture(heaps: &[parking_lot::MutexGuard<'_, Heap>], id: TagId,
     heaps.iter().try_for_each(|h| h.check_sleep_call(id, what))
 }
 
+/// A tag some of whose live blocks another process may still hold through CUDA IPC is not
+/// paused: the receiver keeps the pages it mapped, so after a pause and resume the two
+/// processes would see different memory behind one tensor.
+fn refuse_while_shared(heaps: &[parking_lot::MutexGuard<'_, Heap>], id: TagId) -> Result<()> {
+    let held = heaps.iter().flat_map(|h| tags::numbers(id).map(|t| h.shared_of_tag(t)));
+    let (tensors, bytes) = held.fold((0, 0), |(n, b), (n2, b2)| (n + n2, b + b2));
+    if tensors == 0 {
+        return Ok(());
+    }
+    Err(Error::InvalidArgument(format!(
+        "pause of tag {:?}: {tensors} of its tensors ({bytes} bytes) were sent to other processes (CUDA IPC) \
+         and may still be held there; a receiver keeps the memory it mapped, so it cannot leave the device. \
+         Pause once every receiver dropped them (torch.cuda.ipc_collect() lets go of those that did)",
+        tags::name(id)
+    )))
+}
+
 /// The error of a call whose rollback (`undone`, one result per device and number) did what
 /// it says, or the error with what the rollback could not do: then the name is not whole.
 fn with_rollback(e: Error, undone: Vec<Result<()>>, did: &str) -> Error {
@@ -117,6 +134,7 @@ impl Allocator {
         for id in ids {
             let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
             refuse_during_capture(&heaps, id, "pause")?;
+            refuse_while_shared(&heaps, id)?;
             let mut skipped = true;
             let mut paused: Vec<(usize, TagId)> = Vec::new();
             for number in tags::numbers(id) {

@@ -595,3 +595,34 @@ fn record_stream_on_a_paused_block_then_free_while_paused_or_after() {
     a.empty_cache().unwrap();
     assert_eq!(used(&a, 0), 0);
 }
+
+/// A tensor of a tag sent to another process (CUDA IPC) holds the tag's pause back until its
+/// receivers let go (`unshare`, once per share): the receiver keeps the pages it mapped, so a
+/// pause would give the two processes different memory behind one tensor (the 4th pass's
+/// defect D). The refusal changes nothing and names the tag; a pointer not shared is refused.
+#[test]
+fn a_tag_with_a_tensor_held_by_another_process_does_not_pause_until_it_is_let_go() {
+    let a = sim(",sim_devices:2");
+    let blocks = in_region(&a, 1, "adv_ipc_w", true, &[8 * MIB, 4096]);
+    let (p, _) = blocks[0];
+    for _ in 0..2 {
+        a.with_heap(1, |h| h.share(p)).unwrap().unwrap();
+    }
+    let before = a.stats(1).unwrap().heap.num_unmap;
+    for left in [2, 1] {
+        let e = a.pause(Some("adv_ipc_w"), None).unwrap_err().to_string();
+        assert!(
+            e.contains("pause of tag \"adv_ipc_w\": 1 of its tensors (8388608 bytes)") && e.contains("CUDA IPC"),
+            "{e}"
+        );
+        assert!(!paused_on(&a, 0, "adv_ipc_w") && !paused_on(&a, 1, "adv_ipc_w"), "{left} shares left");
+        a.with_heap(1, |h| h.unshare(p)).unwrap().unwrap();
+    }
+    assert_eq!(a.stats(1).unwrap().heap.num_unmap, before, "a refused pause unmapped");
+    assert!(matches!(a.with_heap(1, |h| h.unshare(p)).unwrap(), Err(Error::UnknownPointer { .. })));
+    assert_eq!(a.pause(Some("adv_ipc_w"), None).unwrap().copied_bytes, 8 * MIB + 4096);
+    a.resume(Some("adv_ipc_w")).unwrap();
+    for (p, s) in blocks {
+        a.free(1, p, s).unwrap();
+    }
+}

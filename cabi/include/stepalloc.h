@@ -232,6 +232,12 @@ int stepalloc_ipc_open(int device,
                        uint64_t size,
                        void **out);
 
+// Says that the receivers of one `stepalloc_ipc_share` of the allocation at `ptr` let go of
+// it (PyTorch's reference counter fell to zero). Until each share is let go of, a pause of the
+// allocation's tag is refused: a receiver keeps the pages it mapped. Returns a status
+// (`STEPALLOC_UNKNOWN_POINTER` for an allocation not shared).
+int stepalloc_ipc_unshare(void *ptr);
+
 // Closes one `stepalloc_ipc_open` of the range at `base` on `device`; the last close unmaps
 // it. Returns a status.
 int stepalloc_ipc_close(int device, void *base);

@@ -87,6 +87,21 @@ pub unsafe extern "C" fn stepalloc_ipc_open(
     })
 }
 
+/// Says that the receivers of one `stepalloc_ipc_share` of the allocation at `ptr` let go of
+/// it (PyTorch's reference counter fell to zero). Until each share is let go of, a pause of the
+/// allocation's tag is refused: a receiver keeps the pages it mapped. Returns a status
+/// (`STEPALLOC_UNKNOWN_POINTER` for an allocation not shared).
+#[no_mangle]
+pub extern "C" fn stepalloc_ipc_unshare(ptr: *mut c_void) -> c_int {
+    guard_status(|| {
+        let addr = ptr as usize as u64;
+        let allocator = allocator()?;
+        let device = allocator.device_of(addr).ok_or(AbiError::UnknownPointer(addr))?;
+        allocator.with_heap(device, |heap| heap.unshare(addr))??;
+        Ok(())
+    })
+}
+
 /// Closes one `stepalloc_ipc_open` of the range at `base` on `device`; the last close unmaps
 /// it. Returns a status.
 #[no_mangle]

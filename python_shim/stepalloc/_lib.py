@@ -205,6 +205,7 @@ def _declare(cdll: ctypes.CDLL) -> None:
             c_int,
         ),
         "stepalloc_ipc_close": ([c_int, c_void_p], c_int),
+        "stepalloc_ipc_unshare": ([c_void_p], c_int),
     }
     for name, (argtypes, restype) in table.items():
         fn = getattr(cdll, name)  # AttributeError names a missing symbol: an outdated library.

@@ -131,6 +131,9 @@ def collect() -> int:
             return 0
         _sent[:] = [s for s in _sent if s.file.value(s.slot) > 0]
         for s in done:
+            # The library may let the block's tag pause again (its receivers let go).
+            with contextlib.suppress(Exception):
+                _lib.lib().stepalloc_ipc_unshare(int(s.storage.data_ptr()))
             s.file.outstanding -= 1
             if s.file.outstanding == 0 and s.file.full():
                 s.file.close()

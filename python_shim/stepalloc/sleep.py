@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from . import _lib, follow
+from . import _lib, follow, ipc
 
 DEFAULT_TAG = "default"
 
@@ -166,10 +166,14 @@ def pause(tag: str | None = None, backup: bool | None = None) -> SleepReport:
     used the memory; when it returns, another process sees the memory free.
 
     A tag never seen raises ``ValueError``; a tag already paused is skipped (``.skipped``);
-    during a CUDA graph capture, ``ValueError``.
+    during a CUDA graph capture, ``ValueError``; a tag one of whose tensors was sent to another
+    process (CUDA IPC) that may still hold it, ``ValueError`` naming the tag (the receiver keeps
+    the memory it mapped).
     """
     data = None if tag is None else _tag_arg(tag, "pause: tag")
     mode = -1 if backup is None else (1 if backup else 0)
+    # Tensors sent to other processes whose receivers all let go no longer hold the pause back.
+    ipc.collect()
     _lib.check(int(_c().stepalloc_pause(data, mode)))
     return _report()
 

@@ -9,7 +9,10 @@
 //!   Those pages stay mapped while the block is allocated: only whole pages inside free blocks
 //!   are ever unmapped or moved (`page_reuse`), and a page the block touches is not one.
 //! - Keeping a shared block allocated while a receiver holds it is the caller's part (PyTorch's
-//!   reference counter in shared memory; `python_shim/stepalloc/ipc.py` holds the storage).
+//!   reference counter in shared memory; `python_shim/stepalloc/ipc.py` holds the storage),
+//!   which says when receivers are done (`unshare`). Until then the block is counted as shared,
+//!   and a pause of its tag is refused: a receiver keeps the pages it mapped, so a pause and
+//!   resume would give the two processes different memory behind one tensor.
 //! - Opened ranges are cached by handle bytes and counted, as PyTorch caches its
 //!   `ipcMemHandle_to_devptr`: the same handle opened twice maps once.
 //! - A receiver maps only what the handle names (the pages exported, or the one allocation of a
@@ -24,9 +27,11 @@ use crate::ipc::Shareable;
 use crate::segment::BlockId;
 use rustc_hash::FxHashMap;
 
-/// Ranges this heap mapped from other processes.
+/// Ranges this heap mapped from other processes, and blocks it shared.
 #[derive(Default)]
 pub(crate) struct IpcState {
+    /// Blocks shared and not yet let go of by their receivers: start address, shares.
+    shared: FxHashMap<u64, u32>,
     /// By address in this process.
     opened: FxHashMap<u64, Opened>,
     /// The address of each open handle (its bytes).
@@ -53,10 +58,44 @@ impl Heap {
         }
         let block = self.arena.block(id).clone();
         let seg = self.arena.segment(block.segment).clone();
-        if !seg.expandable() {
+        let shared = if !seg.expandable() {
             let handle = self.backend.ipc_handle(seg.addr)?;
-            return Ok((Shareable::Legacy(handle), block.addr - seg.addr));
+            (Shareable::Legacy(handle), block.addr - seg.addr)
+        } else {
+            self.share_pages(&block, &seg)?
+        };
+        let shares = self.ipc.shared.entry(ptr).or_insert(0);
+        *shares = shares.saturating_add(1);
+        Ok(shared)
+    }
+
+    /// Receivers of one share of the block at `ptr` let go of it (its counter fell to zero): once
+    /// every share is let go of, its tag may pause again. A pointer not shared is an error.
+    pub fn unshare(&mut self, ptr: u64) -> Result<()> {
+        let Some(shares) = self.ipc.shared.get_mut(&ptr) else {
+            return Err(Error::UnknownPointer { device: self.device, ptr });
+        };
+        *shares -= 1;
+        if *shares == 0 {
+            self.ipc.shared.remove(&ptr);
         }
+        Ok(())
+    }
+
+    /// The live blocks of `tag` that other processes may still hold: how many, and their bytes.
+    pub fn shared_of_tag(&self, tag: crate::tags::TagId) -> (usize, u64) {
+        let blocks = self.ipc.shared.keys().filter_map(|&ptr| self.arena.find_allocated(ptr));
+        let of_tag = blocks.filter(|&id| self.arena.segment(self.arena.block(id).segment).tag == tag);
+        of_tag.fold((0, 0), |(n, bytes), id| (n + 1, bytes + self.arena.block(id).size))
+    }
+
+    /// The pages of an expandable segment's block, as one descriptor each.
+    fn share_pages(
+        &mut self,
+        block: &crate::segment::Block,
+        seg: &crate::segment::Segment,
+    ) -> Result<(Shareable, u64)> {
+        let ptr = block.addr;
         let first = (block.addr - seg.addr) / seg.page;
         let end = (block.addr - seg.addr + block.size).div_ceil(seg.page);
         let pages = self.pages.get(&block.segment).map(|p| p.as_slice()).unwrap_or(&[]);

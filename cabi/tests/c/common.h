@@ -38,7 +38,7 @@
     X(stepalloc_region_enter) X(stepalloc_region_exit) X(stepalloc_pause) X(stepalloc_resume) \
     X(stepalloc_sleep_report_json) X(stepalloc_release_backup) X(stepalloc_tags_json) \
     X(stepalloc_region_lend) X(stepalloc_region_borrow) X(stepalloc_region_lend_end) \
-    X(stepalloc_ipc_share) X(stepalloc_ipc_open) X(stepalloc_ipc_close)
+    X(stepalloc_ipc_share) X(stepalloc_ipc_open) X(stepalloc_ipc_close) X(stepalloc_ipc_unshare)
 
 #define DECLARE_POINTER(name) static __typeof__(name) *p_##name;
 STEPALLOC_C_FUNCTIONS(DECLARE_POINTER)
