@@ -6,12 +6,14 @@
 //! - the registry is process-wide and only grows: a name keeps its number for the life of the
 //!   process, so every device's heap and every statistic agree on it; at most `MAX_TAGS` names
 //!   besides "default" (a bounded label set, like phases);
-//! - the current tag is one thread-local byte, read by `malloc` without allocating or locking;
-//!   the region stack behind it is only touched by `enter` and `exit`.
+//! - the current tag is one thread-local byte, read by `malloc` without allocating or locking
+//!   (and not at all until some thread has entered a region); the region stack behind it is
+//!   only touched by `enter` and `exit`.
 
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A tag's number: 0 is "default", 1..=`MAX_TAGS` are registered names.
 pub type TagId = u8;
@@ -33,6 +35,11 @@ struct Entry {
 }
 
 static REGISTRY: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+
+/// Set once any thread enters a region. Until then every thread's tag is still "default", so
+/// `current` need not look up the thread-local (a call to `__tls_get_addr` on every malloc
+/// in libstepalloc.so). A thread sets it before its own tag, so its later mallocs see it.
+static ANY_REGION: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     static CURRENT: Cell<TagId> = const { Cell::new(DEFAULT) };
@@ -104,6 +111,15 @@ pub fn registered() -> Vec<(TagId, String)> {
 /// The calling thread's current tag: what its allocations carry. One thread-local load.
 #[inline]
 pub fn current() -> TagId {
+    if !ANY_REGION.load(Ordering::Relaxed) {
+        return DEFAULT;
+    }
+    current_of_thread()
+}
+
+/// Out of line: inlined, the compiler computes the thread-local's address before the test.
+#[inline(never)]
+fn current_of_thread() -> TagId {
     CURRENT.with(Cell::get)
 }
 
@@ -116,6 +132,7 @@ pub fn enter(name: &str, backup: bool) -> Result<TagId> {
         )));
     }
     let tag = register(name, backup)?;
+    ANY_REGION.store(true, Ordering::Relaxed);
     STACK.with(|s| s.borrow_mut().push(tag));
     CURRENT.with(|c| c.set(tag));
     Ok(tag)
