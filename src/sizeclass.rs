@@ -35,6 +35,7 @@ pub const BIN_COUNT: usize = GROUPS * BINS_PER_GROUP;
 
 /// Rounds a request the way PyTorch does: to 512 B, or with `roundup_power2_divisions` to the
 /// next of N equal divisions of its power-of-two interval. `size` must be at most `MAX_REQUEST`.
+#[inline]
 pub fn round_size(size: u64, config: &Config) -> u64 {
     if size < GRANULE {
         return GRANULE;
@@ -67,6 +68,7 @@ fn next_division(size: u64, divisions: u64) -> u64 {
 }
 
 /// Whether a rounded request is served from the small pool.
+#[inline]
 pub fn is_small(rounded: u64) -> bool {
     rounded <= SMALL_REQUEST
 }
