@@ -303,7 +303,7 @@ impl Heap {
     }
 
     /// A free block below `max_split_size` of list `li` that holds `rounded` bytes.
-    #[inline]
+    #[inline(always)]
     fn find_in(&self, li: usize, rounded: u64) -> Option<BlockId> {
         if self.config.exact_fit {
             self.lists[li].find_exact(&self.arena.blocks, rounded)
@@ -464,6 +464,7 @@ impl Heap {
     }
 
     /// A block becomes free: merge it with free neighbours and file it.
+    #[inline]
     fn finish_free(&mut self, id: BlockId) -> Result<()> {
         let was_pending = self.arena.state(id) == BlockState::Pending;
         self.arena.set_state(id, BlockState::Free);

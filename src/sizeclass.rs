@@ -86,6 +86,7 @@ pub fn segment_size(rounded: u64) -> u64 {
 
 /// The bin a free block of `size` bytes is filed in (rounds down). `size` is a multiple of
 /// `GRANULE`, at least one granule.
+#[inline]
 pub fn bin_down(size: u64) -> usize {
     let units = size / GRANULE;
     if units < MANTISSA_VALUES {
@@ -98,6 +99,7 @@ pub fn bin_down(size: u64) -> usize {
 }
 
 /// The first bin whose every block holds at least `size` bytes (rounds up).
+#[inline]
 pub fn bin_up(size: u64) -> usize {
     let down = bin_down(size);
     if bin_start(down) == size.div_ceil(GRANULE) * GRANULE {
