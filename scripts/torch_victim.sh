@@ -27,6 +27,7 @@ for line in sys.stdin:
     m = json.loads(line)
     if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "random_victim" and m.get("executable"):
         print(m["executable"])')
+[ -n "$BENCH" ] || { echo "torch_victim.sh: the random_victim bench did not build (cargo bench -p stepalloc-cabi --bench random_victim --no-run)" >&2; exit 1; }
 H=$PWD/target/hostcuda
 env LD_PRELOAD="$H/runtime/libcudart.so.13" \
     LD_LIBRARY_PATH="$H/runtime:$H:$H/standins${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \
