@@ -62,7 +62,8 @@ impl Allocator {
 
     #[inline]
     pub fn malloc(&self, device: usize, size: u64, stream: Stream) -> Result<u64> {
-        // The calling thread's region tags the block (`tags`; one thread-local load).
+        // The calling thread's region tags the block (`tags`: a thread-local load once any
+        // thread has entered a region).
         self.heap(device)?.malloc_tagged(size, stream, None, crate::tags::current())
     }
 

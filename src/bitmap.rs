@@ -20,12 +20,14 @@ impl Default for BinBitmap {
 }
 
 impl BinBitmap {
+    #[inline]
     pub fn set(&mut self, bin: usize) {
         let (group, bit) = (bin / BINS_PER_GROUP, bin % BINS_PER_GROUP);
         self.groups[group] |= 1 << bit;
         self.top |= 1 << group;
     }
 
+    #[inline]
     pub fn clear(&mut self, bin: usize) {
         let (group, bit) = (bin / BINS_PER_GROUP, bin % BINS_PER_GROUP);
         self.groups[group] &= !(1 << bit);
@@ -39,6 +41,7 @@ impl BinBitmap {
     }
 
     /// The first set bin at or after `bin`, if any.
+    #[inline]
     pub fn find_from(&self, bin: usize) -> Option<usize> {
         if bin >= BIN_COUNT {
             return None;

@@ -23,6 +23,7 @@ pub struct ListKey {
 }
 
 impl ListKey {
+    #[inline]
     pub fn new(pool: u32, small: bool, stream: Stream, lane: bool, tag: u8) -> ListKey {
         ListKey { class: BlockClass::new(pool, small, false).in_lane(lane).with_tag(tag), stream }
     }
@@ -65,7 +66,7 @@ impl FreeList {
         }
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn insert(&mut self, blocks: &mut [Block], id: BlockId, oversize: bool) {
         let b = &mut blocks[id as usize];
         self.bytes += b.size;
@@ -91,7 +92,7 @@ impl FreeList {
         self.oversize.insert((b.size, b.addr, id));
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn remove(&mut self, blocks: &mut [Block], id: BlockId, oversize: bool) {
         let (size, addr, prev, next) = {
             let b = &blocks[id as usize];
@@ -124,6 +125,7 @@ impl FreeList {
     /// A free block below `max_split_size` that holds `size` bytes. First the head of the bin
     /// `size` falls in, if it is large enough (a near-exact fit); else the head of the first
     /// non-empty bin whose blocks all fit.
+    #[inline]
     pub fn find(&self, blocks: &[Block], size: u64) -> Option<BlockId> {
         let exact = self.heads[bin_down(size)];
         if exact != NIL && blocks[exact as usize].size >= size {

@@ -340,6 +340,7 @@ impl Heap {
     }
 
     /// A free block below `max_split_size` of list `li` that holds `rounded` bytes.
+    #[inline(always)]
     fn find_in(&self, li: usize, rounded: u64) -> Option<BlockId> {
         if self.config.exact_fit {
             self.lists[li].find_exact(&self.arena.blocks, rounded)
@@ -375,6 +376,7 @@ impl Heap {
     }
 
     /// Marks a free block (already out of its list) allocated, splitting off the rest.
+    #[inline(always)] // one caller: malloc
     fn hand_out(&mut self, id: BlockId, rounded: u64, requested: u64, stream: Stream) -> u64 {
         // A record left under another address (a merge) or by a grown array moves home.
         let id = self.arena.rehome(id);
@@ -447,6 +449,7 @@ impl Heap {
 
     /// Frees the block at `ptr`. `size`, when not 0, must be the size asked for at malloc;
     /// a mismatch is refused and the block stays allocated.
+    #[inline]
     pub fn free(&mut self, ptr: u64, size: u64) -> Result<()> {
         if self.deferred_work && self.captures_underway == 0 {
             self.run_deferred_work()?;
@@ -502,6 +505,7 @@ impl Heap {
     }
 
     /// A block becomes free: merge it with free neighbours and file it.
+    #[inline]
     fn finish_free(&mut self, id: BlockId) -> Result<()> {
         let was_pending = self.arena.state(id) == BlockState::Pending;
         self.arena.set_state(id, BlockState::Free);
@@ -605,7 +609,7 @@ impl Heap {
     /// The inactive-split statistics after `merge_neighbours` made the free block `merged`,
     /// which is not counted yet, from blocks that were: one net change, as PyTorch's
     /// `free_block` makes.
-    #[inline]
+    #[inline(always)]
     fn count_merged_free(&mut self, merged: BlockId, absorbed: u64, absorbed_bytes: u64) {
         let b = self.arena.block(merged);
         let small = b.class.small();

@@ -286,7 +286,7 @@ impl Arena {
 
     /// The slot of the allocated block at `addr` in its home bucket: the slot whose byte holds
     /// the allocated state and the address's tag, and whose record holds the address.
-    #[inline]
+    #[inline(always)]
     fn find_home(&self, addr: u64) -> Option<BlockId> {
         let hash = home_hash(addr);
         let home = Self::home_in(hash, self.home_slots);

@@ -35,6 +35,7 @@ pub const BIN_COUNT: usize = GROUPS * BINS_PER_GROUP;
 
 /// Rounds a request the way PyTorch does: to 512 B, or with `roundup_power2_divisions` to the
 /// next of N equal divisions of its power-of-two interval. `size` must be at most `MAX_REQUEST`.
+#[inline]
 pub fn round_size(size: u64, config: &Config) -> u64 {
     if size < GRANULE {
         return GRANULE;
@@ -67,6 +68,7 @@ fn next_division(size: u64, divisions: u64) -> u64 {
 }
 
 /// Whether a rounded request is served from the small pool.
+#[inline]
 pub fn is_small(rounded: u64) -> bool {
     rounded <= SMALL_REQUEST
 }
@@ -84,6 +86,7 @@ pub fn segment_size(rounded: u64) -> u64 {
 
 /// The bin a free block of `size` bytes is filed in (rounds down). `size` is a multiple of
 /// `GRANULE`, at least one granule.
+#[inline]
 pub fn bin_down(size: u64) -> usize {
     let units = size / GRANULE;
     if units < MANTISSA_VALUES {
@@ -96,6 +99,7 @@ pub fn bin_down(size: u64) -> usize {
 }
 
 /// The first bin whose every block holds at least `size` bytes (rounds up).
+#[inline]
 pub fn bin_up(size: u64) -> usize {
     let down = bin_down(size);
     if bin_start(down) == size.div_ceil(GRANULE) * GRANULE {

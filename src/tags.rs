@@ -12,14 +12,16 @@
 //! - the registry is process-wide and only grows: a name keeps its number for the life of the
 //!   process, so every device's heap and every statistic agree on it; at most `MAX_TAGS` names
 //!   besides "default" (a bounded label set, like phases);
-//! - the current tag is one thread-local byte, read by `malloc` without allocating or locking;
-//!   the region stack behind it is only touched by `enter` and `exit`.
+//! - the current tag is one thread-local byte, read by `malloc` without allocating or locking
+//!   (and not at all until some thread has entered a region); the region stack behind it is
+//!   only touched by `enter` and `exit`.
 
 pub mod lend;
 
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::cell::{Cell, RefCell};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A tag's number: 0 is "default", 1..=`MAX_TAGS` are registered names, each also with
 /// `BACKUP` set (its memory made in regions with a backup).
@@ -45,6 +47,11 @@ struct Entry {
 }
 
 static REGISTRY: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
+
+/// Set once any thread enters a region. Until then every thread's tag is still "default", so
+/// `current` need not look up the thread-local (a call to `__tls_get_addr` on every malloc
+/// in libstepalloc.so). A thread sets it before its own tag, so its later mallocs see it.
+static ANY_REGION: AtomicBool = AtomicBool::new(false);
 
 thread_local! {
     static CURRENT: Cell<TagId> = const { Cell::new(DEFAULT) };
@@ -131,6 +138,15 @@ pub fn registered() -> Vec<(TagId, String)> {
 /// a tag it borrowed (`lend`: autograd's thread during a backward of a thread inside a region).
 #[inline]
 pub fn current() -> TagId {
+    if !ANY_REGION.load(Ordering::Relaxed) {
+        return DEFAULT;
+    }
+    current_of_thread()
+}
+
+/// Out of line: inlined, the compiler computes the thread-local's address before the test.
+#[inline(never)]
+fn current_of_thread() -> TagId {
     match CURRENT.with(Cell::get) {
         DEFAULT => lend::borrowed(),
         own => own,
@@ -148,6 +164,7 @@ pub fn enter(name: &str, backup: bool) -> Result<TagId> {
     }
     let id = register(name)?;
     let tag = if backup && id != DEFAULT { id | BACKUP } else { id };
+    ANY_REGION.store(true, Ordering::Relaxed);
     STACK.with(|s| s.borrow_mut().push(tag));
     CURRENT.with(|c| c.set(tag));
     Ok(tag)

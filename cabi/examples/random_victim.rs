@@ -11,7 +11,9 @@
 //!     target/release/examples/random_victim 100000 200000
 //! ```
 //!
-//! The library is `libstepalloc.so` of the same profile (`STEPALLOC_LIBRARY` overrides it).
+//! The library is `libstepalloc.so` of the same profile (`STEPALLOC_LIBRARY` overrides it);
+//! with `STEPALLOC_TORCH_VICTIM=/path/to/libtorch_victim.so` the churn runs on PyTorch's own
+//! caching allocator instead (built as scripts/torch_victim.sh builds it, run in its environment).
 
 #[path = "../benches/victim/mod.rs"]
 mod victim;
@@ -48,7 +50,10 @@ fn main() -> ExitCode {
         let exe = std::env::current_exe().expect("current_exe");
         exe.parent().and_then(|p| p.parent()).expect("target/<profile>/examples").join("libstepalloc.so")
     });
-    let mut churn = victim::Churn::load(&library);
+    let mut churn = match std::env::var_os("STEPALLOC_TORCH_VICTIM") {
+        Some(shim) => victim::Churn::new(victim::CAbi::load_torch(std::path::Path::new(&shim))),
+        None => victim::Churn::load(&library),
+    };
     if history {
         churn.resize(100_000);
         churn.pairs(200_000);

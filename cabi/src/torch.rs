@@ -3,13 +3,15 @@
 //! Layer: the boundary. Each export runs under `guard`; a failure sets the thread's last error.
 //!
 //! Hot path: `stepalloc_malloc` and `stepalloc_free` do no heap allocation and no formatting
-//! unless they fail: one atomic load for the process-wide allocator, one call into the C++
-//! unit that reads an atomic count of captures underway (the filters run only while a CUDA
-//! graph is being captured), the device lock, the heap operation, one thread-local store.
+//! unless they fail: one atomic load for the process-wide allocator, one of the C++ unit's
+//! count of captures underway (its filters are called only while a CUDA graph is being
+//! captured), the device lock, the heap operation; no thread-local access until a call has
+//! failed or a region has been entered.
 
 use crate::guard::{guard, guard_status};
 use crate::{allocator, cudaStream_t, device_index, AbiError};
 use std::ffi::{c_int, c_void};
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::Mutex;
 use stepalloc::{Error, OomReport, PoolId, Stream};
 
@@ -19,6 +21,17 @@ extern "C" {
     /// otherwise returns 0 (first checking an atomic count, so this is cheap with no capture).
     /// Never throws.
     fn stepalloc_internal_capture_pool(device: c_int, stream: cudaStream_t, pool: *mut u64) -> c_int;
+    /// Defined in trampoline.cpp (hidden): capture table entries; 0 when no capture is underway.
+    static stepalloc_internal_captures: AtomicI32;
+}
+
+/// The pool of the capture that claims `stream` on `device`, if any (a capture is underway).
+#[inline(never)]
+fn capture_pool(device: c_int, stream: cudaStream_t) -> Option<PoolId> {
+    let mut pool = [0u64; 2];
+    // Safety: defined in trampoline.cpp; writes at most two integers into `pool`, never throws.
+    let captured = unsafe { stepalloc_internal_capture_pool(device, stream, pool.as_mut_ptr()) } != 0;
+    captured.then_some((pool[0], pool[1]))
 }
 
 fn stream_of(stream: cudaStream_t) -> Stream {
@@ -40,10 +53,12 @@ pub extern "C" fn stepalloc_malloc(size: usize, device: c_int, stream: cudaStrea
     guard(|| {
         let index = device_index(device)?;
         let allocator = allocator()?;
-        let mut pool = [0u64; 2];
-        // Safety: defined in trampoline.cpp; writes at most two integers into `pool`, never throws.
-        let captured = unsafe { stepalloc_internal_capture_pool(device, stream, pool.as_mut_ptr()) } != 0;
-        let pool: Option<PoolId> = captured.then_some((pool[0], pool[1]));
+        // Safety: an atomic integer defined in trampoline.cpp, never moved or freed.
+        let pool = if unsafe { stepalloc_internal_captures.load(Ordering::Relaxed) } == 0 {
+            None
+        } else {
+            capture_pool(device, stream)
+        };
         let ptr = allocator.malloc_in_pool(index, size as u64, stream_of(stream), pool);
         if let Err(Error::OutOfMemory(report)) = &ptr {
             notify_oom_observers(device, report);

@@ -12,7 +12,7 @@
 //   Rust calls (`stepalloc_internal_capture_pool`) never throws; release and end never throw
 //   (PyTorch calls release from destructors), they leave a failure in the last error.
 // - The capture table is created on first use and never destroyed, and `g_active` counts its
-//   entries, read first on every malloc so that no capture costs one atomic load.
+//   entries, read by every malloc (torch.rs) so that no capture costs one atomic load.
 // - A filter runs under the table's mutex; PyTorch's filters only query the stream's capture
 //   state (or the thread's id) and never call back into the allocator. The newest entry whose
 //   filter claims a stream wins, as in PyTorch.
@@ -49,6 +49,13 @@ int stepalloc_internal_stream_is_capturing(int device, cudaStream_t stream);
 int stepalloc_internal_pool_captures(int device, unsigned long long id0, unsigned long long id1);
 }
 
+// The capture table's entry count (`g_active` below), read by torch.rs's malloc itself, so
+// that with no capture underway a malloc costs one load and no call into this unit. Hidden:
+// nothing outside the library sees it.
+extern "C" {
+__attribute__((visibility("hidden"))) std::atomic<int> stepalloc_internal_captures{0};
+}
+
 namespace {
 
 // What an entry is, learnt when its filter first claims a stream. A graph capture's filter
@@ -71,7 +78,7 @@ struct Capture {
     bool route;
 };
 
-std::atomic<int> g_active{0};
+std::atomic<int> &g_active = stepalloc_internal_captures;
 
 // Throws PyTorch's c10::OutOfMemoryError with the given message (registered by the Python
 // package, built against the installed torch's headers); null: std::runtime_error instead.

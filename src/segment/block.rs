@@ -43,6 +43,7 @@ impl BlockClass {
     const TAG_SHIFT: u32 = 3;
     const TAG_MASK: u32 = 0x7f << Self::TAG_SHIFT;
 
+    #[inline]
     pub fn new(pool: u32, small: bool, expandable: bool) -> BlockClass {
         debug_assert!(pool <= Self::MAX_POOL);
         BlockClass((pool.min(Self::MAX_POOL) << 10) | (u32::from(expandable) << 1) | u32::from(small))

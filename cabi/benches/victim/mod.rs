@@ -3,6 +3,8 @@
 //! the same size again, as a real heap does (the freed block's record is then rarely in cache,
 //! unlike a bench that frees the block it just allocated). Also what both C ABI benches share:
 //! the library loaded as PyTorch loads it (`CAbi`) and the timing of a pair (`median_pair_ns`).
+//! `CAbi::load_torch` puts PyTorch's own caching allocator behind the same two calls
+//! (`torch_alloc.cpp`, built and run by scripts/torch_victim.sh), so both allocators run one churn.
 //!
 //! Sizes: 70% up to 64 KiB, 25% above that up to 2 MiB, 5% above that up to 16 MiB.
 //! Everything is driven by one xorshift generator, so a run is the same sequence every time.
@@ -17,9 +19,20 @@ use std::time::Instant;
 pub const CONF: &str = "backend:sim,sim_capacity_mb:16777216";
 const KIB: u64 = 1024;
 
+/// `CONF`, then `STEPALLOC_VICTIM_CONF` when set (`recommended` names `config::RECOMMENDED`):
+/// the configuration every stepalloc library of the run gets.
+pub fn conf() -> String {
+    match std::env::var("STEPALLOC_VICTIM_CONF") {
+        Ok(extra) if extra == "recommended" => format!("{CONF},{}", stepalloc::config::RECOMMENDED),
+        Ok(extra) if !extra.is_empty() => format!("{CONF},{extra}"),
+        _ => CONF.to_string(),
+    }
+}
+
 type MallocFn = unsafe extern "C" fn(usize, c_int, *mut c_void) -> *mut c_void;
 type FreeFn = unsafe extern "C" fn(*mut c_void, usize, c_int, *mut c_void);
 type ConfigureFn = unsafe extern "C" fn(*const c_char) -> c_int;
+type InitFn = unsafe extern "C" fn() -> c_int;
 
 /// libstepalloc.so loaded as PyTorch loads it, configured with `CONF`: `stepalloc_malloc` and
 /// `stepalloc_free` looked up by name and called by pointer.
@@ -36,10 +49,25 @@ impl CAbi {
         // Safety: the symbol types are the header's declarations; the strings are NUL-terminated.
         unsafe {
             let configure = *library.get::<ConfigureFn>(b"stepalloc_configure\0").expect("dlsym");
-            let conf = std::ffi::CString::new(CONF).expect("no NUL");
+            let conf = std::ffi::CString::new(conf()).expect("no NUL");
             assert_eq!(configure(conf.as_ptr()), 0, "configure");
             let malloc = *library.get::<MallocFn>(b"stepalloc_malloc\0").expect("dlsym");
             let free = *library.get::<FreeFn>(b"stepalloc_free\0").expect("dlsym");
+            CAbi { malloc, free, _library: library }
+        }
+    }
+
+    /// PyTorch's CUDA caching allocator through `torch_alloc.cpp`'s shim (`libtorch_victim.so`),
+    /// called by pointer as `load`'s library is. Needs a CUDA device or testdrv's stub runtime.
+    pub fn load_torch(shim: &Path) -> CAbi {
+        // Safety: the shim's initialisers are torch's, which need no arguments.
+        let library = unsafe { libloading::Library::new(shim) }.expect("dlopen libtorch_victim.so");
+        // Safety: the symbol types are torch_alloc.cpp's declarations.
+        unsafe {
+            let init = *library.get::<InitFn>(b"torch_victim_init\0").expect("dlsym");
+            assert_eq!(init(), 0, "torch_victim_init (its message is above)");
+            let malloc = *library.get::<MallocFn>(b"torch_victim_malloc\0").expect("dlsym");
+            let free = *library.get::<FreeFn>(b"torch_victim_free\0").expect("dlsym");
             CAbi { malloc, free, _library: library }
         }
     }
@@ -83,7 +111,12 @@ pub struct Churn {
 
 impl Churn {
     pub fn load(library: &Path) -> Churn {
-        Churn { abi: CAbi::load(library), live: Vec::new(), state: 0x9E37_79B9_7F4A_7C15 }
+        Churn::new(CAbi::load(library))
+    }
+
+    /// The same churn (same seed, so the same sizes and victims) on any allocator.
+    pub fn new(abi: CAbi) -> Churn {
+        Churn { abi, live: Vec::new(), state: 0x9E37_79B9_7F4A_7C15 }
     }
 
     #[inline]
