@@ -37,6 +37,9 @@ fn decode(token: u64) -> Option<(usize, u64)> {
 
 /// Lends `tag`; returns the lease's token (never 0). At most `SLOTS` leases are open at once.
 pub fn lend(tag: TagId) -> Result<u64> {
+    // A borrowed tag is read where regions are (`current`), which skips threads' tags until
+    // some region or lease exists.
+    super::ANY_REGION.store(true, Ordering::Relaxed);
     let generation = NEXT_GENERATION.fetch_add(1, Ordering::Relaxed) & GENERATION_MASK;
     let value = (generation << 8) | u64::from(tag);
     for (slot, lease) in LEASES.iter().enumerate() {
