@@ -262,11 +262,14 @@ ALLOCATORS: tuple[tuple[str, str], ...] = (
 class Ported:
     """One of PyTorch's tests (``Class.test_name`` of its test/test_cuda.py) and its outcome under
     each of ``ALLOCATORS``, in order. ``why``: for a test that fails under PyTorch's allocator
-    too, why it cannot pass on this harness."""
+    too, why it cannot pass on this harness. ``by_design``: for a test PyTorch's allocator
+    passes and stepalloc does not, the behaviour stepalloc chose on purpose instead (the one
+    such test asserts what PyTorch cannot do: give a pool in use's free memory back)."""
 
     test: str
     outcomes: tuple[str, str, str, str]
     why: str = ""
+    by_design: str = ""
 
 
 _ALL_PASS = (PASSES, PASSES, PASSES, PASSES)
@@ -292,7 +295,13 @@ PORTED: tuple[Ported, ...] = (
     Ported("TestMemPool.test_mempool_no_split", _ALL_PASS),
     Ported("TestMemPool.test_deleted_mempool_not_used_on_oom", _ALL_PASS),
     Ported("TestMemPool.test_mempool_multithread", _ALL_PASS),
-    Ported("TestMemPool.test_mempool_emptycache_multithread", _ALL_PASS),
+    Ported(
+        "TestMemPool.test_mempool_emptycache_multithread",
+        (PASSES, PASSES, FAILS, FAILS),
+        by_design="by design: the test asserts that empty_cache() inside use_mem_pool frees nothing of the "
+        "active pool (\"Expected to have a single segment\"); stepalloc gives a pool in use's free segments "
+        "back (release while a pool is active: PyTorch strands that memory, vLLM PR #49151), live blocks untouched",
+    ),
     Ported("TestMemPool.test_nested_mempool", _ALL_PASS),
     Ported("TestMemPool.test_mempool_expandable", _ALL_PASS),
     Ported("TestMemPool.test_mempool_ctx_multithread", _ALL_PASS),
@@ -304,11 +313,12 @@ PORTED_BY_TEST: dict[str, Ported] = {p.test: p for p in PORTED}
 def ported_markdown() -> str:
     """The table of PyTorch's ported tests, as python_shim/README.md shows it."""
     lines = [
-        "| PyTorch's test | " + " | ".join(heading for _, heading in ALLOCATORS) + " | why it fails |",
+        "| PyTorch's test | " + " | ".join(heading for _, heading in ALLOCATORS) + " | why it fails or differs |",
         "|---|" + "---|" * len(ALLOCATORS) + "---|",
     ]
     for p in PORTED:
-        lines.append(f"| `{p.test}` | " + " | ".join(p.outcomes) + f" | {p.why.replace('|', '/')} |")
+        note = (p.why or p.by_design).replace("|", "/")
+        lines.append(f"| `{p.test}` | " + " | ".join(p.outcomes) + f" | {note} |")
     return "\n".join(lines) + "\n"
 
 

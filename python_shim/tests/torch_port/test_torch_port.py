@@ -6,7 +6,9 @@ over testdrv's host-memory CUDA: one process per allocator runs every test in or
 
 Each outcome must be the one ``stepalloc.parity.PORTED`` states, which python_shim/README.md
 shows (``ported_markdown()``); a test that passes under PyTorch's allocator must pass under
-stepalloc, and one that fails under PyTorch too must say why.
+stepalloc (the one exception is a difference chosen on purpose, ``by_design``: stepalloc's
+``empty_cache()`` gives a pool in use's free memory back, which one test asserts PyTorch does
+not), and one that fails under PyTorch too must say why.
 
 Skipped when the stubs are not built (``testdrv/build.sh``) or torch is not installed.
 """
@@ -90,10 +92,12 @@ def test_the_table_names_every_ported_test() -> None:
     for p in parity.PORTED:
         assert all(o in (parity.PASSES, parity.FAILS) for o in p.outcomes), p
         pytorch, stepalloc = p.outcomes[:2], p.outcomes[2:]
-        # What PyTorch's allocator passes, stepalloc passes; a failure under PyTorch says why.
+        # What PyTorch's allocator passes, stepalloc passes, but for a difference chosen on
+        # purpose that says what stepalloc does instead; a failure under PyTorch says why.
         if parity.PASSES in pytorch:
-            assert stepalloc == (parity.PASSES, parity.PASSES), p
+            assert stepalloc == (parity.PASSES, parity.PASSES) or p.by_design.startswith("by design: "), p
         assert bool(p.why) == (parity.FAILS in pytorch), p
+    assert sum(bool(p.by_design) for p in parity.PORTED) == 1, "one deliberate difference, no more"
 
 
 @pytest.mark.parametrize("mode", MODES)
