@@ -263,6 +263,8 @@ fn a_paused_tags_block_is_not_shared_with_other_processes() {
     let weights = in_region(&a, "sleep_ipc_weights", true, &[3 * MIB]);
     let (ptr, _) = weights[0];
     assert!(a.with_heap(0, |h| h.share(ptr)).unwrap().is_ok());
+    // Its receivers let go (a tag with a tensor another process holds does not pause).
+    a.with_heap(0, |h| h.unshare(ptr)).unwrap().unwrap();
     a.pause(Some("sleep_ipc_weights"), None).unwrap();
     let refused = a.with_heap(0, |h| h.share(ptr)).unwrap().unwrap_err();
     assert!(matches!(refused, Error::Paused(_)), "{refused:?}");

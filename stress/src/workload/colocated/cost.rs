@@ -207,7 +207,8 @@ mod tests {
     #[test]
     fn serial_never_beats_overlapped() {
         let m = CostModel::new(25.0).unwrap();
-        let (serial, overlapped) = (m.with_schedule(Schedule::Serial), m);
+        let (serial, overlapped) = (m, m.with_schedule(Schedule::Overlapped));
+        assert_eq!(m.schedule, Schedule::Serial, "the default is the library's order");
         let p = PauseCalls { copied: 4 << 30, free_s: 0.01, gated_s: 0.005 };
         let r = ResumeCalls { copied: 4 << 30, release_cached_s: 0.02, create_s: 0.003, map_s: 0.004, after_s: 0.01 };
         assert!(overlapped.pause_s(&p) < serial.pause_s(&p));
