@@ -29,7 +29,8 @@
 //!   segments, `use_on_oom`);
 //! - `steps.rs`: the step-boundary release policies;
 //! - `tagged.rs`: tagged memory in virtual ranges of its own; `sleep.rs`: tags paused and
-//!   resumed with their addresses kept (host backups);
+//!   resumed with their addresses kept; `backup.rs`: where their bytes go meanwhile (pinned or
+//!   pageable host buffers, files on disk);
 //! - `ipc.rs`: blocks shared with other processes (PyTorch's IPC formats);
 //! - `inspect.rs`: statistics, segments and live blocks for reports, `check_invariants`.
 //!
@@ -52,6 +53,7 @@ use rustc_hash::FxHashMap;
 use std::cell::Cell;
 use std::collections::VecDeque;
 
+mod backup;
 mod events;
 mod expandable;
 mod graphs;
@@ -66,6 +68,7 @@ mod sleep;
 mod steps;
 mod tagged;
 
+pub use backup::{dir as backup_dir, set_dir as set_backup_dir};
 pub use pools::SegmentSource;
 pub use sleep::SleepOutcome;
 pub use tagged::TagFigures;

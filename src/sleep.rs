@@ -229,6 +229,8 @@ impl Allocator {
                         a.paused_bytes += f.paused_bytes;
                         a.backup_bytes += f.backup_bytes;
                         a.host_bytes += f.host_bytes;
+                        a.mmap_bytes += f.mmap_bytes;
+                        a.disk_bytes += f.disk_bytes;
                         a.pauses = a.pauses.max(f.pauses);
                         a.resumes = a.resumes.max(f.resumes);
                         a.pause_seconds += f.pause_seconds;
@@ -254,6 +256,8 @@ impl Allocator {
                     "backup": f.backup,
                     "backup_bytes": f.backup_bytes,
                     "host_bytes": f.host_bytes,
+                    "mmap_bytes": f.mmap_bytes,
+                    "disk_bytes": f.disk_bytes,
                     "pauses": f.pauses,
                     "resumes": f.resumes,
                     "pause_seconds": f.pause_seconds,

@@ -456,10 +456,14 @@ pub struct TagFigures {
     /// Whether some of the tag's allocated memory was made in a region with a backup (a pause
     /// copies that memory to the host and discards the rest).
     pub backup: bool,
-    /// Bytes of paused blocks held in host memory.
+    /// Bytes of paused blocks held in a backup store (host memory or disk).
     pub backup_bytes: u64,
     /// Pinned host memory kept for the tag's backups.
     pub host_bytes: u64,
+    /// Pageable host memory (`mmap` store) kept for the tag's backups: not pinned.
+    pub mmap_bytes: u64,
+    /// Bytes of paused blocks held in files of the backup directory (`Store::Disk`).
+    pub disk_bytes: u64,
     pub pauses: u64,
     pub resumes: u64,
     pub pause_seconds: f64,

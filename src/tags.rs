@@ -3,10 +3,11 @@
 //! the allocator; the heap only sees the small number (`TagId`).
 //!
 //! Whether a pause backs an allocation up belongs to the allocation, not to its tag's name: the
-//! number an allocation carries is its name's number with `BACKUP` set when the region it was
-//! made in asked for a backup. So a name has two numbers, the heap keeps their memory apart
-//! (segments, lists) and a pause of the name backs up exactly the memory of the `BACKUP` one;
-//! two regions of one name with different backups never change each other's memory.
+//! number an allocation carries is its name's number with the bits of its region's backup store
+//! set (`Store`: none, pinned host memory, pageable host memory, files on disk). So a name has
+//! four numbers, the heap keeps their memory apart (segments, lists) and a pause of the name
+//! backs up exactly the memory of the numbers with a store, each into its own; two regions of one
+//! name with different backups never change each other's memory.
 //!
 //! Invariants:
 //! - the registry is process-wide and only grows: a name keeps its number for the life of the
@@ -23,14 +24,79 @@ use parking_lot::Mutex;
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicBool, Ordering};
 
-/// A tag's number: 0 is "default", 1..=`MAX_TAGS` are registered names, each also with
-/// `BACKUP` set (its memory made in regions with a backup).
+/// A tag's number: 0 is "default", 1..=`MAX_TAGS` are registered names, each also with a
+/// store's bits set (`STORE_BITS`: its memory made in regions with that backup).
 pub type TagId = u8;
 
-/// The bit of a tag number that marks memory a pause copies to the host (`enter(_, true)`).
-pub const BACKUP: TagId = 64;
-/// Tag numbers the heap may see: names and their `BACKUP` numbers.
-pub const MAX_ID: TagId = BACKUP | MAX_TAGS as TagId;
+/// The bits of a tag number that say where a pause backs its memory up (`Store`).
+pub const STORE_BITS: TagId = 0b1100_0000;
+/// The number bits of pinned host memory (`enter(_, true)`, `Store::Pinned`).
+pub const BACKUP: TagId = Store::Pinned.bits();
+/// Tag numbers the heap may see: names and their stores' numbers.
+pub const MAX_ID: TagId = STORE_BITS | MAX_TAGS as TagId;
+
+/// Where a pause keeps the bytes of a tag number's live blocks (torch_memory_saver's
+/// `enable_cpu_backup` with `cpu_backup_backend` "pinned" or "mmap", and `enable_disk_backup`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Store {
+    /// Nowhere: a pause discards them.
+    None,
+    /// Pinned (page-locked) host buffers: the fastest copies, memory the OS cannot page out.
+    Pinned,
+    /// Pageable anonymous memory (`mmap`), copied through the driver's staging: slower, but
+    /// neither pinned nor kept resident by the driver, so the OS may reclaim it.
+    Mmap,
+    /// One file per block in the backup directory (`heap/backup.rs`), through a pinned staging
+    /// buffer: host memory holds no copy.
+    Disk,
+}
+
+impl Store {
+    /// The store's bits in a tag number.
+    pub const fn bits(self) -> TagId {
+        match self {
+            Store::None => 0,
+            Store::Pinned => 0b0100_0000,
+            Store::Mmap => 0b1000_0000,
+            Store::Disk => 0b1100_0000,
+        }
+    }
+
+    /// The store a tag number's memory is backed up to.
+    pub const fn of(tag: TagId) -> Store {
+        if base(tag) == DEFAULT {
+            return Store::None;
+        }
+        match tag & STORE_BITS {
+            0 => Store::None,
+            0b0100_0000 => Store::Pinned,
+            0b1000_0000 => Store::Mmap,
+            _ => Store::Disk,
+        }
+    }
+
+    /// The store's name, as the C ABI and Python take it and metrics show it.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Store::None => "none",
+            Store::Pinned => "pinned",
+            Store::Mmap => "mmap",
+            Store::Disk => "disk",
+        }
+    }
+
+    /// By the C ABI's number (`stepalloc_region_enter`'s `backup`): 0 none, 1 pinned, 2 mmap,
+    /// 3 disk.
+    pub const fn from_number(n: i32) -> Option<Store> {
+        match n {
+            0 => Some(Store::None),
+            1 => Some(Store::Pinned),
+            2 => Some(Store::Mmap),
+            3 => Some(Store::Disk),
+            _ => None,
+        }
+    }
+}
 
 /// The tag outside any region.
 pub const DEFAULT: TagId = 0;
@@ -81,7 +147,7 @@ pub fn lookup(name: &str) -> Option<TagId> {
     REGISTRY.lock().iter().position(|e| e.name == name).map(|i| (i + 1) as TagId)
 }
 
-/// Registers `name` (or finds it); returns its number (without `BACKUP`). The 33rd name is
+/// Registers `name` (or finds it); returns its number (without store bits). The 33rd name is
 /// refused.
 pub fn register(name: &str) -> Result<TagId> {
     check_name(name)?;
@@ -102,22 +168,23 @@ pub fn register(name: &str) -> Result<TagId> {
     Ok(registry.len() as TagId)
 }
 
-/// The name's number of a tag number (`BACKUP` cleared).
+/// The name's number of a tag number (store bits cleared).
 #[inline]
-pub fn base(tag: TagId) -> TagId {
-    tag & !BACKUP
+pub const fn base(tag: TagId) -> TagId {
+    tag & !STORE_BITS
 }
 
-/// Whether memory with this tag number is copied to the host at a pause.
+/// Whether memory with this tag number is backed up (to the host or to disk) at a pause.
 #[inline]
 pub fn backup(tag: TagId) -> bool {
-    tag & BACKUP != 0 && base(tag) != DEFAULT
+    Store::of(tag) != Store::None
 }
 
 /// The numbers memory of the name numbered `id` carries: backed up first (a pause that cannot
 /// back up fails before it discards anything), then discarded.
-pub fn numbers(id: TagId) -> [TagId; 2] {
-    [base(id) | BACKUP, base(id)]
+pub fn numbers(id: TagId) -> [TagId; 4] {
+    let id = base(id);
+    [id | Store::Pinned.bits(), id | Store::Mmap.bits(), id | Store::Disk.bits(), id]
 }
 
 /// A tag's name ("default" for 0; "tag<N>" for a number never registered).
@@ -154,16 +221,22 @@ fn current_of_thread() -> TagId {
 }
 
 /// Enters a region of `name` on the calling thread (registering the name): what the thread
-/// allocates until the matching `exit` is backed up at a pause when `backup`. Returns the
-/// number its allocations carry (with `BACKUP` when `backup`; "default" never has it).
+/// allocates until the matching `exit` is backed up at a pause when `backup` (to pinned host
+/// memory). Returns the number its allocations carry.
 pub fn enter(name: &str, backup: bool) -> Result<TagId> {
+    enter_with(name, if backup { Store::Pinned } else { Store::None })
+}
+
+/// Enters a region of `name` whose allocations a pause backs up to `store`. Returns the number
+/// they carry (the name's with the store's bits; "default" never has them).
+pub fn enter_with(name: &str, store: Store) -> Result<TagId> {
     if STACK.with(|s| s.borrow().len()) >= MAX_DEPTH {
         return Err(Error::InvalidArgument(format!(
             "region {name:?}: this thread is already {MAX_DEPTH} regions deep; exit one first"
         )));
     }
     let id = register(name)?;
-    let tag = if backup && id != DEFAULT { id | BACKUP } else { id };
+    let tag = if id != DEFAULT { id | store.bits() } else { id };
     ANY_REGION.store(true, Ordering::Relaxed);
     STACK.with(|s| s.borrow_mut().push(tag));
     CURRENT.with(|c| c.set(tag));
@@ -205,7 +278,7 @@ mod tests {
     fn a_block_class_keeps_every_tag_number_and_pool_apart() {
         use crate::segment::BlockClass;
         // A name's number with the backup bit and the largest pool both fit in the class word.
-        for tag in [DEFAULT, 1, MAX_TAGS as TagId, BACKUP | 1, MAX_ID] {
+        for tag in [DEFAULT, 1, MAX_TAGS as TagId, BACKUP | 1, Store::Mmap.bits() | 1, MAX_ID] {
             for pool in [0, 1, BlockClass::MAX_POOL] {
                 let c = BlockClass::new(pool, true, true).in_lane(true).with_tag(tag);
                 assert_eq!((c.tag(), c.pool(), c.small(), c.expandable(), c.lane()), (tag, pool, true, true, true));
@@ -234,7 +307,16 @@ mod tests {
         assert_eq!(current(), DEFAULT);
         assert!(exit().is_err());
         assert_eq!(lookup("tags_test_a"), Some(base(a)));
-        assert_eq!(numbers(base(a)), [a, base(a)]);
+        assert_eq!(numbers(base(a)), [a, base(a) | Store::Mmap.bits(), base(a) | Store::Disk.bits(), base(a)]);
+        // Each store's region gives its own number of the name, and says its store.
+        for store in [Store::None, Store::Pinned, Store::Mmap, Store::Disk] {
+            let t = enter_with("tags_test_a", store).unwrap();
+            assert_eq!((base(t), Store::of(t), backup(t)), (base(a), store, store != Store::None));
+            assert!(numbers(base(a)).contains(&t));
+            exit().unwrap();
+        }
+        assert_eq!(Store::of(enter_with("default", Store::Disk).unwrap()), Store::None);
+        exit().unwrap();
         assert_eq!(name(a), "tags_test_a");
         assert_eq!(lookup("default"), Some(DEFAULT));
         assert_eq!(enter("default", true).unwrap(), DEFAULT);

@@ -41,6 +41,8 @@ fn by_tag(a: &Allocator, name: &str) -> BTreeMap<String, f64> {
     parse(&metrics::render(a))
         .into_iter()
         .filter(|((n, l), _)| n == name && l.get("device").map(String::as_str) == Some("0"))
+        // Host memory by kind: these tags' backups are pinned.
+        .filter(|((_, l), _)| l.get("kind").is_none_or(|k| k == "pinned"))
         .map(|((_, l), v)| (l["tag"].clone(), v))
         .collect()
 }

@@ -275,9 +275,11 @@ int stepalloc_pool_set_no_split(int device, uint64_t id0, uint64_t id1, int on);
 // own, which `stepalloc_pause` can give back. `tag` is 1 to 64 characters of letters, digits,
 // `_`, `.`, `:` and `-`; "default" is the tag outside any region. At most 32 tags besides
 // "default" per process (the 33rd is `STEPALLOC_INVALID_ARGUMENT`); regions nest up to 64
-// deep. `backup` (0 or 1): whether a pause copies what this region allocates to host memory;
-// it belongs to each allocation, so regions of one tag with different `backup` never change
-// each other's memory. Returns a status.
+// deep. `backup`: where a pause keeps what this region allocates: 0 nowhere (discarded), 1
+// pinned host memory, 2 pageable host memory (anonymous mmap, not pinned), 3 one file per
+// block in the backup directory (`stepalloc_set_backup_dir`; removed at resume). It belongs to
+// each allocation, so regions of one tag with different `backup` never change each other's
+// memory. Returns a status.
 //
 // # Safety
 // `tag` must be NULL or a NUL-terminated string.
@@ -316,8 +318,27 @@ int stepalloc_resume(const char *tag);
 // `buf` must be NULL or point to `cap` writable bytes.
 size_t stepalloc_sleep_report_json(char *buf, size_t cap);
 
-// Frees the pinned host buffers kept for backups that hold no paused bytes now (they are
-// otherwise kept across pauses: a new pinned allocation costs far more than the copy).
+// Sets the directory disk backups (`stepalloc_region_enter` with `backup` 3) go to from the
+// next pause on, for the whole process; it is created if missing. Before any call: the
+// environment's `STEPALLOC_BACKUP_DIR`, else the system's temporary directory. A path that
+// cannot be created, is not a directory or where no file can be created is
+// `STEPALLOC_INVALID_ARGUMENT` naming it (the directory stays as it was). A pause that cannot
+// write a file there (full disk, file-size limit, directory gone) fails naming the tag and the
+// file, with the tag resident and intact. Returns a status.
+//
+// # Safety
+// `path` must be NULL or a NUL-terminated string.
+int stepalloc_set_backup_dir(const char *path);
+
+// The directory disk backups go to now. Text convention.
+//
+// # Safety
+// `buf` must be NULL or point to `cap` writable bytes.
+size_t stepalloc_backup_dir(char *buf, size_t cap);
+
+// Frees the host buffers (pinned and mmap) kept for backups that hold no paused bytes now,
+// and the disk backups' pinned staging (they are otherwise kept across pauses: a new pinned
+// allocation costs far more than the copy).
 // Returns a status.
 int stepalloc_release_backup(void);
 

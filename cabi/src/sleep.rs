@@ -39,9 +39,11 @@ unsafe fn optional_tag<'a>(tag: *const c_char) -> Result<Option<&'a str>, AbiErr
 /// own, which `stepalloc_pause` can give back. `tag` is 1 to 64 characters of letters, digits,
 /// `_`, `.`, `:` and `-`; "default" is the tag outside any region. At most 32 tags besides
 /// "default" per process (the 33rd is `STEPALLOC_INVALID_ARGUMENT`); regions nest up to 64
-/// deep. `backup` (0 or 1): whether a pause copies what this region allocates to host memory;
-/// it belongs to each allocation, so regions of one tag with different `backup` never change
-/// each other's memory. Returns a status.
+/// deep. `backup`: where a pause keeps what this region allocates: 0 nowhere (discarded), 1
+/// pinned host memory, 2 pageable host memory (anonymous mmap, not pinned), 3 one file per
+/// block in the backup directory (`stepalloc_set_backup_dir`; removed at resume). It belongs to
+/// each allocation, so regions of one tag with different `backup` never change each other's
+/// memory. Returns a status.
 ///
 /// # Safety
 /// `tag` must be NULL or a NUL-terminated string.
@@ -50,10 +52,12 @@ pub unsafe extern "C" fn stepalloc_region_enter(tag: *const c_char, backup: c_in
     guard_status(|| {
         // Safety: forwarded caller contract.
         let tag = unsafe { c_str(tag, "tag") }?;
-        if !matches!(backup, 0 | 1) {
-            return Err(AbiError::invalid(format!("region {tag:?}: backup must be 0 or 1, not {backup}")));
-        }
-        stepalloc::tags::enter(tag, backup == 1)?;
+        let Some(store) = stepalloc::tags::Store::from_number(backup) else {
+            return Err(AbiError::invalid(format!(
+                "region {tag:?}: backup must be 0 (none), 1 (pinned), 2 (mmap) or 3 (disk), not {backup}"
+            )));
+        };
+        stepalloc::tags::enter_with(tag, store)?;
         Ok(())
     })
 }
@@ -125,8 +129,40 @@ pub unsafe extern "C" fn stepalloc_sleep_report_json(buf: *mut c_char, cap: usiz
     guard(|| Ok(LAST_REPORT.with(|r| unsafe { write_text(&r.borrow(), buf, cap) })))
 }
 
-/// Frees the pinned host buffers kept for backups that hold no paused bytes now (they are
-/// otherwise kept across pauses: a new pinned allocation costs far more than the copy).
+/// Sets the directory disk backups (`stepalloc_region_enter` with `backup` 3) go to from the
+/// next pause on, for the whole process; it is created if missing. Before any call: the
+/// environment's `STEPALLOC_BACKUP_DIR`, else the system's temporary directory. A path that
+/// cannot be created, is not a directory or where no file can be created is
+/// `STEPALLOC_INVALID_ARGUMENT` naming it (the directory stays as it was). A pause that cannot
+/// write a file there (full disk, file-size limit, directory gone) fails naming the tag and the
+/// file, with the tag resident and intact. Returns a status.
+///
+/// # Safety
+/// `path` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_set_backup_dir(path: *const c_char) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let path = unsafe { c_str(path, "path") }?;
+        stepalloc::heap::set_backup_dir(path)?;
+        Ok(())
+    })
+}
+
+/// The directory disk backups go to now. Text convention.
+///
+/// # Safety
+/// `buf` must be NULL or point to `cap` writable bytes.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_backup_dir(buf: *mut c_char, cap: usize) -> usize {
+    let dir = stepalloc::heap::backup_dir();
+    // Safety: forwarded caller contract.
+    guard(|| Ok(unsafe { write_text(&dir.to_string_lossy(), buf, cap) }))
+}
+
+/// Frees the host buffers (pinned and mmap) kept for backups that hold no paused bytes now,
+/// and the disk backups' pinned staging (they are otherwise kept across pauses: a new pinned
+/// allocation costs far more than the copy).
 /// Returns a status.
 #[no_mangle]
 pub extern "C" fn stepalloc_release_backup() -> c_int {

@@ -575,6 +575,22 @@ impl Backend for CudaDevice {
         self.host_free_pinned(ptr)
     }
 
+    fn host_alloc_pageable(&mut self, bytes: u64) -> Result<u64> {
+        self.host_alloc_mmap(bytes)
+    }
+
+    fn host_free_pageable(&mut self, ptr: u64, bytes: u64) -> Result<()> {
+        self.host_free_mmap(ptr, bytes)
+    }
+
+    fn host_to_file(&mut self, host: u64, bytes: u64, file: &std::fs::File, offset: u64) -> Result<()> {
+        self.write_host_to_file(host, bytes, file, offset)
+    }
+
+    fn file_to_host(&mut self, file: &std::fs::File, offset: u64, host: u64, bytes: u64) -> Result<()> {
+        self.read_file_to_host(file, offset, host, bytes)
+    }
+
     fn copy_to_host(&mut self, dst: u64, src: u64, bytes: u64) -> Result<()> {
         self.queue_copy(src, dst, bytes, true)
     }

@@ -166,6 +166,30 @@ pub trait Backend: Send {
     fn record_copy_event(&mut self) -> Result<Event> {
         Err(crate::error::Error::Unavailable("this device cannot back memory up to the host".into()))
     }
+
+    /// Allocates `bytes` of pageable host memory (anonymous `mmap`, neither pinned nor
+    /// registered with the driver: the `mmap` backup store); returns its address. The copy
+    /// calls take its addresses as they take `host_alloc`'s (the driver stages pageable copies).
+    fn host_alloc_pageable(&mut self, _bytes: u64) -> Result<u64> {
+        Err(crate::error::Error::Unavailable("this device cannot back memory up to the host".into()))
+    }
+
+    /// Frees a buffer from `host_alloc_pageable` (`munmap`). Precondition: no queued copy uses it.
+    fn host_free_pageable(&mut self, _ptr: u64, _bytes: u64) -> Result<()> {
+        Err(crate::error::Error::Unavailable("this device cannot back memory up to the host".into()))
+    }
+
+    /// Writes `bytes` of the host buffer at `host` (inside a `host_alloc` buffer, no copy into
+    /// it pending) to `file` at `offset` (the disk backup store).
+    fn host_to_file(&mut self, _host: u64, _bytes: u64, _file: &std::fs::File, _offset: u64) -> Result<()> {
+        Err(crate::error::Error::Unavailable("this device cannot back memory up to disk".into()))
+    }
+
+    /// Reads `bytes` of `file` at `offset` into the host buffer at `host` (inside a `host_alloc`
+    /// buffer, no copy from it pending). A file shorter than that is an error.
+    fn file_to_host(&mut self, _file: &std::fs::File, _offset: u64, _host: u64, _bytes: u64) -> Result<()> {
+        Err(crate::error::Error::Unavailable("this device cannot back memory up to disk".into()))
+    }
     // ----- sharing memory with other processes (CUDA IPC; the formats are `crate::ipc`'s) -----
     // The defaults say the device cannot; the simulated device names what it would share (so
     // the heap's side is tested) but opens nothing, having no other processes.

@@ -60,6 +60,11 @@ struct Mapping {
     handle: u64,
 }
 
+/// A failed file call, with the system's reason.
+fn io_error(call: &str, e: std::io::Error) -> Error {
+    Error::Unavailable(format!("{call}: {e}"))
+}
+
 fn invalid(call: &'static str) -> Error {
     Error::Driver { call, code: "CUDA_ERROR_INVALID_VALUE".into() }
 }
@@ -91,6 +96,9 @@ pub struct SimDevice {
     /// Pinned host buffers: address -> size (the simulated device holds no bytes, so neither
     /// do they: copies are checked and timed, not performed).
     host: BTreeMap<u64, u64>,
+    /// Pageable host buffers (`host_alloc_pageable`), likewise; they count against the host
+    /// capacity with the pinned ones but are not pinned.
+    pageable: BTreeMap<u64, u64>,
     next_host: u64,
     /// When the copy stream's queued copies complete (virtual time).
     copy_done_ns: u64,
@@ -118,6 +126,7 @@ impl SimDevice {
             physical: BTreeMap::new(),
             next_handle: 0,
             host: BTreeMap::new(),
+            pageable: BTreeMap::new(),
             next_host: HOST_WINDOW + (index as u64) * ADDRESS_WINDOW,
             copy_done_ns: 0,
             copied: [0; 2],
@@ -127,6 +136,25 @@ impl SimDevice {
     /// Bytes of pinned host memory allocated now.
     pub fn host_bytes(&self) -> u64 {
         self.host.values().sum()
+    }
+
+    /// Bytes of pageable host memory allocated now (`host_alloc_pageable`).
+    pub fn pageable_bytes(&self) -> u64 {
+        self.pageable.values().sum()
+    }
+
+    /// A host buffer's address past the last one, counted against the host capacity.
+    fn new_host_buffer(&mut self, bytes: u64, call: &'static str) -> Result<u64> {
+        if bytes == 0 {
+            return Err(invalid(call));
+        }
+        let held = self.host_bytes().saturating_add(self.pageable_bytes());
+        if self.config.host_capacity != 0 && held.saturating_add(bytes) > self.config.host_capacity {
+            return Err(Error::OutOfMemory(Box::<OomReport>::default()));
+        }
+        let addr = self.next_host;
+        self.next_host = addr.saturating_add(bytes.div_ceil(ALIGNMENT) * ALIGNMENT);
+        Ok(addr)
     }
 
     /// Whether `[addr, addr + bytes)` is wholly mapped device memory.
@@ -149,12 +177,14 @@ impl SimDevice {
         cursor >= end
     }
 
-    /// Whether `[addr, addr + bytes)` lies in one host buffer.
+    /// Whether `[addr, addr + bytes)` lies in one host buffer (pinned or pageable).
     fn in_host_buffer(&self, addr: u64, bytes: u64) -> bool {
-        self.host
-            .range(..=addr)
-            .next_back()
-            .is_some_and(|(&start, &size)| addr.checked_add(bytes).is_some_and(|end| end <= start + size))
+        [&self.host, &self.pageable].into_iter().any(|buffers| {
+            buffers
+                .range(..=addr)
+                .next_back()
+                .is_some_and(|(&start, &size)| addr.checked_add(bytes).is_some_and(|end| end <= start + size))
+        })
     }
 
     /// Queues a checked copy on the copy stream: `way` 0 to the host, 1 to the device.
@@ -478,14 +508,7 @@ impl Backend for SimDevice {
     fn host_alloc(&mut self, bytes: u64) -> Result<u64> {
         let cost = self.charge(COST_HOST_ALLOC_NS + COST_HOST_ALLOC_PER_GIB_NS * (bytes >> 30));
         self.time.create_ns = self.time.create_ns.saturating_add(cost);
-        if bytes == 0 {
-            return Err(invalid("cuMemHostAlloc"));
-        }
-        if self.config.host_capacity != 0 && self.host_bytes().saturating_add(bytes) > self.config.host_capacity {
-            return Err(Error::OutOfMemory(Box::<OomReport>::default()));
-        }
-        let addr = self.next_host;
-        self.next_host = addr.saturating_add(bytes.div_ceil(ALIGNMENT) * ALIGNMENT);
+        let addr = self.new_host_buffer(bytes, "cuMemHostAlloc")?;
         self.host.insert(addr, bytes);
         Ok(addr)
     }
@@ -498,6 +521,55 @@ impl Backend for SimDevice {
             }
             _ => Err(invalid("cuMemFreeHost")),
         }
+    }
+
+    fn host_alloc_pageable(&mut self, bytes: u64) -> Result<u64> {
+        let addr = self.new_host_buffer(bytes, "mmap")?;
+        self.pageable.insert(addr, bytes);
+        Ok(addr)
+    }
+
+    fn host_free_pageable(&mut self, ptr: u64, bytes: u64) -> Result<()> {
+        match self.pageable.get(&ptr) {
+            Some(&size) if size == bytes => {
+                self.pageable.remove(&ptr);
+                Ok(())
+            }
+            _ => Err(invalid("munmap")),
+        }
+    }
+
+    /// The simulated buffers hold no bytes: the file gets `bytes` zeros, really written, so a
+    /// full disk or a file-size limit fails here as it would with a device's bytes.
+    fn host_to_file(&mut self, host: u64, bytes: u64, file: &std::fs::File, offset: u64) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        if !self.in_host_buffer(host, bytes) {
+            return Err(invalid("pwrite"));
+        }
+        let zeros = [0u8; 64 * 1024];
+        let mut done = 0u64;
+        while done < bytes {
+            let n = (bytes - done).min(zeros.len() as u64) as usize;
+            file.write_all_at(&zeros[..n], offset + done).map_err(|e| io_error("pwrite", e))?;
+            done += n as u64;
+        }
+        Ok(())
+    }
+
+    /// Reads (and drops) `bytes` of the file: a short or unreadable file fails as it would.
+    fn file_to_host(&mut self, file: &std::fs::File, offset: u64, host: u64, bytes: u64) -> Result<()> {
+        use std::os::unix::fs::FileExt;
+        if !self.in_host_buffer(host, bytes) {
+            return Err(invalid("pread"));
+        }
+        let mut scratch = vec![0u8; bytes.min(1 << 20) as usize];
+        let mut done = 0u64;
+        while done < bytes {
+            let n = (bytes - done).min(scratch.len() as u64) as usize;
+            file.read_exact_at(&mut scratch[..n], offset + done).map_err(|e| io_error("pread", e))?;
+            done += n as u64;
+        }
+        Ok(())
     }
 
     fn copy_to_host(&mut self, dst: u64, src: u64, bytes: u64) -> Result<()> {

@@ -30,6 +30,7 @@
 //! the tag fails with `Error::Paused`, and `empty_cache`, the cache limit and page reuse take
 //! whole pages of free blocks, which `whole_pages` never finds in a paused tag's segments.
 
+use super::backup::DiskStore;
 use super::Heap;
 use crate::backend::{Event, PhysHandle, Stream};
 use crate::error::{Error, OomReport, Result};
@@ -52,15 +53,18 @@ const HOST_GROWTH: u64 = 64 * MIB;
 /// Paused tags and what each tag keeps across pauses.
 #[derive(Default)]
 pub(crate) struct SleepState {
-    /// Bit `t` set while tag number `t` is paused on this device (`tags::MAX_ID` < 128).
-    pub(super) paused: u128,
+    /// Bit `t % 128` of word `t / 128` set while tag number `t` is paused on this device.
+    pub(super) paused: [u128; 2],
     /// Per tag number (grown on demand).
     pub(super) tags: Vec<TagState>,
+    /// The disk store's staging buffers and files (`heap/backup.rs`).
+    pub(super) disk: DiskStore,
 }
 
 #[derive(Default)]
 pub(super) struct TagState {
-    /// Pinned host buffers (address, bytes), kept across pauses: a backup fills them from the
+    /// Host buffers (address, bytes) of the tag number's store (`heap/backup.rs`: pinned, or
+    /// pageable for `mmap`; none for disk), kept across pauses: a backup fills them from the
     /// start, in the order of the tag's blocks.
     pub(super) host: Vec<(u64, u64)>,
     /// While paused with a backup: each backed-up block's address -> (offset into the buffers,
@@ -79,12 +83,21 @@ pub(super) struct TagState {
 impl SleepState {
     #[inline]
     pub(crate) fn any_paused(&self) -> bool {
-        self.paused != 0
+        self.paused != [0, 0]
     }
 
     #[inline]
     pub(crate) fn is_paused(&self, tag: TagId) -> bool {
-        tag != 0 && self.paused & (1u128 << (tag & 127)) != 0
+        tag != 0 && self.paused[usize::from(tag >> 7)] & (1u128 << (tag & 127)) != 0
+    }
+
+    fn set_paused(&mut self, tag: TagId, paused: bool) {
+        let (word, bit) = (usize::from(tag >> 7), 1u128 << (tag & 127));
+        if paused {
+            self.paused[word] |= bit;
+        } else {
+            self.paused[word] &= !bit;
+        }
     }
 
     pub(super) fn tag(&mut self, tag: TagId) -> &mut TagState {
@@ -95,9 +108,11 @@ impl SleepState {
         &mut self.tags[i]
     }
 
-    /// Bytes of pinned host memory held for backups on this device.
+    /// Bytes of pinned host memory held for backups on this device (an `mmap` store's buffers
+    /// are not pinned; the disk store's staging is).
     pub(crate) fn host_bytes(&self) -> u64 {
-        self.tags.iter().flat_map(|t| t.host.iter()).map(|&(_, bytes)| bytes).sum()
+        let pinned = self.tags.iter().enumerate().filter(|&(i, _)| tags::Store::of(i as TagId) != tags::Store::Mmap);
+        pinned.flat_map(|(_, t)| t.host.iter()).map(|&(_, bytes)| bytes).sum::<u64>() + self.disk.staging_bytes()
     }
 }
 
@@ -170,7 +185,7 @@ impl Heap {
             }
         }
         // From here on the tag is paused: its live blocks leave the heap's statistics.
-        self.sleep.paused |= 1u128 << (tag & 127);
+        self.sleep.set_paused(tag, true);
         self.count_live_blocks(&segments, false);
         let state = self.sleep.tag(tag);
         state.backup = backups;
@@ -227,9 +242,12 @@ impl Heap {
                 }
                 next += 1;
             }
-            if let Err(e) =
+            let restored = if tags::Store::of(tag) == tags::Store::Disk {
+                self.restore_from_disk(tag, addr, bytes)
+            } else {
                 copy_pieces(&host, offset, bytes, addr, |dev, host, n| self.backend.copy_to_device(dev, host, n))
-            {
+            };
+            if let Err(e) = restored {
                 result = Err(e);
                 break;
             }
@@ -261,7 +279,8 @@ impl Heap {
             return Err(e);
         }
         out.mapped_bytes = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
-        self.sleep.paused &= !(1u128 << (tag & 127));
+        self.sleep.set_paused(tag, false);
+        self.drop_disk_files(tag);
         self.count_live_blocks(&segments, true);
         self.step.note_reserved(self.stats.reserved_bytes.current());
         let state = self.sleep.tag(tag);
@@ -271,17 +290,17 @@ impl Heap {
         Ok(out)
     }
 
-    /// Frees the pinned host buffers of every tag that holds no paused bytes in them. Returns
-    /// the bytes freed.
+    /// Frees the host buffers of every tag that holds no paused bytes in them, and the disk
+    /// store's staging. Returns the bytes freed.
     pub fn release_backup(&mut self) -> Result<u64> {
-        let mut freed = 0;
+        let mut freed = self.release_staging()?;
         for i in 0..self.sleep.tags.len() {
             if !self.sleep.tags[i].backup.is_empty() {
                 continue;
             }
             self.sleep.tags[i].retained.clear();
             while let Some((addr, bytes)) = self.sleep.tags[i].host.pop() {
-                self.backend.host_free(addr, bytes)?;
+                self.host_buffer_free(i as TagId, addr, bytes)?;
                 freed += bytes;
             }
         }
@@ -382,6 +401,9 @@ impl Heap {
         tag: TagId,
         live: &[(u64, u64, u64)],
     ) -> Result<(Vec<(u64, Event)>, BTreeMap<u64, (u64, u64)>)> {
+        if tags::Store::of(tag) == tags::Store::Disk {
+            return Ok((Vec::new(), self.backup_to_disk(tag, live)?));
+        }
         let need: u64 = live.iter().map(|&(_, bytes, _)| bytes).sum();
         self.grow_host(tag, need)?;
         let host = self.sleep.tag(tag).host.clone();
@@ -432,7 +454,7 @@ impl Heap {
         Ok((batches, backups))
     }
 
-    /// Grows `tag`'s pinned host buffers to hold `need` bytes.
+    /// Grows `tag`'s host buffers (of its store) to hold `need` bytes.
     fn grow_host(&mut self, tag: TagId, need: u64) -> Result<()> {
         let have: u64 = self.sleep.tag(tag).host.iter().map(|&(_, bytes)| bytes).sum();
         if have >= need {
@@ -440,11 +462,11 @@ impl Heap {
         }
         let mut bytes = (need - have).max(HOST_GROWTH).div_ceil(2 * MIB).saturating_mul(2 * MIB);
         // The growth is a floor for speed, not a need: short of host memory, ask for the need.
-        let addr = match self.backend.host_alloc(bytes) {
+        let addr = match self.host_buffer_alloc(tag, bytes) {
             Ok(addr) => addr,
             Err(_) if bytes > need - have => {
                 bytes = (need - have).div_ceil(2 * MIB).saturating_mul(2 * MIB);
-                self.backend.host_alloc(bytes).map_err(|e| self.host_short(tag, bytes, e))?
+                self.host_buffer_alloc(tag, bytes).map_err(|e| self.host_short(tag, bytes, e))?
             }
             Err(e) => return Err(self.host_short(tag, bytes, e)),
         };
@@ -452,7 +474,7 @@ impl Heap {
         Ok(())
     }
 
-    /// The error of a pause that could not get `bytes` of pinned host memory for `tag`'s backup:
+    /// The error of a pause that could not get `bytes` of host memory for `tag`'s backup:
     /// nothing was released yet, so the tag stays resident with its bytes.
     #[cold]
     fn host_short(&self, tag: TagId, bytes: u64, cause: Error) -> Error {
@@ -461,12 +483,13 @@ impl Heap {
             other => other.to_string(),
         };
         Error::Unavailable(format!(
-            "pause of tag {:?} on device {}: could not allocate {} of pinned host memory for its backup ({why}); \
+            "pause of tag {:?} on device {}: could not allocate {} of {} for its backup ({why}); \
              nothing was released: the tag stays on the device with its contents. Free host memory, or pause it \
              with backup=False (its contents are then discarded)",
             tags::name(tag),
             self.device,
-            format_bytes(bytes)
+            format_bytes(bytes),
+            Self::host_kind(tag)
         ))
     }
 

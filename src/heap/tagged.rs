@@ -89,7 +89,12 @@ impl Heap {
         for (i, state) in self.sleep.tags.iter().enumerate() {
             let f = figures.entry(tags::base(i as TagId)).or_default();
             f.backup_bytes += state.backup.values().map(|&(_, bytes)| bytes).sum::<u64>();
-            f.host_bytes += state.host.iter().map(|&(_, bytes)| bytes).sum::<u64>();
+            let host = state.host.iter().map(|&(_, bytes)| bytes).sum::<u64>();
+            match tags::Store::of(i as TagId) {
+                tags::Store::Mmap => f.mmap_bytes += host,
+                _ => f.host_bytes += host,
+            }
+            f.disk_bytes += self.disk_bytes(i as TagId);
             // A pause or resume of a name acts on both its numbers: count it once.
             f.pauses = f.pauses.max(state.pauses);
             f.resumes = f.resumes.max(state.resumes);
@@ -127,6 +132,7 @@ impl Heap {
         }
         self.trace.record(TraceAction::FreeRequested, addr, size, requested, stream.0, 0);
         self.sleep.tag(tag).backup.remove(&addr);
+        self.drop_disk_file(tag, addr);
         self.arena.take_extra_streams(id);
         self.arena.set_state(id, BlockState::Free);
         let clock = self.alloc_clock;

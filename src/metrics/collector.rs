@@ -288,13 +288,19 @@ pub const METRICS: &[MetricSpec] = &[
         name: "stepalloc_tag_backup_bytes",
         kind: Kind::Gauge,
         labels: DT,
-        help: "Bytes of the paused tag's blocks held in pinned host memory.",
+        help: "Bytes of the paused tag's blocks held in its backup stores (host memory or disk files).",
     },
     MetricSpec {
         name: "stepalloc_tag_backup_host_bytes",
         kind: Kind::Gauge,
+        labels: &["device", "tag", "kind"],
+        help: "Host memory kept for the tag's backups, by kind: pinned, or mmap (pageable, not pinned) (kept across pauses; freed by release_backup).",
+    },
+    MetricSpec {
+        name: "stepalloc_tag_backup_disk_bytes",
+        kind: Kind::Gauge,
         labels: DT,
-        help: "Pinned host memory kept for the tag's backups (kept across pauses; freed by release_backup).",
+        help: "Bytes of the paused tag's blocks held in files in the backup directory (removed at resume).",
     },
     MetricSpec {
         name: "stepalloc_tag_paused",
@@ -534,7 +540,10 @@ fn add_device(out: &mut [MetricFamily], r: &DeviceReading) {
         w.gauge("stepalloc_tag_live_bytes", &tag, f.live_bytes as f64);
         w.gauge("stepalloc_tag_paused_bytes", &tag, f.paused_bytes as f64);
         w.gauge("stepalloc_tag_backup_bytes", &tag, f.backup_bytes as f64);
-        w.gauge("stepalloc_tag_backup_host_bytes", &tag, f.host_bytes as f64);
+        for (kind, bytes) in [("pinned", f.host_bytes), ("mmap", f.mmap_bytes)] {
+            w.gauge("stepalloc_tag_backup_host_bytes", &[("tag", f.tag.as_str()), ("kind", kind)], bytes as f64);
+        }
+        w.gauge("stepalloc_tag_backup_disk_bytes", &tag, f.disk_bytes as f64);
         w.gauge("stepalloc_tag_paused", &tag, f64::from(u8::from(f.paused)));
         w.counter("stepalloc_tag_pauses_total", &tag, f.pauses as f64);
         w.counter("stepalloc_tag_resumes_total", &tag, f.resumes as f64);

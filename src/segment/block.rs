@@ -29,27 +29,28 @@ pub enum BlockState {
 
 /// What a block inherits from its segment and the free path needs: the pool, the size class,
 /// whether the segment is expandable, its lane (`param_lane`) and its tag (`tags`), packed in
-/// one word (`pool << 10 | tag << 3 | lane << 2 | expandable << 1 | small`), so that `free`
+/// one word (`pool << 11 | tag << 3 | lane << 2 | expandable << 1 | small`), so that `free`
 /// never loads the segment record.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct BlockClass(pub(super) u32);
 
 impl BlockClass {
-    /// Pool numbers are indices into the heap's private pools plus one; 2^22 of them would take
+    /// Pool numbers are indices into the heap's private pools plus one; 2^21 of them would take
     /// far more memory than any process has.
-    pub const MAX_POOL: u32 = u32::MAX >> 10;
+    pub const MAX_POOL: u32 = u32::MAX >> Self::POOL_SHIFT;
+    const POOL_SHIFT: u32 = 11;
     const LANE: u32 = 1 << 2;
     const EXPANDABLE: u32 = 1 << 1;
     const TAG_SHIFT: u32 = 3;
-    const TAG_MASK: u32 = 0x7f << Self::TAG_SHIFT;
+    const TAG_MASK: u32 = 0xff << Self::TAG_SHIFT;
 
     #[inline]
     pub fn new(pool: u32, small: bool, expandable: bool) -> BlockClass {
         debug_assert!(pool <= Self::MAX_POOL);
-        BlockClass((pool.min(Self::MAX_POOL) << 10) | (u32::from(expandable) << 1) | u32::from(small))
+        BlockClass((pool.min(Self::MAX_POOL) << Self::POOL_SHIFT) | (u32::from(expandable) << 1) | u32::from(small))
     }
 
-    /// The class with tag `tag` (`crate::tags`; 0 is "default", at most 127).
+    /// The class with tag `tag` (`crate::tags`; 0 is "default").
     pub fn with_tag(self, tag: u8) -> BlockClass {
         debug_assert!(u32::from(tag) <= Self::TAG_MASK >> Self::TAG_SHIFT);
         BlockClass((self.0 & !Self::TAG_MASK) | ((u32::from(tag) << Self::TAG_SHIFT) & Self::TAG_MASK))
@@ -77,7 +78,7 @@ impl BlockClass {
     }
 
     pub fn pool(self) -> u32 {
-        self.0 >> 10
+        self.0 >> Self::POOL_SHIFT
     }
 
     /// Whether the block is in the parameter lane's segments (`param_lane`).

@@ -542,7 +542,12 @@ static void scenario_sleep(void) {
     CHECK(p_stepalloc_region_exit() == STEPALLOC_INVALID_ARGUMENT, "exit without a region");
     CHECK(p_stepalloc_region_enter("bad tag", 0) == STEPALLOC_INVALID_ARGUMENT, "a space in a tag");
     CHECK(p_stepalloc_region_enter(NULL, 0) == STEPALLOC_INVALID_ARGUMENT, "NULL tag");
-    CHECK(p_stepalloc_region_enter("weights", 2) == STEPALLOC_INVALID_ARGUMENT, "backup 2");
+    CHECK(p_stepalloc_region_enter("weights", 4) == STEPALLOC_INVALID_ARGUMENT, "backup 4");
+    CHECK(p_stepalloc_region_enter("weights", -1) == STEPALLOC_INVALID_ARGUMENT, "backup -1");
+    CHECK(p_stepalloc_set_backup_dir(NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL backup dir");
+    CHECK(p_stepalloc_set_backup_dir("/proc/version/sub") == STEPALLOC_INVALID_ARGUMENT &&
+              strstr(last_error(), "/proc/version/sub"),
+          "a backup dir under a file: %s", last_error());
     CHECK(p_stepalloc_pause("never_seen", -1) == STEPALLOC_INVALID_ARGUMENT && strstr(last_error(), "never_seen"),
           "unknown tag: %s", last_error());
     CHECK(p_stepalloc_pause("default", -1) == STEPALLOC_INVALID_ARGUMENT, "pause of default");
@@ -593,6 +598,23 @@ static void scenario_sleep(void) {
     p_stepalloc_free(plain, 50 * MIB, 0, NULL);
     CHECK(p_stepalloc_release_backup() == STEPALLOC_OK, "%s", last_error());
     CHECK(stat(0, "stepalloc.backup_host_bytes") == 0, "backup kept after release_backup");
+    /* The mmap store (backup 2): the bytes go to pageable host memory, none to pinned. */
+    CHECK(p_stepalloc_region_enter("weights", 2) == STEPALLOC_OK, "%s", last_error());
+    void *m0 = p_stepalloc_malloc(8 * MIB, 0, NULL);
+    CHECK(m0 && p_stepalloc_region_exit() == STEPALLOC_OK, "mmap region: %s", last_error());
+    CHECK(p_stepalloc_pause("weights", -1) == STEPALLOC_OK && strstr(report(), "\"copied_bytes\":8388608,"), "%s",
+          report());
+    CHECK(stat(0, "stepalloc.backup_host_bytes") == 0, "the mmap store pinned %.0f bytes",
+          stat(0, "stepalloc.backup_host_bytes"));
+    t = tags_json();
+    CHECK(strstr(t, "\"mmap_bytes\":67108864") && strstr(t, "\"host_bytes\":0,"), "mmap bytes: %s", t);
+    CHECK(p_stepalloc_resume("weights") == STEPALLOC_OK && strstr(report(), "\"copied_bytes\":8388608,"), "%s",
+          report());
+    p_stepalloc_free(m0, 8 * MIB, 0, NULL);
+    CHECK(p_stepalloc_release_backup() == STEPALLOC_OK && strstr(tags_json(), "\"mmap_bytes\":0,"), "%s", tags_json());
+    char dir[512];
+    size_t dir_len = p_stepalloc_backup_dir(dir, sizeof dir);
+    CHECK(dir_len > 0 && dir_len < sizeof dir, "backup dir: %zu", dir_len);
     /* A tag lent for a while (autograd's thread during a backward called inside a region): the
        borrower allocates under it until the lender ends the lease; an ended lease is refused. */
     uint64_t lease = 1;

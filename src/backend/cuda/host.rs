@@ -1,13 +1,21 @@
 //! Host backups on CUDA (`pause` / `resume`): pinned host buffers (`cuMemHostAlloc`, portable),
-//! asynchronous copies between them and device memory on a copy stream of the device's own
-//! (created on first use with `CU_STREAM_NON_BLOCKING`, in the primary context, never
-//! destroyed, like the context), and events recorded on it. Part of the CUDA backend: the same
-//! rules as `cuda.rs` (plain-integer results, our context made current for each call).
+//! pageable ones (anonymous `mmap`, never registered with the driver: torch_memory_saver's
+//! `mmap` backend), asynchronous copies between them and device memory on a copy stream of the
+//! device's own (created on first use with `CU_STREAM_NON_BLOCKING`, in the primary context,
+//! never destroyed, like the context), events recorded on it, and the disk store's file I/O
+//! from and to a pinned staging buffer. Part of the CUDA backend: the same rules as `cuda.rs`
+//! (plain-integer results, our context made current for each driver call).
+//!
+//! Pageable buffers take the same copy calls: the driver stages them (a copy to pageable memory
+//! returns when done; one from it may return once staged, so the copy stream's event is what
+//! says the bytes arrived, as for pinned ones).
 
 use super::{check, elapsed_ns, symbol, CuStream, CudaDevice};
 use crate::backend::{Event, Stream};
 use crate::error::{Error, Result};
 use std::ffi::{c_uint, c_void};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::sync::OnceLock;
 use std::time::Instant;
 
@@ -72,6 +80,63 @@ impl CudaDevice {
         // Safety: the caller's precondition: a buffer from `host_alloc_pinned` that no queued
         // copy uses, freed once.
         check("cuMemFreeHost", unsafe { (api.mem_free_host)(ptr as usize as *mut c_void) })
+    }
+
+    pub(super) fn host_alloc_mmap(&mut self, bytes: u64) -> Result<u64> {
+        let size = to_size(bytes)?;
+        if size == 0 {
+            return Err(Error::InvalidArgument("mmap of 0 bytes".into()));
+        }
+        let start = Instant::now();
+        // Safety: an anonymous private mapping at an address the kernel chooses touches no
+        // existing memory; the result is checked before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                size,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        self.time.create_ns += elapsed_ns(start);
+        if ptr == libc::MAP_FAILED {
+            let e = std::io::Error::last_os_error();
+            return Err(match e.raw_os_error() {
+                Some(libc::ENOMEM) => Error::OutOfMemory(Box::default()),
+                _ => Error::Unavailable(format!("mmap of {bytes} bytes: {e}")),
+            });
+        }
+        Ok(ptr as usize as u64)
+    }
+
+    pub(super) fn host_free_mmap(&mut self, ptr: u64, bytes: u64) -> Result<()> {
+        let size = to_size(bytes)?;
+        // Safety: the caller's precondition: a mapping from `host_alloc_mmap` of exactly `bytes`
+        // that no queued copy uses, unmapped once.
+        if unsafe { libc::munmap(ptr as usize as *mut c_void, size) } != 0 {
+            return Err(Error::Unavailable(format!("munmap: {}", std::io::Error::last_os_error())));
+        }
+        Ok(())
+    }
+
+    /// Writes `bytes` at host address `host` to `file` at `offset`.
+    pub(super) fn write_host_to_file(&mut self, host: u64, bytes: u64, file: &File, offset: u64) -> Result<()> {
+        let size = to_size(bytes)?;
+        // Safety: the heap passes a range inside one of its own host buffers (live until it
+        // frees them) that no queued copy writes (it waited for the copy stream's event).
+        let data = unsafe { std::slice::from_raw_parts(host as usize as *const u8, size) };
+        file.write_all_at(data, offset).map_err(|e| Error::Unavailable(format!("write: {e}")))
+    }
+
+    /// Reads `bytes` of `file` at `offset` into host address `host`.
+    pub(super) fn read_file_to_host(&mut self, file: &File, offset: u64, host: u64, bytes: u64) -> Result<()> {
+        let size = to_size(bytes)?;
+        // Safety: as `write_host_to_file`; no queued copy reads or writes the range, and nothing
+        // else in this process holds a reference into the heap's host buffers.
+        let data = unsafe { std::slice::from_raw_parts_mut(host as usize as *mut u8, size) };
+        file.read_exact_at(data, offset).map_err(|e| Error::Unavailable(format!("read: {e}")))
     }
 
     /// Queues one copy on the copy stream: to the host when `to_host`.
