@@ -53,7 +53,7 @@ use rustc_hash::FxHashMap;
 use std::cell::Cell;
 use std::collections::VecDeque;
 
-mod backup;
+pub(crate) mod backup;
 mod events;
 mod expandable;
 mod graphs;

@@ -40,6 +40,10 @@ const DISK_CHUNK: u64 = 64 * MIB;
 /// a copy of the path.
 static DIR: Mutex<Option<PathBuf>> = Mutex::new(None);
 
+/// Taken by the library's own tests that set the backup directory (it is process-wide).
+#[cfg(test)]
+pub(crate) static TEST_DIR_LOCK: Mutex<()> = Mutex::new(());
+
 /// The directory disk backups go to when none was set: `STEPALLOC_BACKUP_DIR`, else the
 /// system's temporary directory.
 fn default_dir() -> PathBuf {
@@ -348,6 +352,7 @@ mod tests {
 
     #[test]
     fn a_directory_that_cannot_hold_files_is_refused_when_set() {
+        let _dir = TEST_DIR_LOCK.lock();
         let base = std::env::temp_dir().join(format!("stepalloc-backup-dir-test-{}", std::process::id()));
         std::fs::create_dir_all(&base).unwrap();
         let file = base.join("a-file");

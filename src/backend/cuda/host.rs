@@ -254,6 +254,71 @@ mod tests {
         }
     }
 
+    /// Files in `dir`.
+    fn count_files(dir: &std::path::Path) -> usize {
+        std::fs::read_dir(dir).unwrap().count()
+    }
+
+    #[test]
+    fn mmap_and_disk_backed_up_bytes_survive_pause_and_resume() {
+        use crate::tags::{self, Store};
+        let test = "mmap_and_disk_backed_up_bytes_survive_pause_and_resume";
+        let _dir = crate::heap::backup::TEST_DIR_LOCK.lock();
+        let dir = std::env::temp_dir().join(format!("stepalloc-cuda-disk-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        for conf in ["", ",expandable_segments:True"] {
+            let Some(devs) = devices(test) else { return };
+            crate::heap::set_backup_dir(dir.to_str().unwrap()).unwrap();
+            let tools = DeviceTools::open(0).unwrap();
+            let config = Config::parse(&format!("backend:cuda{conf}")).unwrap();
+            let a =
+                Allocator::with_backends(config, devs.into_iter().map(|d| Box::new(d) as Box<dyn Backend>).collect());
+            // More than one disk staging buffer (64 MiB), odd sizes, a small one; one tag.
+            let sizes = [3 * MIB + 100, 4096, 70 * MIB + 12, 1000];
+            let mut blocks = Vec::new();
+            for store in [Store::Mmap, Store::Disk] {
+                tags::enter_with("cuda_host_stores", store).unwrap();
+                blocks.extend(sizes.iter().map(|&s| (a.malloc(0, s, Stream(0)).unwrap(), s)));
+                tags::exit().unwrap();
+            }
+            for (i, &(p, s)) in blocks.iter().enumerate() {
+                write(&tools, p, s, 0x5A5A_0000 + i as u32);
+            }
+            let (free_before, _) = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap();
+            let total: u64 = 2 * sizes.iter().sum::<u64>();
+            let r = a.pause(None, None).unwrap();
+            let (free_after, _) = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap();
+            assert!(free_after >= free_before + 140 * MIB, "{conf}: {free_before} -> {free_after}: {r:?}");
+            assert_eq!(r.copied_bytes, total);
+            assert_eq!(count_files(&dir), sizes.len(), "{conf}: a file per disk-backed block");
+            // Pinned: only the disk store's staging; the mmap store's bytes are pageable.
+            let f = a.tag_figures().into_iter().find(|f| f.tag == "cuda_host_stores").unwrap();
+            assert!(f.mmap_bytes >= sizes.iter().sum::<u64>() && f.host_bytes == 0, "{conf}: {f:?}");
+            assert_eq!(f.disk_bytes, sizes.iter().sum::<u64>());
+            // The mmap store's backup is readable host memory (get_cpu_backup); the disk's is not.
+            let host = a.backup_host_address(blocks[0].0, 4).expect("an mmap backup in host memory");
+            // Safety (test): a live backup buffer of at least 4 bytes, read once.
+            let word = unsafe { std::ptr::read_unaligned(host as usize as *const u32) };
+            assert_eq!(word, 0x5A5A_0000);
+            assert_eq!(a.backup_host_address(blocks[sizes.len()].0, 4), None);
+            let other = a.malloc(0, 256 * MIB, Stream(0)).unwrap();
+            write(&tools, other, 256 * MIB, 0xDEAD_BEEF);
+            a.free(0, other, 256 * MIB).unwrap();
+            let r = a.resume(None).unwrap();
+            assert_eq!(r.copied_bytes, total);
+            assert_eq!(count_files(&dir), 0, "{conf}: files left after resume");
+            a.check_invariants().unwrap();
+            for (i, &(p, s)) in blocks.iter().enumerate() {
+                assert!(holds(&tools, p, s, 0x5A5A_0000 + i as u32), "{conf}: block {i} at {p:#x} lost its bytes");
+                a.free(0, p, s).unwrap();
+            }
+            a.release_backup().unwrap();
+            a.empty_cache().unwrap();
+            assert_eq!(a.with_heap(0, |h| h.backup_host_bytes()).unwrap(), 0);
+        }
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn host_pinned_buffers_and_copy_events() {
         let Some(mut devs) = devices("host_pinned_buffers_and_copy_events") else { return };
