@@ -188,7 +188,20 @@ fn a_pause_that_cannot_write_its_files_fails_naming_tag_and_path_and_loses_nothi
     assert_eq!(files(&dir).len(), 2);
     a.resume(Some(tag)).unwrap();
     assert!(files(&dir).is_empty());
-    for (p, s) in blocks.into_iter().chain(kept).chain(other) {
+    // A file gone while paused: the resume fails naming it, the tag stays paused with the rest
+    // of its backup; once the block whose file is gone is freed, the resume works.
+    a.pause(Some(tag), None).unwrap();
+    let (gone, _) = files(&dir).pop().unwrap(); // the largest: the 20 MiB block's
+    std::fs::remove_file(dir.join(&gone)).unwrap();
+    let e = a.resume(Some(tag)).unwrap_err().to_string();
+    assert!(e.contains(&gone) && e.contains("stays paused"), "{e}");
+    assert!(figures(&a, tag).paused);
+    a.check_invariants().unwrap();
+    a.free(0, blocks[0].0, blocks[0].1).unwrap();
+    let r = a.resume(Some(tag)).unwrap();
+    assert_eq!(r.copied_bytes, 5 * MIB + 3 * MIB);
+    assert!(files(&dir).is_empty());
+    for (p, s) in blocks.into_iter().skip(1).chain(kept).chain(other) {
         a.free(0, p, s).unwrap();
     }
     std::fs::remove_dir_all(&dir).unwrap();

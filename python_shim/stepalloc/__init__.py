@@ -49,7 +49,7 @@ from .integrations import AgentLoop, PhaseRecord, hf_callback, lightning_callbac
 from .metrics import StepallocCollector, metrics_text, register_prometheus, serve_metrics
 from .pools import MemPool
 from .ranks import RankInfo, prometheus_target, rank_device, rank_info, write_prometheus_targets
-from .sleep import SleepReport, pause, paused_tags, region, release_backup, resume, tags
+from .sleep import SleepReport, backup_dir, pause, paused_tags, region, release_backup, resume, set_backup_dir, tags
 from .snapshot import dump_snapshot, dump_trace, memory_snapshot, trace_jsonl
 from .stats import (
     gather_stats,
@@ -136,6 +136,8 @@ __all__ = [
     "region",
     "register_prometheus",
     "release_backup",
+    "set_backup_dir",
+    "backup_dir",
     "reset_accumulated_memory_stats",
     "reset_peak_memory_stats",
     "resume",

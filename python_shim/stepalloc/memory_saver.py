@@ -21,13 +21,14 @@ Two routes, chosen at the first use, as torch_memory_saver's two hook modes:
   not ``"torch"``) PyTorch's allocator; a region is ``stepalloc.region``.
 - pools (``hook_mode = "torch"``, or CUDA already initialised): PyTorch keeps its allocator, and
   each region allocates through a ``torch.cuda.MemPool`` over stepalloc (``stepalloc.mempool()``),
-  one per (tag, backup, device), as torch_memory_saver keeps one per key; PyTorch caches in front
+  one per (tag, backup store, device), as torch_memory_saver keeps one per key; PyTorch caches in front
   and stepalloc holds the tagged segments, which pause and resume keep at their addresses.
 
 Invariants:
-- Tags, pause, resume and the backup are the library's (``sleep``): whether bytes are backed up
-  belongs to each allocation (the region it was made in). This object keeps only its settings
-  (margin, retain, backend names) and the regions and pools it opened.
+- Tags, pause, resume and the backup are the library's (``sleep``): whether and where bytes are
+  backed up (pinned or mmap host memory, or disk files) belongs to each allocation (the region it
+  was made in). This object keeps only its settings (margin, retain, backend names, the disk
+  directory) and the regions and pools it opened.
 - Settings are accepted before the first region (nothing is initialised by setting them).
 - Where torch_memory_saver's behaviour and stepalloc's differ, this object follows
   torch_memory_saver when the difference would break code written for it (pausing a tag that
@@ -116,7 +117,8 @@ class TorchMemorySaver:
             if route == "process" and _env_flag("TMS_INIT_ENABLE"):
                 # torch_memory_saver's TMS_INIT_ENABLE: what this thread allocates outside any
                 # region is pauseable under "default" (backed up with TMS_INIT_ENABLE_CPU_BACKUP).
-                self._init_region = sleep.region(SAVER_DEFAULT_TAG, backup=_env_flag("TMS_INIT_ENABLE_CPU_BACKUP"))
+                init_backup = self._backend if _env_flag("TMS_INIT_ENABLE_CPU_BACKUP") else False
+                self._init_region = sleep.region(SAVER_DEFAULT_TAG, backup=init_backup)
                 self._init_region.__enter__()
                 self._tags.add(SAVER_DEFAULT_TAG)
             self._route = route
@@ -144,13 +146,13 @@ class TorchMemorySaver:
 
     # --- regions ---------------------------------------------------------------------------
 
-    def _pool(self, tag: str, backup: bool) -> Any:
-        """The ``torch.cuda.MemPool`` over stepalloc of (tag, backup, backend, device)."""
+    def _pool(self, tag: str, store: bool | str) -> Any:
+        """The ``torch.cuda.MemPool`` over stepalloc of (tag, backup store, device)."""
         import torch
 
         from . import torch as _torch
 
-        key = (tag, backup, self._backend if backup else "", torch.cuda.current_device())
+        key = (tag, store, torch.cuda.current_device())
         pool = self._pools.get(key)
         if pool is None:
             pool = self._pools[key] = _torch.mempool()
@@ -165,17 +167,20 @@ class TorchMemorySaver:
         cpu_backup_backend: str | None = None,
     ) -> Iterator[None]:
         """Tensors allocated inside carry ``tag``; with ``enable_cpu_backup`` their bytes are
-        kept on the host through ``pause``/``resume``, else they are discarded. The choice
-        belongs to the tensors made here: other regions of the same tag keep theirs."""
+        kept on the host through ``pause``/``resume`` (in pinned memory, or pageable with
+        ``cpu_backup_backend="mmap"``), with ``enable_disk_backup`` in files of the disk backup
+        directory, else they are discarded. The choice belongs to the tensors made here: other
+        regions of the same tag keep theirs."""
         _check_backend(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
         self._ensure_initialized()
         name = _tag(tag)
+        store = self._store(enable_cpu_backup, enable_disk_backup, cpu_backup_backend)
         with contextlib.ExitStack() as stack:
             if self._route == "pools":
                 import torch
 
-                stack.enter_context(torch.cuda.use_mem_pool(self._pool(name, enable_cpu_backup)))
-            stack.enter_context(sleep.region(name, backup=enable_cpu_backup))
+                stack.enter_context(torch.cuda.use_mem_pool(self._pool(name, store)))
+            stack.enter_context(sleep.region(name, backup=store))
             self._tags.add(name)
             yield
 
@@ -198,6 +203,7 @@ class TorchMemorySaver:
         ``cuda_graph`` needs the preload hook mode)."""
         _check_backend(enable_cpu_backup, False, cpu_backup_backend)
         self._ensure_initialized()
+        store = self._store(enable_cpu_backup, False, cpu_backup_backend)
         if self._route != "process":
             raise RuntimeError(
                 "cuda_graph needs stepalloc as PyTorch's allocator (hook_mode='preload' before CUDA is "
@@ -206,7 +212,7 @@ class TorchMemorySaver:
         import torch
 
         graph = torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
-        with sleep.region(_tag(tag), backup=enable_cpu_backup), graph:
+        with sleep.region(_tag(tag), backup=store), graph:
             self._tags.add(_tag(tag))
             yield
 
@@ -330,14 +336,27 @@ class TorchMemorySaver:
         self._retain = bool(value)
 
     def set_disk_backup_dir(self, path: str) -> None:
-        """torch_memory_saver's directory for disk backups (created if needed). stepalloc backs
-        up to host memory only: ``enable_disk_backup`` is refused, saying so."""
-        os.makedirs(path, exist_ok=True)
-        self._disk_dir = path
+        """The process-wide directory of disk backups (``enable_disk_backup``), created if
+        needed; one that cannot be created or written raises ``ValueError`` naming it now."""
+        sleep.set_backup_dir(path)
+        self._disk_dir = None  # set: ``TMS_DISK_BACKUP_DIR`` no longer applies
+
+    def _store(self, enable_cpu_backup: bool, enable_disk_backup: bool, backend: str | None) -> bool | str:
+        """The library's backup store of a region (``sleep.region``'s ``backup``)."""
+        if enable_disk_backup:
+            if self._disk_dir is not None:
+                # torch_memory_saver reads TMS_DISK_BACKUP_DIR once; so does this, at the first use.
+                sleep.set_backup_dir(self._disk_dir)
+                self._disk_dir = None
+            return "disk"
+        if enable_cpu_backup:
+            return backend or self._backend
+        return False
 
     def get_cpu_backup(self, x: Any, zero_copy: bool = False) -> Any:
-        """The host copy of CUDA tensor ``x`` while its memory is paused with a backup (a CPU
-        tensor of the same dtype and shape; a copy unless ``zero_copy``), else None."""
+        """The host copy of CUDA tensor ``x`` while its memory is paused with a host backup
+        (a CPU tensor of the same dtype and shape; a copy unless ``zero_copy``), else None (as
+        torch_memory_saver, for disk-backed memory too: its bytes are in a file)."""
         if not getattr(x, "is_cuda", False):
             raise ValueError(f"get_cpu_backup needs a CUDA tensor, not one on {getattr(x, 'device', type(x))}")
         if not x.is_contiguous():
@@ -359,10 +378,6 @@ class TorchMemorySaver:
 def _check_backend(enable_cpu_backup: bool, enable_disk_backup: bool, backend: str | None) -> None:
     if enable_cpu_backup and enable_disk_backup:
         raise AssertionError("enable_cpu_backup and enable_disk_backup are mutually exclusive")
-    if enable_disk_backup:
-        raise NotImplementedError(
-            "enable_disk_backup: stepalloc backs up to pinned host memory only; use enable_cpu_backup=True"
-        )
     if backend is None:
         return
     if not enable_cpu_backup:

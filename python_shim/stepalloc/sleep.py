@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import threading
 from dataclasses import dataclass, field
 from types import TracebackType
@@ -50,6 +51,8 @@ def _c() -> ctypes.CDLL:
                 "stepalloc_sleep_report_json": ([c_char_p, c_size_t], c_size_t),
                 "stepalloc_release_backup": ([], c_int),
                 "stepalloc_tags_json": ([c_char_p, c_size_t], c_size_t),
+                "stepalloc_set_backup_dir": ([c_char_p], c_int),
+                "stepalloc_backup_dir": ([c_char_p, c_size_t], c_size_t),
             }
             try:
                 for name, (argtypes, restype) in table.items():
@@ -125,13 +128,29 @@ def _report() -> SleepReport:
     return SleepReport.from_json(_lib.read_text(_c().stepalloc_sleep_report_json))
 
 
+# ``region(backup=...)``: the library's number of each backup store.
+BACKUP_STORES = {False: 0, True: 1, "none": 0, "pinned": 1, "mmap": 2, "disk": 3}
+
+
+def _store_number(backup: object) -> int:
+    try:
+        return BACKUP_STORES[backup]  # type: ignore[index]
+    except (KeyError, TypeError):
+        raise ValueError(
+            f"region: backup must be False, True, 'pinned', 'mmap' or 'disk', not {backup!r}"
+        ) from None
+
+
 class region:
     """``with stepalloc.region(tag, backup=False):`` — what this thread allocates inside carries
     ``tag`` (the innermost region wins; outside every region, ``"default"``).
 
-    ``backup`` belongs to what is allocated inside: at ``pause``, True copies those bytes to
-    host memory before the memory is released, False discards them. Two regions of one tag with
-    different ``backup`` never change each other's memory. Regions nest and are per thread;
+    ``backup`` belongs to what is allocated inside: at ``pause``, True (or ``"pinned"``) copies
+    those bytes to pinned host memory before the memory is released, ``"mmap"`` to pageable host
+    memory (not pinned: slower copies, but the OS may reclaim it), ``"disk"`` to one file per
+    allocation in the backup directory (``set_backup_dir``; the files are removed at resume),
+    False discards them. Two regions of one tag with different ``backup`` never change each
+    other's memory. Regions nest and are per thread;
     other threads are not affected, except autograd's device thread while it runs a
     ``backward()`` / ``autograd.grad()`` called inside the region: it borrows the tag for that
     call (``stepalloc.follow``). A bad tag (empty,
@@ -140,13 +159,14 @@ class region:
     raises ``stepalloc.PausedError``: resume it first.
     """
 
-    def __init__(self, tag: str = DEFAULT_TAG, backup: bool = False) -> None:
+    def __init__(self, tag: str = DEFAULT_TAG, backup: bool | str = False) -> None:
         self.tag = tag
-        self.backup = bool(backup)
+        self._store = _store_number(backup)
+        self.backup = backup if isinstance(backup, str) else bool(backup)
         self._data = _tag_arg(tag, "region: tag")
 
     def __enter__(self) -> region:
-        _lib.check(int(_c().stepalloc_region_enter(self._data, 1 if self.backup else 0)))
+        _lib.check(int(_c().stepalloc_region_enter(self._data, self._store)))
         follow.ensure()  # backward() inside: autograd's thread borrows the tag (stepalloc.follow)
         return self
 
@@ -195,9 +215,25 @@ def release_backup() -> None:
     _lib.check(int(_c().stepalloc_release_backup()))
 
 
+def set_backup_dir(path: str | os.PathLike[str]) -> None:
+    """Sets the directory ``region(backup="disk")`` backups go to from the next pause on, for the
+    whole process (created if missing; before any call, ``STEPALLOC_BACKUP_DIR`` or the system's
+    temporary directory). A path that cannot be created or where no file can be created raises
+    ``ValueError`` naming it. A pause that cannot write there (full disk, file-size limit,
+    directory removed) raises naming the tag and the file, with the tag resident and intact."""
+    path = os.fspath(path)
+    _lib.check(int(_c().stepalloc_set_backup_dir(_lib.c_string(path, "set_backup_dir: path"))))
+
+
+def backup_dir() -> str:
+    """The directory disk backups go to now."""
+    return _lib.read_text(_c().stepalloc_backup_dir)
+
+
 def tags() -> dict[str, dict[str, Any]]:
     """Every tag with its figures: ``live_bytes``, ``paused``, ``paused_bytes``, ``backup``,
-    ``backup_bytes``, ``pauses``, ``resumes``, ``pause_seconds``, ``resume_seconds``."""
+    ``backup_bytes``, ``host_bytes`` (pinned), ``mmap_bytes`` (pageable), ``disk_bytes`` (in
+    backup files), ``pauses``, ``resumes``, ``pause_seconds``, ``resume_seconds``."""
     return json.loads(_lib.read_text(_c().stepalloc_tags_json) or "{}")
 
 

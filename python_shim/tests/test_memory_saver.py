@@ -180,7 +180,15 @@ def test_unsupported_options_say_so() -> None:
 
     saver = TorchMemorySaver()
     saver._ready = True  # no install in the session's process (the simulated device)
-    with pytest.raises(NotImplementedError, match="disk"), saver.region(tag="x", enable_disk_backup=True):
+    with (
+        pytest.raises(AssertionError, match="mutually exclusive"),
+        saver.region(tag="x", enable_cpu_backup=True, enable_disk_backup=True),
+    ):
+        pass
+    with (
+        pytest.raises(ValueError, match="'pinned' or 'mmap'"),
+        saver.region(tag="x", enable_cpu_backup=True, cpu_backup_backend="tape"),
+    ):
         pass
     with (
         pytest.raises(ValueError, match="requires enable_cpu_backup"),

@@ -42,9 +42,7 @@ CASES = [
 ]
 
 # Fails under stepalloc, with why (docs/testing.md lists them too).
-STEPALLOC_FAILS = {
-    "disk_backup": "stepalloc backs up to host memory only: enable_disk_backup raises NotImplementedError",
-}
+STEPALLOC_FAILS: dict[str, str] = {}
 
 PARAMS = [
     pytest.param(impl, case_id, module, fn, mode, env, devices, id=f"{impl}-{case_id}-{mode}")

@@ -80,6 +80,14 @@ fn create_file(path: &Path) -> std::io::Result<File> {
     OpenOptions::new().read(true).write(true).create_new(true).mode(0o600).open(path)
 }
 
+/// Why a call failed, without the error kind's prefix when the message says it all.
+fn reason(e: &Error) -> String {
+    match e {
+        Error::Unavailable(why) => why.clone(),
+        other => other.to_string(),
+    }
+}
+
 /// The disk store of one device: the staging buffers and the files of paused blocks.
 #[derive(Default)]
 pub(crate) struct DiskStore {
@@ -170,7 +178,7 @@ impl Heap {
                 .device_to_file(&file, addr, bytes)
                 .and_then(|()| file.sync_data().map_err(|e| Error::Unavailable(format!("fsync: {e}"))));
             if let Err(e) = done {
-                result = Err(self.disk_error(tag, &path, "could not write", &e.to_string()));
+                result = Err(self.disk_error(tag, &path, "could not write", &reason(&e)));
                 break;
             }
             backups.insert(addr, (0, bytes));
@@ -198,8 +206,7 @@ impl Heap {
         };
         self.ensure_staging(tag)?;
         let file = File::open(&path).map_err(|e| self.disk_error(tag, &path, "could not open", &e.to_string()))?;
-        self.file_to_device(&file, addr, bytes)
-            .map_err(|e| self.disk_error(tag, &path, "could not read", &e.to_string()))
+        self.file_to_device(&file, addr, bytes).map_err(|e| self.disk_error(tag, &path, "could not read", &reason(&e)))
     }
 
     /// Removes the files of `tag` (after its resume, or when its blocks are gone).
@@ -233,12 +240,18 @@ impl Heap {
     /// The error of a disk pause or resume of `tag` that failed at `path`.
     #[cold]
     fn disk_error(&self, tag: TagId, path: &Path, what: &str, why: &str) -> Error {
+        let pausing = !self.sleep.is_paused(tag);
         Error::Unavailable(format!(
-            "disk backup of tag {:?} on device {}: {what} {} ({why}); nothing was released or lost: the tag is as \
-             it was before the call. Free disk space or set another backup directory, or use a host backup",
+            "disk backup of tag {:?} on device {}: {what} {} ({why}); {}",
             tags::name(tag),
             self.device,
-            path.display()
+            path.display(),
+            if pausing {
+                "nothing was released or lost: the tag is resident, as before the pause. Free disk space or set \
+                 another backup directory, or use a host backup"
+            } else {
+                "the tag stays paused with its backup files; resume it again once the cause is fixed"
+            }
         ))
     }
 
