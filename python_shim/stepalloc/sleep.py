@@ -174,7 +174,7 @@ class region:
         _lib.check(int(_c().stepalloc_region_exit()))
 
     def __repr__(self) -> str:
-        return f"stepalloc.region({self.tag!r}, backup={self.backup})"
+        return f"stepalloc.region({self.tag!r}, backup={self.backup!r})"
 
 
 def pause(tag: str | None = None, backup: bool | None = None) -> SleepReport:

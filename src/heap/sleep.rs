@@ -13,8 +13,9 @@
 //!
 //! A pause, in order: wait for the pending frees' events; record an event on every stream that
 //! used the tag's blocks and wait for those (no device-wide synchronize); queue the live bytes'
-//! copies to the tag's pinned host buffers (kept across pauses, grown when short) on the
-//! backend's copy stream, in pieces, with an event every `COPY_BATCH` bytes; meanwhile unmap and
+//! copies to the tag's host buffers (kept across pauses, grown when short; pinned, or pageable for
+//! the `mmap` store, or a file per block for the disk store: `heap/backup.rs`) on the backend's
+//! copy stream, in pieces, with an event every `COPY_BATCH` bytes; meanwhile unmap and
 //! release the whole pages of the tag's free blocks; then unmap and release the live pages in
 //! address order, each once the copies that read it completed. Idle cached pages of other tags
 //! go too (`empty_cache`), so the device shows the memory free when `pause_tag` returns.
