@@ -25,6 +25,7 @@
 //!   resume maps again, the graph still valid);
 //! - `limit.rs`: the free blocks holding whole pages (what page reuse, `empty_cache` and the
 //!   cache limit take) and `page_release` under a cache limit;
+//! - `checkpoint.rs`: a private pool's state recorded and restored (CUDA-graph trees);
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool`: use counts, another allocator's
 //!   segments, `use_on_oom`);
 //! - `steps.rs`: the step-boundary release policies;
@@ -52,6 +53,7 @@ use rustc_hash::FxHashMap;
 use std::cell::Cell;
 use std::collections::VecDeque;
 
+mod checkpoint;
 mod events;
 mod expandable;
 mod graphs;
@@ -66,6 +68,7 @@ mod sleep;
 mod steps;
 mod tagged;
 
+pub use checkpoint::{CheckpointBlock, PoolCheckpoint, RestoreDelta};
 pub use pools::SegmentSource;
 pub use sleep::SleepOutcome;
 pub use tagged::TagFigures;
@@ -176,6 +179,9 @@ pub struct Heap {
     request_pool: u32,
     /// Paused tags, their backups and per-tag figures (`heap/sleep.rs`).
     pub(crate) sleep: sleep::SleepState,
+    /// Blocks a checkpoint restore allocated, waiting for their pools' next allocations
+    /// (`heap/checkpoint.rs`).
+    adoptions: checkpoint::Adoptions,
 }
 
 impl Heap {
@@ -212,6 +218,7 @@ impl Heap {
             request_tag: 0,
             request_pool: 0,
             sleep: Default::default(),
+            adoptions: Default::default(),
             deferred_frees: Vec::new(),
             deferred_work: false,
             deferred_empty_cache: false,
@@ -272,6 +279,11 @@ impl Heap {
             Some(id) => self.private_pool_index(id),
             None => 0,
         };
+        if pool_index != 0 && !self.adoptions.is_empty() {
+            if let Some(ptr) = self.adopt(pool_index, size, stream)? {
+                return Ok(ptr);
+            }
+        }
         let rounded = sizeclass::round_size(size, &self.config);
         let small = sizeclass::is_small(rounded);
         let tag = if pool_index == 0 { tag } else { self.pool_tag(pool_index, tag)? };
