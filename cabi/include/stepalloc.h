@@ -23,6 +23,13 @@
 /* PyTorch's stream handle; the same type as in CUDA's runtime headers (no CUDA headers needed). */
 typedef struct CUstream_st *cudaStream_t;
 
+// `stepalloc_pool_restore` flag: only report what the restore would free and allocate.
+#define STEPALLOC_RESTORE_DRY_RUN 1
+
+// `stepalloc_pool_restore` flag: the blocks it allocates go, in order, to the pool's next
+// allocations (so a caller can take them through its own allocator layer, e.g. PyTorch's).
+#define STEPALLOC_RESTORE_ADOPT 2
+
 // Success.
 #define STEPALLOC_OK 0
 
@@ -66,6 +73,39 @@ typedef void (*stepalloc_oom_observer_fn)(int64_t, size_t, size_t, size_t);
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Records the state of private pool `(id0, id1)` on `device`: its segments and allocated
+// blocks. Returns the checkpoint's length in 64-bit words (0 on an error, left in the last
+// error) and writes it to `buf` when `cap` is at least that; otherwise writes nothing (call
+// again with a larger buffer).
+//
+// # Safety
+// `buf` must be NULL or point to `cap` writable 64-bit words.
+size_t stepalloc_pool_checkpoint(int device, uint64_t id0, uint64_t id1, uint64_t *buf, size_t cap);
+
+// Restores a private pool on `device` to a checkpoint from `stepalloc_pool_checkpoint`
+// (`state`, `words` long; the pool is the one recorded in it): frees its blocks allocated
+// since (or there with another size) and allocates again, at their addresses, the recorded
+// blocks freed since. `flags`: `STEPALLOC_RESTORE_DRY_RUN`, `STEPALLOC_RESTORE_ADOPT`.
+// Writes the blocks freed to `freed` and those allocated to `allocated` (four words each, at
+// most `freed_cap` / `allocated_cap` blocks) and their numbers to `counts[0]` / `counts[1]`.
+// Refused with a status, changing nothing, when a recorded segment is gone, a block of the
+// pool still waits for other streams' work, a CUDA graph capture is underway, the checkpoint
+// is malformed, or a list does not fit its buffer (a dry run reports the numbers needed, and
+// fills what fits).
+//
+// # Safety
+// `state` must point to `words` readable words; `freed` / `allocated` must be NULL or point to
+// `4 * freed_cap` / `4 * allocated_cap` writable words; `counts` to two writable `size_t`.
+int stepalloc_pool_restore(int device,
+                           const uint64_t *state,
+                           size_t words,
+                           int flags,
+                           uint64_t *freed,
+                           size_t freed_cap,
+                           uint64_t *allocated,
+                           size_t allocated_cap,
+                           size_t *counts);
 
 // Sets the configuration (`STEPALLOC_CONF` syntax, `key:value,...`) before the first use;
 // afterwards the configuration is fixed and this fails with `STEPALLOC_INVALID_ARGUMENT`.

@@ -6,6 +6,7 @@
 //! - `trampoline.cpp`: the C++ part: `stepalloc_torch_malloc`, which throws a C++ exception on
 //!   out-of-memory, and the CUDA-graph pool hooks, which take C++ types by value;
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool` under process-wide stepalloc);
+//! - `checkpoint.rs`: a private pool's state recorded and restored (CUDA-graph trees);
 //! - `ipc.rs`: CUDA IPC of blocks in PyTorch's handle format;
 //! - `control.rs`: configuration, steps, statistics, snapshots, traces, metrics, last error;
 //! - `sleep.rs`: regions (tags), pause and resume, their report and per-tag figures;
@@ -22,6 +23,7 @@
 #![allow(unsafe_code)]
 #![deny(clippy::unwrap_used)]
 
+mod checkpoint;
 mod control;
 mod guard;
 mod ipc;
@@ -31,6 +33,7 @@ mod sleep;
 mod status;
 mod torch;
 
+pub use checkpoint::*;
 pub use control::*;
 pub use ipc::*;
 pub use pools::*;

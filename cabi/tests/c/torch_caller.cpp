@@ -200,6 +200,50 @@ int main(int argc, char **argv) {
     CHECK(g_foreign_frees == 1 && g_foreign_outstanding == 0, "the pool's segment went back: %d", g_foreign_frees);
     CHECK(p_stepalloc_pool_use_count(0, mem.first, mem.second) == 0, "the pool is gone");
     check_stats(0, 0, 0);
+
+    // A pool checkpoint (CUDA-graph trees): recorded, then the pool changes, then restored: the
+    // block freed since comes back at its address and goes to the pool's next allocation
+    // (STEPALLOC_RESTORE_ADOPT), the block allocated since is freed; a dry run and a restore
+    // whose lists do not fit change nothing.
+    {
+        const MempoolId_t cp{0, 77};
+        CHECK(p_stepalloc_pool_create(0, cp.first, cp.second) == STEPALLOC_OK, "%s", last_error());
+        begin_pool(0, cp, [](cudaStream_t) { return true; });
+        void *x = alloc(MIB, 0, other);
+        void *y = alloc(3 * MIB, 0, other);
+        uint64_t state[64];
+        size_t words = p_stepalloc_pool_checkpoint(0, cp.first, cp.second, state, 64);
+        CHECK(words > 0 && words <= 64, "checkpoint: %zu words: %s", words, last_error());
+        CHECK(p_stepalloc_pool_checkpoint(0, 5, 5, state, 64) == 0 && p_stepalloc_last_status() == STEPALLOC_INVALID_ARGUMENT,
+              "a checkpoint of a missing pool must be refused");
+        release(y, 3 * MIB, 0, other);
+        void *z = alloc(5 * MIB, 0, other);
+        uint64_t freed[8], allocd[8];
+        size_t counts[2] = {9, 9};
+        CHECK(p_stepalloc_pool_restore(0, state, words, STEPALLOC_RESTORE_DRY_RUN, freed, 2, allocd, 2, counts) ==
+                  STEPALLOC_OK,
+              "%s", last_error());
+        CHECK(counts[0] == 1 && counts[1] == 1 && freed[0] == (uint64_t)(uintptr_t)z &&
+                  allocd[0] == (uint64_t)(uintptr_t)y && allocd[1] >= 3 * MIB && allocd[2] == 3 * MIB,
+              "dry run: %zu freed, %zu allocated", counts[0], counts[1]);
+        CHECK(p_stepalloc_pool_restore(0, state, words, STEPALLOC_RESTORE_ADOPT, freed, 0, allocd, 2, counts) ==
+                  STEPALLOC_INVALID_ARGUMENT,
+              "a restore whose list does not fit must be refused");
+        CHECK(p_stepalloc_pool_restore(0, state, words - 1, 0, freed, 2, allocd, 2, counts) == STEPALLOC_INVALID_ARGUMENT,
+              "a truncated checkpoint must be refused");
+        CHECK(p_stepalloc_pool_restore(0, state, words, STEPALLOC_RESTORE_ADOPT, freed, 2, allocd, 2, counts) ==
+                  STEPALLOC_OK,
+              "%s", last_error());
+        CHECK(counts[0] == 1 && counts[1] == 1, "restore: %zu freed, %zu allocated", counts[0], counts[1]);
+        void *y2 = alloc(3 * MIB, 0, other);
+        CHECK(y2 == y, "the pool's next allocation adopts the restored block: %p, %p", y2, y);
+        end_pool(0, cp);
+        release(x, MIB, 0, other);
+        release(y2, 3 * MIB, 0, other);
+        release_pool(0, cp);
+        release_pool(0, cp);
+        check_stats(0, 0, 0);
+    }
     printf("ok torch\n");
     return 0;
 }
