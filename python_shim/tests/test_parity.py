@@ -473,8 +473,31 @@ assert pool.use_count() == 2
 torch._C._cuda_releasePool(0, pool.id)
 assert pool.use_count() == 1
 """,
-    "torch._C._cuda_getCheckpointState": "torch._C._cuda_getCheckpointState(0, (1, 0))",
-    "torch._C._cuda_setCheckpointPoolState": "torch._C._cuda_setCheckpointPoolState(0, None, [], [])",
+    # The bindings side by side with PyTorch's allocator: test_checkpoint.py; graph trees:
+    # torch_port/cudagraph_tree_cases.py.
+    "torch._C._cuda_getCheckpointState": """
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    a = u8(MIB)
+    b = u8(3 * MIB)
+state = torch._C._cuda_getCheckpointState(0, g.pool())
+assert sorted(blk.addr for blk in state.allocated()) == sorted([a.data_ptr(), b.data_ptr()]), state
+""",
+    "torch._C._cuda_setCheckpointPoolState": """
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    a = u8(MIB)
+    b = u8(3 * MIB)
+state = torch._C._cuda_getCheckpointState(0, g.pool())
+b_ptr = b.data_ptr()
+view = torch._C._construct_storage_from_data_pointer(b_ptr, b.device, 3 * MIB)
+del b
+torch._C._cuda_setCheckpointPoolState(0, state, [], [view._cdata])
+assert torch._C._cuda_checkPoolLiveAllocations(0, g.pool(), {a.data_ptr(), b_ptr})
+assert torch._C._has_Standard_Deleter(view._cdata)
+del view
+assert torch._C._cuda_checkPoolLiveAllocations(0, g.pool(), {a.data_ptr()})
+""",
     "torch._C._cuda_checkPoolLiveAllocations": """
 pool = torch.cuda.MemPool()
 with torch.cuda.use_mem_pool(pool):
