@@ -7,7 +7,9 @@ freed and another allocated since, the state is restored with the new block's st
 stale and a storage that does not own its memory passed to get a deleter. The same script runs
 under PyTorch's own allocator and under process-wide stepalloc (plain and recommended
 configuration), and every answer must be the same; then what stepalloc refuses, changing
-nothing. The ported graph-trees tests are in torch_port/cudagraph_tree_cases.py.
+nothing. Then ``torch.compile(backend="cudagraphs")`` over copy-only functions, whose graph
+trees restore a checkpoint twice, side by side. The ported graph-trees tests are in
+torch_port/cudagraph_tree_cases.py.
 """
 
 from __future__ import annotations
@@ -175,3 +177,46 @@ except stepalloc.StepallocError as e:
     assert v["owned2"].split() == ["True", "True", "True"], out
     assert v["segment_gone"].split() == ["True", "True"], out
     assert v["not_a_state"].split() == ["True"] and v["no_pool"].split() == ["True"], out
+
+
+# torch.compile(backend="cudagraphs"): CUDA-graph trees over copy-only functions (testdrv runs
+# no kernels; graph trees' input copy, a multi-tensor kernel, is done one copy_ at a time). The
+# second function after the first is recorded, replayed, then a third replaces it after the
+# first's replay: a new recording from a replayed path, which restores the pool's checkpoint
+# (twice: its warm-up and its recording).
+COMPILED = """
+import gc
+def _foreach_copy_(dst, src, non_blocking=False):
+    for d, s in zip(dst, src):
+        d.copy_(s)
+torch._foreach_copy_ = _foreach_copy_
+import torch._inductor.config as icfg
+icfg.triton.slow_path_cudagraph_asserts = True  # the pool's live blocks == live tensors
+cf = torch.compile(lambda x: x.clone(), backend="cudagraphs")
+cg = torch.compile(lambda x: (x.clone(), x[: x.numel() // 2].clone()), backend="cudagraphs")
+ch = torch.compile(lambda x: x[10:].clone(), backend="cudagraphs")
+x = torch.arange(256, dtype=torch.uint8).repeat(4096).cuda()
+out = []
+for i in range(3):
+    torch.compiler.cudagraph_mark_step_begin()
+    a = cf(x); b = cg(a)
+    out.append(int(b[1].cpu()[7]))
+for i in range(3):
+    torch.compiler.cudagraph_mark_step_begin()
+    a = cf(x); c = ch(a)
+    out.append(int(c.cpu()[5]))
+m = torch._inductor.cudagraph_trees.get_container(0).tree_manager
+print("values=", out)
+print("tree=", m.debug_checkpointing_counter, [r.num_descendants() for r in m.get_roots()])
+del a, b, c, m; gc.collect()
+torch._dynamo.reset(); gc.collect(); torch.cuda.empty_cache()
+print("pool_segments=", len([s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != (0, 0)]))
+"""
+
+
+def test_torch_compile_cudagraphs_backend_restores_checkpoints_as_under_pytorchs_allocator() -> None:
+    native = values(run_torch(COMPILED))
+    ours = values(run_torch('stepalloc.install("backend:cuda", patch_torch=True)\n' + COMPILED))
+    assert native["values"].strip() == "[7, 7, 7, 15, 15, 15]", native
+    assert native["tree"].strip() == "2 [2]" and native["pool_segments"].strip() == "0", native
+    assert ours == native
