@@ -12,7 +12,8 @@ Invariants:
 - ``PORTED`` has one entry per ported test, with the outcome tests/torch_port observes under
   each allocator (a test fails when they differ); a test PyTorch's allocator passes passes under
   stepalloc, and one that fails under PyTorch too says why.
-- A ``raises`` row has an ``instead`` (the alternative), which its error message ends with.
+- A ``raises`` row has an ``instead`` (the alternative), which its error message ends with; so
+  has a ``not applicable`` row, which raises the same way.
 - torch is imported inside the functions, never at module import.
 """
 
@@ -26,6 +27,9 @@ from typing import Any, Callable
 from . import _lib, checkpoint, pools
 
 WORKS, DIFFERS, RAISES = "works", "works differently", "raises"
+# An entry point whose one supported use install() itself makes, and which PyTorch's own
+# allocator refuses, as stepalloc does, in the state install() leaves.
+NOT_APPLICABLE = "not applicable"
 
 
 UnsupportedError = _lib.UnsupportedError
@@ -77,8 +81,10 @@ ROWS: tuple[Row, ...] = (
     ),
     Row(
         "torch.cuda.change_current_allocator",
-        RAISES,
-        "PyTorch swaps its allocator only once, before CUDA is used",
+        NOT_APPLICABLE,
+        "PyTorch swaps its allocator once, before the allocator is initialised: install() is that swap. "
+        "Another one raises (UnsupportedError), as PyTorch's own raises \"Can't swap an already initialized "
+        'allocator" for any swap after CUDA use or after a first swap',
         "MemPool(allocator=...) with use_mem_pool for another allocator's memory",
     ),
     Row("torch.cuda.memory._get_current_allocator", WORKS, "stepalloc's CUDAPluggableAllocator"),

@@ -224,8 +224,17 @@ assert not any("STEPALLOC_CONF" in str(w.message) for w in caught), [str(w.messa
 del a, b
 torch.cuda.empty_cache()
 """,
+    # Not applicable: refused as PyTorch's own refuses it once an allocator is initialised
+    # (test_pytorch_swaps_its_allocator_once_before_cuda_use shows PyTorch's side).
     "torch.cuda.change_current_allocator": """
-torch.cuda.change_current_allocator(torch.cuda.memory._get_current_allocator())
+ext = torch.cuda.memory.CUDAPluggableAllocator(EXT, "ext_alloc", "ext_free")
+refused(lambda: torch.cuda.change_current_allocator(ext), "torch.cuda.change_current_allocator")
+try:
+    torch._C._cuda_changeCurrentAllocator(ext.allocator())  # what PyTorch's own does
+except RuntimeError as e:
+    assert "Can't swap an already initialized allocator" in str(e), e
+else:
+    raise AssertionError("PyTorch swapped an initialised allocator")
 """,
     "torch.cuda.memory._get_current_allocator": """
 assert torch.cuda.memory._get_current_allocator().allocator() is not None
@@ -581,8 +590,8 @@ def test_every_row_has_a_check_and_every_check_a_row() -> None:
     assert set(CHECKS) == set(parity.ROW_BY_NAME)
     assert len(parity.ROW_BY_NAME) == len(parity.ROWS), "one row per entry point"
     for row in parity.ROWS:
-        assert row.status in (parity.WORKS, parity.DIFFERS, parity.RAISES), row
-        assert (row.status == parity.RAISES) <= bool(row.instead), row
+        assert row.status in (parity.WORKS, parity.DIFFERS, parity.RAISES, parity.NOT_APPLICABLE), row
+        assert (row.status in (parity.RAISES, parity.NOT_APPLICABLE)) <= bool(row.instead), row
 
 
 @pytest.mark.parametrize("name", [row.name for row in parity.ROWS])
@@ -596,6 +605,35 @@ def test_row(name: str, outcomes: dict[str, dict]) -> None:
         ), got
     else:
         assert got["outcome"] == "ok", got
+
+
+def test_pytorch_swaps_its_allocator_once_before_cuda_use(external_allocator: Path) -> None:
+    """The evidence for ``change_current_allocator``'s row: under PyTorch's own allocator a swap
+    after CUDA use raises, and so does a second swap before it (a pluggable allocator is
+    initialised when made), with the message stepalloc's check finds."""
+    code = """
+import sys
+def swap():
+    a = torch.cuda.memory.CUDAPluggableAllocator(EXT, "ext_alloc", "ext_free")
+    try:
+        torch.cuda.memory.change_current_allocator(a)
+        return "swapped"
+    except RuntimeError as e:
+        return "raised " + str(e).splitlines()[0]
+if MODE == "after_use":
+    torch.empty(16, dtype=torch.uint8, device="cuda")
+    print("after_use=" + swap())
+else:
+    print("first=" + swap())
+    print("second=" + swap())
+"""
+    ext = {"EXT_ALLOCATOR": str(external_allocator)}
+    prelude = "import os\nEXT = os.environ['EXT_ALLOCATOR']\n"
+    after = values(run_torch(prelude + "MODE = 'after_use'\n" + code, extra_env=ext))
+    twice = values(run_torch(prelude + "MODE = 'twice'\n" + code, extra_env=ext))
+    refusal = "raised Can't swap an already initialized allocator"
+    assert after["after_use"] == refusal, after
+    assert twice["first"] == "swapped" and twice["second"] == refusal, twice
 
 
 def test_readme_table_is_the_generated_one() -> None:
