@@ -26,6 +26,7 @@
 //! - `limit.rs`: the free blocks holding whole pages (what page reuse, `empty_cache` and the
 //!   cache limit take) and `page_release` under a cache limit;
 //! - `checkpoint.rs`: a private pool's state recorded and restored (CUDA-graph trees);
+//! - `listeners.rs`: listeners of a pool's segments (NCCL buffer registration);
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool`: use counts, another allocator's
 //!   segments, `use_on_oom`);
 //! - `steps.rs`: the step-boundary release policies;
@@ -61,6 +62,7 @@ mod grow;
 mod inspect;
 mod ipc;
 mod limit;
+mod listeners;
 mod lists;
 mod pools;
 mod release;
@@ -69,6 +71,7 @@ mod steps;
 mod tagged;
 
 pub use checkpoint::{CheckpointBlock, PoolCheckpoint, RestoreDelta};
+pub use listeners::SegmentListener;
 pub use pools::SegmentSource;
 pub use sleep::SleepOutcome;
 pub use tagged::TagFigures;
@@ -182,6 +185,8 @@ pub struct Heap {
     /// Blocks a checkpoint restore allocated, waiting for their pools' next allocations
     /// (`heap/checkpoint.rs`).
     adoptions: checkpoint::Adoptions,
+    /// Listeners of private pools' segments (`heap/listeners.rs`: NCCL buffer registration).
+    listeners: listeners::Listeners,
 }
 
 impl Heap {
@@ -219,6 +224,7 @@ impl Heap {
             request_pool: 0,
             sleep: Default::default(),
             adoptions: Default::default(),
+            listeners: Default::default(),
             deferred_frees: Vec::new(),
             deferred_work: false,
             deferred_empty_cache: false,

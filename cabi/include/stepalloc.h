@@ -59,6 +59,13 @@ typedef struct CUstream_st *cudaStream_t;
 // paused tag's region. Resume the tag first.
 #define STEPALLOC_PAUSED 8
 
+// `int register(void *ctx, void *addr, size_t size, void **handle)`: 0 on success, as
+// `ncclCommRegister`.
+typedef int (*stepalloc_segment_register_fn)(void*, void*, size_t, void**);
+
+// `int deregister(void *ctx, void *handle)`, as `ncclCommDeregister`.
+typedef int (*stepalloc_segment_deregister_fn)(void*, void*);
+
 // Another library's segment allocator, PyTorch's pluggable signatures.
 typedef void *(*stepalloc_segment_alloc_fn)(size_t, int, cudaStream_t);
 
@@ -281,6 +288,24 @@ int stepalloc_ipc_unshare(void *ptr);
 // Closes one `stepalloc_ipc_open` of the range at `base` on `device`; the last close unmaps
 // it. Returns a status.
 int stepalloc_ipc_close(int device, void *base);
+
+// Registers every segment of private pool `(id0, id1)` on `device` with `register(ctx, ...)`,
+// and from now on each segment the pool creates; each is deregistered with `deregister(ctx,
+// handle)` before it is released. With both functions NULL, deregisters the pool's segments
+// registered under `ctx` and stops. Returns a status: `STEPALLOC_INVALID_ARGUMENT` for one
+// function NULL, a pool that does not exist or has paged segments, a `ctx` already registered
+// (or, to stop, not registered), or a register call that failed (the segments registered
+// before it are deregistered again).
+//
+// # Safety
+// `register` and `deregister` must be functions of those signatures that stay loaded while the
+// pool is registered; `ctx` is passed to them unchanged.
+int stepalloc_pool_register_segments(int device,
+                                     uint64_t id0,
+                                     uint64_t id1,
+                                     void *ctx,
+                                     stepalloc_segment_register_fn register_,
+                                     stepalloc_segment_deregister_fn deregister);
 
 // `torch.cuda.MemPool()`: creates pool `(id0, id1)` on `device` with one reference, or takes
 // another reference to it. Returns a status.

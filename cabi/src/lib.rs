@@ -8,6 +8,7 @@
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool` under process-wide stepalloc);
 //! - `checkpoint.rs`: a private pool's state recorded and restored (CUDA-graph trees);
 //! - `ipc.rs`: CUDA IPC of blocks in PyTorch's handle format;
+//! - `nccl.rs`: a pool's segments registered as they come and go (NCCL buffer registration);
 //! - `control.rs`: configuration, steps, statistics, snapshots, traces, metrics, last error;
 //! - `sleep.rs`: regions (tags), pause and resume, their report and per-tag figures;
 //! - `guard.rs`, `last_error.rs`, `status.rs`: the panic guard, the thread-local last error,
@@ -28,6 +29,7 @@ mod control;
 mod guard;
 mod ipc;
 mod last_error;
+mod nccl;
 mod pools;
 mod sleep;
 mod status;
@@ -36,6 +38,7 @@ mod torch;
 pub use checkpoint::*;
 pub use control::*;
 pub use ipc::*;
+pub use nccl::*;
 pub use pools::*;
 pub use sleep::*;
 pub use status::*;

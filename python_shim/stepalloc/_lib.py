@@ -203,6 +203,11 @@ def _declare(cdll: ctypes.CDLL) -> None:
             [c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), c_size_t],
             c_size_t,
         ),
+        # NCCL buffer registration (nccl.py): device, pool id, ctx, register, deregister.
+        "stepalloc_pool_register_segments": (
+            [c_int, ctypes.c_uint64, ctypes.c_uint64, c_void_p, c_void_p, c_void_p],
+            c_int,
+        ),
         "stepalloc_pool_restore": (
             [
                 c_int,

@@ -29,6 +29,22 @@ static void foreign_free(void *, size_t size, int, cudaStream_t) {
     g_foreign_outstanding -= size;
 }
 
+// NCCL's register / deregister, recording what they were given (the communicator is `ctx`).
+static int g_registered, g_deregistered;
+static size_t g_registered_bytes;
+static int fake_register(void *ctx, void *addr, size_t size, void **handle) {
+    if (ctx != &g_registered) return 5;
+    g_registered++;
+    g_registered_bytes += size;
+    *handle = addr;
+    return 0;
+}
+static int fake_deregister(void *ctx, void *handle) {
+    if (ctx != &g_registered || handle == nullptr) return 5;
+    g_deregistered++;
+    return 0;
+}
+
 template <typename F>
 static std::function<F> look_up(void *lib, const char *name) {
     void *sym = dlsym(lib, name);
@@ -242,6 +258,38 @@ int main(int argc, char **argv) {
         release(y2, 3 * MIB, 0, other);
         release_pool(0, cp);
         release_pool(0, cp);
+        check_stats(0, 0, 0);
+    }
+
+    // A pool's segments registered as NCCL's register_mem_pool does: the one it holds, then the
+    // one it creates; deregistered when released and when the registration stops.
+    {
+        const MempoolId_t np{0, 88};
+        CHECK(p_stepalloc_pool_create(0, np.first, np.second) == STEPALLOC_OK, "%s", last_error());
+        begin_pool(0, np, [](cudaStream_t) { return true; });
+        void *x = alloc(3 * MIB, 0, other);
+        CHECK(p_stepalloc_pool_register_segments(0, np.first, np.second, &g_registered, fake_register, nullptr) ==
+                  STEPALLOC_INVALID_ARGUMENT,
+              "half a registrar must be refused");
+        CHECK(p_stepalloc_pool_register_segments(0, np.first, np.second, &g_registered, fake_register, fake_deregister) ==
+                  STEPALLOC_OK,
+              "%s", last_error());
+        CHECK(g_registered == 1 && g_registered_bytes == 20 * MIB, "registered %d, %zu bytes", g_registered, g_registered_bytes);
+        void *y = alloc(30 * MIB, 0, other);
+        CHECK(g_registered == 2 && g_registered_bytes == 50 * MIB, "a new segment: %d", g_registered);
+        release(y, 30 * MIB, 0, other);
+        end_pool(0, np);
+        p_stepalloc_empty_cache();
+        CHECK(g_deregistered == 1, "a released segment is deregistered first: %d", g_deregistered);
+        CHECK(p_stepalloc_pool_register_segments(0, np.first, np.second, &g_registered, nullptr, nullptr) == STEPALLOC_OK,
+              "%s", last_error());
+        CHECK(g_deregistered == 2, "stopping deregisters the rest: %d", g_deregistered);
+        CHECK(p_stepalloc_pool_register_segments(0, np.first, np.second, &g_registered, nullptr, nullptr) ==
+                  STEPALLOC_INVALID_ARGUMENT,
+              "stopping twice must be refused");
+        release(x, 3 * MIB, 0, other);
+        release_pool(0, np);
+        release_pool(0, np);
         check_stats(0, 0, 0);
     }
     printf("ok torch\n");
