@@ -25,6 +25,7 @@ import warnings
 from typing import Any, Callable
 
 from . import _lib, checkpoint, pools
+from . import nccl as nccl_glue
 
 WORKS, DIFFERS, RAISES = "works", "works differently", "raises"
 # An entry point whose one supported use install() itself makes, and which PyTorch's own
@@ -238,15 +239,16 @@ ROWS: tuple[Row, ...] = (
     # NCCL.
     Row(
         "ProcessGroupNCCL.register_mem_pool",
-        RAISES,
-        "NCCL registers a pool through PyTorch's own allocator",
-        "leave buffers unregistered (NCCL works on any device memory), or PyTorch's own allocator",
+        WORKS,
+        "the pool's segments registered with the group's communicator (ncclCommRegister): those it holds, "
+        "and each it creates later (stepalloc.nccl, patch_torch); symm=True (symmetric windows) raises "
+        "UnsupportedError",
     ),
     Row(
         "ProcessGroupNCCL.deregister_mem_pool",
-        RAISES,
-        "NCCL registers a pool through PyTorch's own allocator",
-        "leave buffers unregistered (NCCL works on any device memory), or PyTorch's own allocator",
+        WORKS,
+        "deregisters the pool's registered segments (ncclCommDeregister); a segment the pool releases "
+        "is deregistered before its memory goes back",
     ),
 )
 
@@ -505,10 +507,12 @@ def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, 
         (c, "_cuda_cudaCachingAllocator_is_enabled", _caching_enabled),
         (c, "_cuda_attach_out_of_memory_observer", _attach_out_of_memory_observer),
     ]
-    nccl = getattr(getattr(c, "_distributed_c10d", None), "ProcessGroupNCCL", None)
-    if nccl is not None:
-        out += [
-            (nccl, "register_mem_pool", _raiser("ProcessGroupNCCL.register_mem_pool")),
-            (nccl, "deregister_mem_pool", _raiser("ProcessGroupNCCL.deregister_mem_pool")),
-        ]
+    # PyTorch's stock ProcessGroupNCCL and nccl2's ProcessGroupNCCL2 (torch >= 2.15).
+    for name in ("ProcessGroupNCCL", "ProcessGroupNCCL2"):
+        nccl = getattr(getattr(c, "_distributed_c10d", None), name, None)
+        if nccl is not None:
+            out += [
+                (nccl, "register_mem_pool", nccl_glue.register_mem_pool),
+                (nccl, "deregister_mem_pool", nccl_glue.deregister_mem_pool),
+            ]
     return [(owner, name, new) for owner, name, new in out if hasattr(owner, name)]

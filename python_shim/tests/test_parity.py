@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_nccl import build_hostnccl, preload_env
 from test_real_torch import STUB_RUNTIME, run_torch, values
 
 from conftest import SHIM, torch_available
@@ -91,6 +92,20 @@ stats = torch.cuda.memory_stats()
 assert stats["allocated_bytes.all.current"] >= 3 * MIB, stats
 assert torch.cuda.memory_allocated() >= 3 * MIB and torch.cuda.memory_reserved() >= 3 * MIB
 del t
+"""
+
+NCCL_PRELUDE = """
+import torch.distributed as dist
+def registrations():
+    lib = ctypes.CDLL(None)
+    n = lib.hostnccl_log(None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    lib.hostnccl_log(buf, n + 1)
+    return [line.split() for line in buf.value.decode().splitlines()]
+def group(name):
+    dist.init_process_group("nccl", init_method=f"file://{TMP}/{name}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
 """
 
 CHECKS: dict[str, str] = {
@@ -551,13 +566,30 @@ else:
     "torch.Tensor.pin_memory": "assert torch.ones(MIB, dtype=torch.uint8).pin_memory().is_pinned()",
     "torch.cuda.memory._host_allocator": "assert torch.cuda.memory._host_allocator() is not None",
     "torch._C._host_emptyCache": "torch._C._host_emptyCache()",
-    "ProcessGroupNCCL.register_mem_pool": """
-from torch._C._distributed_c10d import ProcessGroupNCCL
-ProcessGroupNCCL.register_mem_pool(None, torch.cuda.MemPool())
+    # Over testdrv/hostnccl.c (preloaded: a one-rank NCCL that records registrations); the
+    # side-by-side test with PyTorch's allocator is test_nccl.py.
+    "ProcessGroupNCCL.register_mem_pool": NCCL_PRELUDE
+    + """
+pg, pool = group("register"), torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    t = u8(3 * MIB)
+pg.register_mem_pool(pool)
+seg = [(s["address"], s["total_size"]) for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool.id]
+assert registrations()[-1][:2] == ["register", hex(pg._comm_ptr())] and len(seg) == 1, registrations()
+assert (int(registrations()[-1][2], 16), int(registrations()[-1][3])) == seg[0], (registrations(), seg)
+pg.deregister_mem_pool(pool)
+dist.destroy_process_group()
 """,
-    "ProcessGroupNCCL.deregister_mem_pool": """
-from torch._C._distributed_c10d import ProcessGroupNCCL
-ProcessGroupNCCL.deregister_mem_pool(None, torch.cuda.MemPool())
+    "ProcessGroupNCCL.deregister_mem_pool": NCCL_PRELUDE
+    + """
+pg, pool = group("deregister"), torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    t = u8(3 * MIB)
+pg.register_mem_pool(pool)
+handle = registrations()[-1][4]
+pg.deregister_mem_pool(pool)
+assert registrations()[-1][0] == "deregister" and registrations()[-1][4] == handle, registrations()
+dist.destroy_process_group()
 """,
 }
 
@@ -575,14 +607,15 @@ print("RESULTS=" + json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def outcomes(external_allocator: Path) -> dict[str, dict]:
+def outcomes(external_allocator: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     code = (
         'stepalloc.install("backend:cuda", patch_torch=True)\n'
         + PRELUDE
         + f"CHECKS_JSON = {json.dumps(CHECKS)!r}\n"
         + HARNESS
     )
-    out = run_torch(code, extra_env={"EXT_ALLOCATOR": str(external_allocator)})
+    hostnccl = build_hostnccl(tmp_path_factory.mktemp("hostnccl"))
+    out = run_torch(code, extra_env={"EXT_ALLOCATOR": str(external_allocator), **preload_env(hostnccl)})
     return json.loads(values(out)["RESULTS"])
 
 
