@@ -7,7 +7,7 @@ communicator (``ProcessGroupNCCL._comm_ptr()``) through NCCL's own ``ncclCommReg
 the ones the pool holds at once, each new one when it is created, each released one before its
 memory goes back, and the rest at ``deregister_mem_pool``.
 
-Also (``route_backend``, from ``patch_torch``): torch 2.15's default "nccl" backend, nccl2's
+Also (``route_backend``, from ``install()``): torch 2.15's default "nccl" backend, nccl2's
 ``ProcessGroupNCCL2``, creates its communicator's memory hook by asking the allocator for a
 snapshot, which PyTorch's pluggable-allocator class refuses, inside a constructor: the process
 aborts (``terminate called ... CUDAPluggableAllocator does not yet support snapshot``) at
@@ -88,9 +88,9 @@ def deregister_mem_pool(group: Any, pool: Any) -> None:
 def route_backend() -> str | None:
     """Makes the "nccl" backend PyTorch's stock ``ProcessGroupNCCL`` (see the module's comment).
     torch registers its built-in backends on first use (``Backend._ensure_backend_registered``),
-    so this registers "nccl" now. Returns what ``unroute_backend`` undoes: "registered" ("nccl"
-    was not registered yet), "replaced" (it was nccl2), or None (nothing changed: no
-    torch.distributed or NCCL, or "nccl" is the stock one already)."""
+    so this registers "nccl" now. For the life of the process, as the allocator swap. Returns
+    what it did: "registered" ("nccl" was not registered yet), "replaced" (it was nccl2), or None
+    (nothing changed: no torch.distributed or NCCL, or "nccl" is the stock one already)."""
     try:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
@@ -108,14 +108,3 @@ def route_backend() -> str | None:
         return None
     legacy()
     return "registered" if plugin is None else "replaced"
-
-
-def unroute_backend(routed: str) -> None:
-    """Undoes ``route_backend``: "nccl" is registered on first use again, or as torch chose at
-    import (``TORCH_DIST_USE_NCCL2``)."""
-    from torch.distributed import distributed_c10d as c10d
-
-    if routed == "registered":
-        c10d.Backend._plugins.pop("NCCL", None)
-    else:
-        c10d._register_builtin_nccl_backend()

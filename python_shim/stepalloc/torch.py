@@ -186,6 +186,9 @@ def install(
             _queue_rank_device(torch, device)
         # Out of memory raises torch.OutOfMemoryError (else RuntimeError, with a warning).
         _oom.enable(torch)
+        # torch 2.15's default "nccl" (nccl2) aborts the process under a pluggable allocator:
+        # "nccl" is PyTorch's stock ProcessGroupNCCL from now on, as the swap (stepalloc.nccl).
+        nccl.route_backend()
         # Recorded before the optional extras: if serving metrics fails, the swap still stands
         # and a later install() call retries only the extras.
         _installation = Installation(
@@ -306,8 +309,6 @@ _patched: dict[tuple[Any, str], Any] | None = None
 # are in place; they apply only after install().
 _process_wide_patched = False
 _INHERITED = object()  # marks a class attribute patch_torch added over an inherited one
-# What patch_torch did to make "nccl" PyTorch's stock ProcessGroupNCCL (nccl.route_backend).
-_nccl_routed: str | None = None
 
 
 def _torch_snapshot(device: stats.Device = None, augment_with_fx_traces: bool = False) -> dict[str, Any]:
@@ -477,17 +478,13 @@ def patch_torch() -> list[str]:
                 original = _INHERITED if inherited else vars(owner)[name]
                 _patched.setdefault((owner, name), original)
                 setattr(owner, name, fn)
-            # torch 2.15's default "nccl" (nccl2) aborts the process at init under a pluggable
-            # allocator: "nccl" becomes PyTorch's stock ProcessGroupNCCL (stepalloc.nccl).
-            global _nccl_routed
-            _nccl_routed = nccl.route_backend()
             _process_wide_patched = True
         return sorted({name for _, name in _patched})
 
 
 def unpatch_torch() -> None:
     """Restores the torch.cuda functions ``patch_torch()`` replaced."""
-    global _patched, _process_wide_patched, _nccl_routed
+    global _patched, _process_wide_patched
     with _lock:
         if _patched is not None:
             for (owner, name), fn in _patched.items():
@@ -498,8 +495,5 @@ def unpatch_torch() -> None:
             import torch
 
             ipc.unpatch(torch)
-            if _nccl_routed is not None:
-                nccl.unroute_backend(_nccl_routed)
-                _nccl_routed = None
             _patched = None
             _process_wide_patched = False

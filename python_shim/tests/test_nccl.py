@@ -163,22 +163,20 @@ def test_the_nccl_backend_under_stepalloc_is_pytorchs_stock_one(hostnccl: Path) 
     """torch 2.15's default "nccl" (nccl2) asks the allocator for a snapshot when it makes its
     memory hook, which PyTorch's pluggable-allocator class refuses inside a constructor, so the
     process aborts; under process-wide stepalloc "nccl" is PyTorch's stock ProcessGroupNCCL,
-    which makes and destroys its group, and unpatch_torch() puts torch's choice back."""
+    which makes and destroys its group; from install() on, as the allocator swap (patch_torch
+    or not)."""
     env = preload_env(hostnccl)
     out = run_torch(
-        'stepalloc.install("backend:cuda", patch_torch=True)\n'
+        'stepalloc.install("backend:cuda")\n'
         + HELPERS
         + """
 print("backend=", type(pg).__name__)
 dist.destroy_process_group()
-from torch.distributed import distributed_c10d as c10d
-stepalloc.unpatch_torch()
-print("unpatched=", "NCCL" in c10d.Backend._plugins)
 """,
         extra_env=env,
     )
     v = values(out)
-    assert v["backend"].strip() == "ProcessGroupNCCL" and v["unpatched"].strip() == "False", out
+    assert v["backend"].strip() == "ProcessGroupNCCL", out
     with pytest.raises(AssertionError, match="CUDAPluggableAllocator does not yet support snapshot"):
         run_torch(
             'stepalloc.install("backend:cuda", patch_torch=True)\n'
