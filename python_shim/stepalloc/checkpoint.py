@@ -157,6 +157,9 @@ def set_checkpoint_pool_state(
                 "checkpoint and is still owned; restoring would free it under its owner. Pass its storage in "
                 "stale_storages, or free it first."
             )
+    # A storage given a deleter owns its block when the restore allocates it. One over a block
+    # that stays allocated (its owner unchanged) is left as it is: PyTorch would make it a
+    # second owner of the block, and the later of the two frees would fail.
     targets: dict[int, Any] = {}
     for impl in _unique(storages_to_add_deleters_to):
         storage = torch.UntypedStorage._new_with_weak_ptr(impl)
