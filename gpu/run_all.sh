@@ -30,6 +30,9 @@
 #   5. gpu/ipc_check.py: a CUDA tensor shared between stepalloc and stock-PyTorch processes and
 #      back, bytes compared, plain and expandable segments (over testdrv with its stub runtime,
 #      gpu/testdrv_env.py)                                                           ~30 s
+#  5b. gpu/graph_pool_check.py: CUDA-graph pool checkpoints (the bindings, torch.compile's
+#      cudagraphs backend) and NCCL pool registration on a one-rank group, under stock PyTorch
+#      and under stepalloc, answers compared                                         ~40 s
 #   6. gpu/e2e_compare.py: the 1.4 B comparison and the replay of its snapshot (what is left;
 #      skipped under 90 s: its figures are on record from the H200 run)
 #   7. gpu/summarize.py: OUT/summary.json and OUT/summary.txt (printed at the end)
@@ -166,6 +169,21 @@ grep -E '^RESULT ' "$CHECKS/ipc_check.log" | sed 's/^RESULT //' | while read -r 
 if [ $rc -ne 0 ] && ! grep -q '^RESULT FAIL' "$CHECKS/ipc_check.log"; then
     tail -n 20 "$CHECKS/ipc_check.log"
     result "FAIL ipc_check status $rc (see checks/ipc_check.log)"
+fi
+
+echo "== 5b. CUDA-graph pool checkpoints and NCCL pool registration beside stock PyTorch (gpu/graph_pool_check.py; $(elapsed)s since start)"
+if [ "$(bounded 120)" -lt 30 ]; then
+    echo "RESULT SKIP graph_pool_check the time budget (${TOTAL}s) is spent" > "$CHECKS/graph_pool_check.log"
+    rc=0
+else
+    timeout -k 5 "$(bounded 120)" "$PYTHON" "$BUNDLE/gpu/graph_pool_check.py" --json "$CHECKS/graph_pool_check.json" \
+        > "$CHECKS/graph_pool_check.log" 2>&1
+    rc=$?
+fi
+grep -E '^RESULT ' "$CHECKS/graph_pool_check.log" | sed 's/^RESULT //' | while read -r line; do result "$line"; done
+if [ $rc -ne 0 ] && ! grep -q '^RESULT FAIL' "$CHECKS/graph_pool_check.log"; then
+    tail -n 20 "$CHECKS/graph_pool_check.log"
+    result "FAIL graph_pool_check status $rc (see checks/graph_pool_check.log)"
 fi
 
 E2E_LEFT=$(( $(left) - 20 ))

@@ -34,6 +34,7 @@ EXPORTS = sorted(set(_SIGNATURES) | {
     "stepalloc_release_pool", "stepalloc_reset_peak_stats", "stepalloc_reset_accumulated_stats",
     "stepalloc_trace_jsonl", "stepalloc_config_help", "stepalloc_metrics_serve",
     "stepalloc_ipc_share", "stepalloc_ipc_open", "stepalloc_ipc_close", "stepalloc_ipc_unshare",
+    "stepalloc_pool_checkpoint", "stepalloc_pool_restore", "stepalloc_pool_register_segments",
 })
 
 

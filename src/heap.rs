@@ -25,6 +25,8 @@
 //!   resume maps again, the graph still valid);
 //! - `limit.rs`: the free blocks holding whole pages (what page reuse, `empty_cache` and the
 //!   cache limit take) and `page_release` under a cache limit;
+//! - `checkpoint.rs`: a private pool's state recorded and restored (CUDA-graph trees);
+//! - `listeners.rs`: listeners of a pool's segments (NCCL buffer registration);
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool`: use counts, another allocator's
 //!   segments, `use_on_oom`);
 //! - `steps.rs`: the step-boundary release policies;
@@ -54,6 +56,7 @@ use std::cell::Cell;
 use std::collections::VecDeque;
 
 pub(crate) mod backup;
+mod checkpoint;
 mod events;
 mod expandable;
 mod graphs;
@@ -61,6 +64,7 @@ mod grow;
 mod inspect;
 mod ipc;
 mod limit;
+mod listeners;
 mod lists;
 mod pools;
 mod release;
@@ -69,6 +73,8 @@ mod steps;
 mod tagged;
 
 pub use backup::{dir as backup_dir, set_dir as set_backup_dir};
+pub use checkpoint::{CheckpointBlock, PoolCheckpoint, RestoreDelta};
+pub use listeners::SegmentListener;
 pub use pools::SegmentSource;
 pub use sleep::SleepOutcome;
 pub use tagged::TagFigures;
@@ -179,6 +185,11 @@ pub struct Heap {
     request_pool: u32,
     /// Paused tags, their backups and per-tag figures (`heap/sleep.rs`).
     pub(crate) sleep: sleep::SleepState,
+    /// Blocks a checkpoint restore allocated, waiting for their pools' next allocations
+    /// (`heap/checkpoint.rs`).
+    adoptions: checkpoint::Adoptions,
+    /// Listeners of private pools' segments (`heap/listeners.rs`: NCCL buffer registration).
+    listeners: listeners::Listeners,
 }
 
 impl Heap {
@@ -215,6 +226,8 @@ impl Heap {
             request_tag: 0,
             request_pool: 0,
             sleep: Default::default(),
+            adoptions: Default::default(),
+            listeners: Default::default(),
             deferred_frees: Vec::new(),
             deferred_work: false,
             deferred_empty_cache: false,
@@ -275,6 +288,11 @@ impl Heap {
             Some(id) => self.private_pool_index(id),
             None => 0,
         };
+        if pool_index != 0 && !self.adoptions.is_empty() {
+            if let Some(ptr) = self.adopt(pool_index, size, stream)? {
+                return Ok(ptr);
+            }
+        }
         let rounded = sizeclass::round_size(size, &self.config);
         let small = sizeclass::is_small(rounded);
         let tag = if pool_index == 0 { tag } else { self.pool_tag(pool_index, tag)? };

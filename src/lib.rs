@@ -52,6 +52,6 @@ pub use allocator::Allocator;
 pub use backend::{Backend, Stream};
 pub use config::{BackendKind, Config};
 pub use error::{Error, OomReport, Result};
-pub use heap::{PoolId, SegmentSource};
+pub use heap::{CheckpointBlock, PoolCheckpoint, PoolId, RestoreDelta, SegmentListener, SegmentSource};
 pub use process::{configure_global, global};
 pub use stats::{DeviceStats, StepFigures};

@@ -23,6 +23,13 @@
 /* PyTorch's stream handle; the same type as in CUDA's runtime headers (no CUDA headers needed). */
 typedef struct CUstream_st *cudaStream_t;
 
+// `stepalloc_pool_restore` flag: only report what the restore would free and allocate.
+#define STEPALLOC_RESTORE_DRY_RUN 1
+
+// `stepalloc_pool_restore` flag: the blocks it allocates go, in order, to the pool's next
+// allocations (so a caller can take them through its own allocator layer, e.g. PyTorch's).
+#define STEPALLOC_RESTORE_ADOPT 2
+
 // Success.
 #define STEPALLOC_OK 0
 
@@ -52,6 +59,13 @@ typedef struct CUstream_st *cudaStream_t;
 // paused tag's region. Resume the tag first.
 #define STEPALLOC_PAUSED 8
 
+// `int register(void *ctx, void *addr, size_t size, void **handle)`: 0 on success, as
+// `ncclCommRegister`.
+typedef int (*stepalloc_segment_register_fn)(void*, void*, size_t, void**);
+
+// `int deregister(void *ctx, void *handle)`, as `ncclCommDeregister`.
+typedef int (*stepalloc_segment_deregister_fn)(void*, void*);
+
 // Another library's segment allocator, PyTorch's pluggable signatures.
 typedef void *(*stepalloc_segment_alloc_fn)(size_t, int, cudaStream_t);
 
@@ -66,6 +80,39 @@ typedef void (*stepalloc_oom_observer_fn)(int64_t, size_t, size_t, size_t);
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+// Records the state of private pool `(id0, id1)` on `device`: its segments and allocated
+// blocks. Returns the checkpoint's length in 64-bit words (0 on an error, left in the last
+// error) and writes it to `buf` when `cap` is at least that; otherwise writes nothing (call
+// again with a larger buffer).
+//
+// # Safety
+// `buf` must be NULL or point to `cap` writable 64-bit words.
+size_t stepalloc_pool_checkpoint(int device, uint64_t id0, uint64_t id1, uint64_t *buf, size_t cap);
+
+// Restores a private pool on `device` to a checkpoint from `stepalloc_pool_checkpoint`
+// (`state`, `words` long; the pool is the one recorded in it): frees its blocks allocated
+// since (or there with another size) and allocates again, at their addresses, the recorded
+// blocks freed since. `flags`: `STEPALLOC_RESTORE_DRY_RUN`, `STEPALLOC_RESTORE_ADOPT`.
+// Writes the blocks freed to `freed` and those allocated to `allocated` (four words each, at
+// most `freed_cap` / `allocated_cap` blocks) and their numbers to `counts[0]` / `counts[1]`.
+// Refused with a status, changing nothing, when a recorded segment is gone, a block of the
+// pool still waits for other streams' work, a CUDA graph capture is underway, the checkpoint
+// is malformed, or a list does not fit its buffer (a dry run reports the numbers needed, and
+// fills what fits).
+//
+// # Safety
+// `state` must point to `words` readable words; `freed` / `allocated` must be NULL or point to
+// `4 * freed_cap` / `4 * allocated_cap` writable words; `counts` to two writable `size_t`.
+int stepalloc_pool_restore(int device,
+                           const uint64_t *state,
+                           size_t words,
+                           int flags,
+                           uint64_t *freed,
+                           size_t freed_cap,
+                           uint64_t *allocated,
+                           size_t allocated_cap,
+                           size_t *counts);
 
 // Sets the configuration (`STEPALLOC_CONF` syntax, `key:value,...`) before the first use;
 // afterwards the configuration is fixed and this fails with `STEPALLOC_INVALID_ARGUMENT`.
@@ -241,6 +288,24 @@ int stepalloc_ipc_unshare(void *ptr);
 // Closes one `stepalloc_ipc_open` of the range at `base` on `device`; the last close unmaps
 // it. Returns a status.
 int stepalloc_ipc_close(int device, void *base);
+
+// Registers every segment of private pool `(id0, id1)` on `device` with `register(ctx, ...)`,
+// and from now on each segment the pool creates; each is deregistered with `deregister(ctx,
+// handle)` before it is released. With both functions NULL, deregisters the pool's segments
+// registered under `ctx` and stops. Returns a status: `STEPALLOC_INVALID_ARGUMENT` for one
+// function NULL, a pool that does not exist or has paged segments, a `ctx` already registered
+// (or, to stop, not registered), or a register call that failed (the segments registered
+// before it are deregistered again).
+//
+// # Safety
+// `register` and `deregister` must be functions of those signatures that stay loaded while the
+// pool is registered; `ctx` is passed to them unchanged.
+int stepalloc_pool_register_segments(int device,
+                                     uint64_t id0,
+                                     uint64_t id1,
+                                     void *ctx,
+                                     stepalloc_segment_register_fn register_,
+                                     stepalloc_segment_deregister_fn deregister);
 
 // `torch.cuda.MemPool()`: creates pool `(id0, id1)` on `device` with one reference, or takes
 // another reference to it. Returns a status.

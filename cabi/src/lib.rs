@@ -6,7 +6,9 @@
 //! - `trampoline.cpp`: the C++ part: `stepalloc_torch_malloc`, which throws a C++ exception on
 //!   out-of-memory, and the CUDA-graph pool hooks, which take C++ types by value;
 //! - `pools.rs`: user memory pools (`torch.cuda.MemPool` under process-wide stepalloc);
+//! - `checkpoint.rs`: a private pool's state recorded and restored (CUDA-graph trees);
 //! - `ipc.rs`: CUDA IPC of blocks in PyTorch's handle format;
+//! - `nccl.rs`: a pool's segments registered as they come and go (NCCL buffer registration);
 //! - `control.rs`: configuration, steps, statistics, snapshots, traces, metrics, last error;
 //! - `sleep.rs`: regions (tags), pause and resume, their report and per-tag figures;
 //! - `guard.rs`, `last_error.rs`, `status.rs`: the panic guard, the thread-local last error,
@@ -22,17 +24,21 @@
 #![allow(unsafe_code)]
 #![deny(clippy::unwrap_used)]
 
+mod checkpoint;
 mod control;
 mod guard;
 mod ipc;
 mod last_error;
+mod nccl;
 mod pools;
 mod sleep;
 mod status;
 mod torch;
 
+pub use checkpoint::*;
 pub use control::*;
 pub use ipc::*;
+pub use nccl::*;
 pub use pools::*;
 pub use sleep::*;
 pub use status::*;

@@ -197,6 +197,31 @@ def _declare(cdll: ctypes.CDLL) -> None:
         "stepalloc_pool_set_segment_allocator": ([c_int, ctypes.c_uint64, ctypes.c_uint64, c_void_p, c_void_p], c_int),
         "stepalloc_pool_set_use_on_oom": ([c_int, ctypes.c_uint64, ctypes.c_uint64, c_int], c_int),
         "stepalloc_pool_set_no_split": ([c_int, ctypes.c_uint64, ctypes.c_uint64, c_int], c_int),
+        # Pool checkpoints (parity.py, CUDA-graph trees): device, pool id, words, capacity;
+        # restore(device, state, words, flags, freed, cap, allocated, cap, counts).
+        "stepalloc_pool_checkpoint": (
+            [c_int, ctypes.c_uint64, ctypes.c_uint64, ctypes.POINTER(ctypes.c_uint64), c_size_t],
+            c_size_t,
+        ),
+        # NCCL buffer registration (nccl.py): device, pool id, ctx, register, deregister.
+        "stepalloc_pool_register_segments": (
+            [c_int, ctypes.c_uint64, ctypes.c_uint64, c_void_p, c_void_p, c_void_p],
+            c_int,
+        ),
+        "stepalloc_pool_restore": (
+            [
+                c_int,
+                ctypes.POINTER(ctypes.c_uint64),
+                c_size_t,
+                c_int,
+                ctypes.POINTER(ctypes.c_uint64),
+                c_size_t,
+                ctypes.POINTER(ctypes.c_uint64),
+                c_size_t,
+                ctypes.POINTER(c_size_t),
+            ],
+            c_int,
+        ),
         # CUDA IPC (ipc.py): share(ptr, handle version, buf, cap, &offset);
         # open(device, handle, len, offset, size, &base).
         "stepalloc_ipc_share": ([c_void_p, c_int, c_char_p, c_size_t, ctypes.POINTER(ctypes.c_uint64)], c_size_t),

@@ -12,7 +12,8 @@ Invariants:
 - ``PORTED`` has one entry per ported test, with the outcome tests/torch_port observes under
   each allocator (a test fails when they differ); a test PyTorch's allocator passes passes under
   stepalloc, and one that fails under PyTorch too says why.
-- A ``raises`` row has an ``instead`` (the alternative), which its error message ends with.
+- A ``raises`` row has an ``instead`` (the alternative), which its error message ends with; so
+  has a ``not applicable`` row, which raises the same way.
 - torch is imported inside the functions, never at module import.
 """
 
@@ -23,9 +24,13 @@ import dataclasses
 import warnings
 from typing import Any, Callable
 
-from . import _lib, pools
+from . import _lib, checkpoint, pools
+from . import nccl as nccl_glue
 
 WORKS, DIFFERS, RAISES = "works", "works differently", "raises"
+# An entry point whose one supported use install() itself makes, and which PyTorch's own
+# allocator refuses, as stepalloc does, in the state install() leaves.
+NOT_APPLICABLE = "not applicable"
 
 
 UnsupportedError = _lib.UnsupportedError
@@ -77,8 +82,10 @@ ROWS: tuple[Row, ...] = (
     ),
     Row(
         "torch.cuda.change_current_allocator",
-        RAISES,
-        "PyTorch swaps its allocator only once, before CUDA is used",
+        NOT_APPLICABLE,
+        "PyTorch swaps its allocator once, before the allocator is initialised: install() is that swap. "
+        "Another one raises (UnsupportedError), as PyTorch's own raises \"Can't swap an already initialized "
+        'allocator" for any swap after CUDA use or after a first swap',
         "MemPool(allocator=...) with use_mem_pool for another allocator's memory",
     ),
     Row("torch.cuda.memory._get_current_allocator", WORKS, "stepalloc's CUDAPluggableAllocator"),
@@ -186,15 +193,16 @@ ROWS: tuple[Row, ...] = (
     # torch.compile's CUDA-graph trees (mode="reduce-overhead").
     Row(
         "torch._C._cuda_getCheckpointState",
-        RAISES,
-        "CUDA-graph trees checkpoint PyTorch's own allocator state",
-        "torch._inductor.config.triton.cudagraph_trees = False (plain CUDA graphs, through stepalloc's pools)",
+        WORKS,
+        "records the pool's segments and allocated blocks (stepalloc.checkpoint, patch_torch)",
     ),
     Row(
         "torch._C._cuda_setCheckpointPoolState",
-        RAISES,
-        "CUDA-graph trees restore PyTorch's own allocator state",
-        "torch._inductor.config.triton.cudagraph_trees = False (plain CUDA graphs, through stepalloc's pools)",
+        WORKS,
+        "frees the pool's blocks allocated since and allocates again, at their addresses, those freed since, "
+        "through PyTorch's allocator (stale storages stop owning theirs; the storages given deleters own "
+        "theirs); refused, changing nothing, if a recorded segment is gone or a block allocated since is "
+        "still owned by a storage not passed as stale",
     ),
     Row(
         "torch._C._cuda_checkPoolLiveAllocations", WORKS, "compares the pool's allocated blocks in stepalloc's snapshot"
@@ -231,15 +239,16 @@ ROWS: tuple[Row, ...] = (
     # NCCL.
     Row(
         "ProcessGroupNCCL.register_mem_pool",
-        RAISES,
-        "NCCL registers a pool through PyTorch's own allocator",
-        "leave buffers unregistered (NCCL works on any device memory), or PyTorch's own allocator",
+        WORKS,
+        "the pool's segments registered with the group's communicator (ncclCommRegister): those it holds, "
+        "and each it creates later (stepalloc.nccl, patch_torch); symm=True (symmetric windows) raises "
+        "UnsupportedError",
     ),
     Row(
         "ProcessGroupNCCL.deregister_mem_pool",
-        RAISES,
-        "NCCL registers a pool through PyTorch's own allocator",
-        "leave buffers unregistered (NCCL works on any device memory), or PyTorch's own allocator",
+        WORKS,
+        "deregisters the pool's registered segments (ncclCommDeregister); a segment the pool releases "
+        "is deregistered before its memory goes back",
     ),
 )
 
@@ -260,7 +269,8 @@ ALLOCATORS: tuple[tuple[str, str], ...] = (
 
 @dataclasses.dataclass(frozen=True)
 class Ported:
-    """One of PyTorch's tests (``Class.test_name`` of its test/test_cuda.py) and its outcome under
+    """One of PyTorch's tests (``Class.test_name`` of its test/test_cuda.py, or of
+    test/inductor/test_cudagraph_trees.py for ``CudaGraphTreeTests``) and its outcome under
     each of ``ALLOCATORS``, in order. ``why``: for a test that fails under PyTorch's allocator
     too, why it cannot pass on this harness. ``by_design``: for a test PyTorch's allocator
     passes and stepalloc does not, the behaviour stepalloc chose on purpose instead (the one
@@ -305,6 +315,16 @@ PORTED: tuple[Ported, ...] = (
     Ported("TestMemPool.test_nested_mempool", _ALL_PASS),
     Ported("TestMemPool.test_mempool_expandable", _ALL_PASS),
     Ported("TestMemPool.test_mempool_ctx_multithread", _ALL_PASS),
+    # torch.compile's CUDA-graph trees (test/inductor/test_cudagraph_trees.py): recordings,
+    # replays and the graph pool's checkpoints (_cuda_getCheckpointState / _cuda_setCheckpointPoolState).
+    Ported("CudaGraphTreeTests.test_tensor_dies_between_checkpoint", _ALL_PASS),
+    Ported("CudaGraphTreeTests.test_aliased_static_parameter", _ALL_PASS),
+    Ported("CudaGraphTreeTests.test_unaligned_static_parameter", _ALL_PASS),
+    Ported("CudaGraphTreeTests.test_output_alias", _ALL_PASS),
+    Ported("CudaGraphTreeTests.test_aliased_output_checkpoint", _ALL_PASS),
+    Ported("CudaGraphTreeTests.test_tensor_no_longer_in_pool", _ALL_PASS),
+    Ported("CudaGraphTreeTests.test_checkpoint_shared_output_storage_deallocation", _ALL_PASS),
+    Ported("CudaGraphTreeTests.test_dynamic_warmup", _ALL_PASS),
 )
 
 PORTED_BY_TEST: dict[str, Ported] = {p.test: p for p in PORTED}
@@ -479,18 +499,20 @@ def patches(torch: Any, record_history: Callable[..., None]) -> list[tuple[Any, 
         (memory, "_record_memory_history_legacy", _record_memory_history_legacy(record_history)),
         (torch.cuda.graphs.CUDAGraph, "_retain_pool", _retain_pool),
         (c, "_cuda_customAllocator", pools.record_custom_allocator(c._cuda_customAllocator)),
-        (c, "_cuda_getCheckpointState", _raiser("torch._C._cuda_getCheckpointState")),
-        (c, "_cuda_setCheckpointPoolState", _raiser("torch._C._cuda_setCheckpointPoolState")),
+        (c, "_cuda_getCheckpointState", checkpoint.get_checkpoint_state),
+        (c, "_cuda_setCheckpointPoolState", checkpoint.set_checkpoint_pool_state),
         (c, "_cuda_checkPoolLiveAllocations", _check_pool_live_allocations),
         (c, "_cuda_getMemoryFraction", _get_memory_fraction),
         (c, "_cuda_cudaCachingAllocator_enable", _set_caching_enabled),
         (c, "_cuda_cudaCachingAllocator_is_enabled", _caching_enabled),
         (c, "_cuda_attach_out_of_memory_observer", _attach_out_of_memory_observer),
     ]
-    nccl = getattr(getattr(c, "_distributed_c10d", None), "ProcessGroupNCCL", None)
-    if nccl is not None:
-        out += [
-            (nccl, "register_mem_pool", _raiser("ProcessGroupNCCL.register_mem_pool")),
-            (nccl, "deregister_mem_pool", _raiser("ProcessGroupNCCL.deregister_mem_pool")),
-        ]
+    # PyTorch's stock ProcessGroupNCCL and nccl2's ProcessGroupNCCL2 (torch >= 2.15).
+    for name in ("ProcessGroupNCCL", "ProcessGroupNCCL2"):
+        nccl = getattr(getattr(c, "_distributed_c10d", None), name, None)
+        if nccl is not None:
+            out += [
+                (nccl, "register_mem_pool", nccl_glue.register_mem_pool),
+                (nccl, "deregister_mem_pool", nccl_glue.deregister_mem_pool),
+            ]
     return [(owner, name, new) for owner, name, new in out if hasattr(owner, name)]

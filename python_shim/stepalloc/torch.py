@@ -25,7 +25,7 @@ import threading
 import warnings
 from typing import Any, Callable
 
-from . import _lib, _oom, ipc, ranks, snapshot, stats
+from . import _lib, _oom, ipc, nccl, ranks, snapshot, stats
 from .metrics import served_address
 
 # PyTorch's optional hooks: the setter on the pluggable allocator -> the library's symbol.
@@ -186,6 +186,9 @@ def install(
             _queue_rank_device(torch, device)
         # Out of memory raises torch.OutOfMemoryError (else RuntimeError, with a warning).
         _oom.enable(torch)
+        # torch 2.15's default "nccl" (nccl2) aborts the process under a pluggable allocator:
+        # "nccl" is PyTorch's stock ProcessGroupNCCL from now on, as the swap (stepalloc.nccl).
+        nccl.route_backend()
         # Recorded before the optional extras: if serving metrics fails, the swap still stands
         # and a later install() call retries only the extras.
         _installation = Installation(

@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from test_nccl import build_hostnccl, preload_env
 from test_real_torch import STUB_RUNTIME, run_torch, values
 
 from conftest import SHIM, torch_available
@@ -91,6 +92,20 @@ stats = torch.cuda.memory_stats()
 assert stats["allocated_bytes.all.current"] >= 3 * MIB, stats
 assert torch.cuda.memory_allocated() >= 3 * MIB and torch.cuda.memory_reserved() >= 3 * MIB
 del t
+"""
+
+NCCL_PRELUDE = """
+import torch.distributed as dist
+def registrations():
+    lib = ctypes.CDLL(None)
+    n = lib.hostnccl_log(None, 0)
+    buf = ctypes.create_string_buffer(n + 1)
+    lib.hostnccl_log(buf, n + 1)
+    return [line.split() for line in buf.value.decode().splitlines()]
+def group(name):
+    dist.init_process_group("nccl", init_method=f"file://{TMP}/{name}", rank=0, world_size=1,
+                            device_id=torch.device("cuda", 0))
+    return dist.distributed_c10d._get_default_group()._get_backend(torch.device("cuda"))
 """
 
 CHECKS: dict[str, str] = {
@@ -224,8 +239,17 @@ assert not any("STEPALLOC_CONF" in str(w.message) for w in caught), [str(w.messa
 del a, b
 torch.cuda.empty_cache()
 """,
+    # Not applicable: refused as PyTorch's own refuses it once an allocator is initialised
+    # (test_pytorch_swaps_its_allocator_once_before_cuda_use shows PyTorch's side).
     "torch.cuda.change_current_allocator": """
-torch.cuda.change_current_allocator(torch.cuda.memory._get_current_allocator())
+ext = torch.cuda.memory.CUDAPluggableAllocator(EXT, "ext_alloc", "ext_free")
+refused(lambda: torch.cuda.change_current_allocator(ext), "torch.cuda.change_current_allocator")
+try:
+    torch._C._cuda_changeCurrentAllocator(ext.allocator())  # what PyTorch's own does
+except RuntimeError as e:
+    assert "Can't swap an already initialized allocator" in str(e), e
+else:
+    raise AssertionError("PyTorch swapped an initialised allocator")
 """,
     "torch.cuda.memory._get_current_allocator": """
 assert torch.cuda.memory._get_current_allocator().allocator() is not None
@@ -473,8 +497,31 @@ assert pool.use_count() == 2
 torch._C._cuda_releasePool(0, pool.id)
 assert pool.use_count() == 1
 """,
-    "torch._C._cuda_getCheckpointState": "torch._C._cuda_getCheckpointState(0, (1, 0))",
-    "torch._C._cuda_setCheckpointPoolState": "torch._C._cuda_setCheckpointPoolState(0, None, [], [])",
+    # The bindings side by side with PyTorch's allocator: test_checkpoint.py; graph trees:
+    # torch_port/cudagraph_tree_cases.py.
+    "torch._C._cuda_getCheckpointState": """
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    a = u8(MIB)
+    b = u8(3 * MIB)
+state = torch._C._cuda_getCheckpointState(0, g.pool())
+assert sorted(blk.addr for blk in state.allocated()) == sorted([a.data_ptr(), b.data_ptr()]), state
+""",
+    "torch._C._cuda_setCheckpointPoolState": """
+g = torch.cuda.CUDAGraph()
+with torch.cuda.graph(g):
+    a = u8(MIB)
+    b = u8(3 * MIB)
+state = torch._C._cuda_getCheckpointState(0, g.pool())
+b_ptr = b.data_ptr()
+view = torch._C._construct_storage_from_data_pointer(b_ptr, b.device, 3 * MIB)
+del b
+torch._C._cuda_setCheckpointPoolState(0, state, [], [view._cdata])
+assert torch._C._cuda_checkPoolLiveAllocations(0, g.pool(), {a.data_ptr(), b_ptr})
+assert torch._C._has_Standard_Deleter(view._cdata)
+del view
+assert torch._C._cuda_checkPoolLiveAllocations(0, g.pool(), {a.data_ptr()})
+""",
     "torch._C._cuda_checkPoolLiveAllocations": """
 pool = torch.cuda.MemPool()
 with torch.cuda.use_mem_pool(pool):
@@ -519,13 +566,30 @@ else:
     "torch.Tensor.pin_memory": "assert torch.ones(MIB, dtype=torch.uint8).pin_memory().is_pinned()",
     "torch.cuda.memory._host_allocator": "assert torch.cuda.memory._host_allocator() is not None",
     "torch._C._host_emptyCache": "torch._C._host_emptyCache()",
-    "ProcessGroupNCCL.register_mem_pool": """
-from torch._C._distributed_c10d import ProcessGroupNCCL
-ProcessGroupNCCL.register_mem_pool(None, torch.cuda.MemPool())
+    # Over testdrv/hostnccl.c (preloaded: a one-rank NCCL that records registrations); the
+    # side-by-side test with PyTorch's allocator is test_nccl.py.
+    "ProcessGroupNCCL.register_mem_pool": NCCL_PRELUDE
+    + """
+pg, pool = group("register"), torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    t = u8(3 * MIB)
+pg.register_mem_pool(pool)
+seg = [(s["address"], s["total_size"]) for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == pool.id]
+assert registrations()[-1][:2] == ["register", hex(pg._comm_ptr())] and len(seg) == 1, registrations()
+assert (int(registrations()[-1][2], 16), int(registrations()[-1][3])) == seg[0], (registrations(), seg)
+pg.deregister_mem_pool(pool)
+dist.destroy_process_group()
 """,
-    "ProcessGroupNCCL.deregister_mem_pool": """
-from torch._C._distributed_c10d import ProcessGroupNCCL
-ProcessGroupNCCL.deregister_mem_pool(None, torch.cuda.MemPool())
+    "ProcessGroupNCCL.deregister_mem_pool": NCCL_PRELUDE
+    + """
+pg, pool = group("deregister"), torch.cuda.MemPool()
+with torch.cuda.use_mem_pool(pool):
+    t = u8(3 * MIB)
+pg.register_mem_pool(pool)
+handle = registrations()[-1][4]
+pg.deregister_mem_pool(pool)
+assert registrations()[-1][0] == "deregister" and registrations()[-1][4] == handle, registrations()
+dist.destroy_process_group()
 """,
 }
 
@@ -543,14 +607,15 @@ print("RESULTS=" + json.dumps(results))
 
 
 @pytest.fixture(scope="module")
-def outcomes(external_allocator: Path) -> dict[str, dict]:
+def outcomes(external_allocator: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
     code = (
         'stepalloc.install("backend:cuda", patch_torch=True)\n'
         + PRELUDE
         + f"CHECKS_JSON = {json.dumps(CHECKS)!r}\n"
         + HARNESS
     )
-    out = run_torch(code, extra_env={"EXT_ALLOCATOR": str(external_allocator)})
+    hostnccl = build_hostnccl(tmp_path_factory.mktemp("hostnccl"))
+    out = run_torch(code, extra_env={"EXT_ALLOCATOR": str(external_allocator), **preload_env(hostnccl)})
     return json.loads(values(out)["RESULTS"])
 
 
@@ -558,8 +623,8 @@ def test_every_row_has_a_check_and_every_check_a_row() -> None:
     assert set(CHECKS) == set(parity.ROW_BY_NAME)
     assert len(parity.ROW_BY_NAME) == len(parity.ROWS), "one row per entry point"
     for row in parity.ROWS:
-        assert row.status in (parity.WORKS, parity.DIFFERS, parity.RAISES), row
-        assert (row.status == parity.RAISES) <= bool(row.instead), row
+        assert row.status in (parity.WORKS, parity.DIFFERS, parity.RAISES, parity.NOT_APPLICABLE), row
+        assert (row.status in (parity.RAISES, parity.NOT_APPLICABLE)) <= bool(row.instead), row
 
 
 @pytest.mark.parametrize("name", [row.name for row in parity.ROWS])
@@ -573,6 +638,35 @@ def test_row(name: str, outcomes: dict[str, dict]) -> None:
         ), got
     else:
         assert got["outcome"] == "ok", got
+
+
+def test_pytorch_swaps_its_allocator_once_before_cuda_use(external_allocator: Path) -> None:
+    """The evidence for ``change_current_allocator``'s row: under PyTorch's own allocator a swap
+    after CUDA use raises, and so does a second swap before it (a pluggable allocator is
+    initialised when made), with the message stepalloc's check finds."""
+    code = """
+import sys
+def swap():
+    a = torch.cuda.memory.CUDAPluggableAllocator(EXT, "ext_alloc", "ext_free")
+    try:
+        torch.cuda.memory.change_current_allocator(a)
+        return "swapped"
+    except RuntimeError as e:
+        return "raised " + str(e).splitlines()[0]
+if MODE == "after_use":
+    torch.empty(16, dtype=torch.uint8, device="cuda")
+    print("after_use=" + swap())
+else:
+    print("first=" + swap())
+    print("second=" + swap())
+"""
+    ext = {"EXT_ALLOCATOR": str(external_allocator)}
+    prelude = "import os\nEXT = os.environ['EXT_ALLOCATOR']\n"
+    after = values(run_torch(prelude + "MODE = 'after_use'\n" + code, extra_env=ext))
+    twice = values(run_torch(prelude + "MODE = 'twice'\n" + code, extra_env=ext))
+    refusal = "raised Can't swap an already initialized allocator"
+    assert after["after_use"] == refusal, after
+    assert twice["first"] == "swapped" and twice["second"] == refusal, twice
 
 
 def test_readme_table_is_the_generated_one() -> None:

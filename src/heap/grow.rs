@@ -105,6 +105,9 @@ impl Heap {
         }
         self.step.note_reserved(self.stats.reserved_bytes.current());
         self.trace.record(TraceAction::SegmentAlloc, addr, size, 0, stream.0, 0);
+        if pool > 0 && !self.listeners.is_empty() {
+            self.segment_added(pool, addr, size);
+        }
         id
     }
 

@@ -18,6 +18,10 @@ impl Heap {
         let id = seg.first;
         debug_assert!(self.arena.block(id).next == NIL && self.arena.state(id) == BlockState::Free);
         self.wait_for_last_use(id)?;
+        if seg.pool > 0 && !self.listeners.is_empty() {
+            // Deregistered (NCCL) before its memory goes back.
+            self.segment_removed(seg.pool, seg.addr, seg.size);
+        }
         self.release_to_source(seg.pool, seg.addr, seg.size, seg.stream)?;
         self.unlist(id);
         self.arena.drop_block(id);

@@ -35,6 +35,7 @@
     X(stepalloc_check_phase) X(stepalloc_is_initialised)                                   \
     X(stepalloc_pool_create) X(stepalloc_pool_use_count)                                   \
     X(stepalloc_pool_set_segment_allocator) X(stepalloc_pool_set_use_on_oom) X(stepalloc_pool_set_no_split) \
+    X(stepalloc_pool_checkpoint) X(stepalloc_pool_restore) X(stepalloc_pool_register_segments) \
     X(stepalloc_region_enter) X(stepalloc_region_exit) X(stepalloc_pause) X(stepalloc_resume) \
     X(stepalloc_sleep_report_json) X(stepalloc_release_backup) X(stepalloc_tags_json) \
     X(stepalloc_set_backup_dir) X(stepalloc_backup_dir) \

@@ -29,6 +29,22 @@ static void foreign_free(void *, size_t size, int, cudaStream_t) {
     g_foreign_outstanding -= size;
 }
 
+// NCCL's register / deregister, recording what they were given (the communicator is `ctx`).
+static int g_registered, g_deregistered;
+static size_t g_registered_bytes;
+static int fake_register(void *ctx, void *addr, size_t size, void **handle) {
+    if (ctx != &g_registered) return 5;
+    g_registered++;
+    g_registered_bytes += size;
+    *handle = addr;
+    return 0;
+}
+static int fake_deregister(void *ctx, void *handle) {
+    if (ctx != &g_registered || handle == nullptr) return 5;
+    g_deregistered++;
+    return 0;
+}
+
 template <typename F>
 static std::function<F> look_up(void *lib, const char *name) {
     void *sym = dlsym(lib, name);
@@ -200,6 +216,82 @@ int main(int argc, char **argv) {
     CHECK(g_foreign_frees == 1 && g_foreign_outstanding == 0, "the pool's segment went back: %d", g_foreign_frees);
     CHECK(p_stepalloc_pool_use_count(0, mem.first, mem.second) == 0, "the pool is gone");
     check_stats(0, 0, 0);
+
+    // A pool checkpoint (CUDA-graph trees): recorded, then the pool changes, then restored: the
+    // block freed since comes back at its address and goes to the pool's next allocation
+    // (STEPALLOC_RESTORE_ADOPT), the block allocated since is freed; a dry run and a restore
+    // whose lists do not fit change nothing.
+    {
+        const MempoolId_t cp{0, 77};
+        CHECK(p_stepalloc_pool_create(0, cp.first, cp.second) == STEPALLOC_OK, "%s", last_error());
+        begin_pool(0, cp, [](cudaStream_t) { return true; });
+        void *x = alloc(MIB, 0, other);
+        void *y = alloc(3 * MIB, 0, other);
+        uint64_t state[64];
+        size_t words = p_stepalloc_pool_checkpoint(0, cp.first, cp.second, state, 64);
+        CHECK(words > 0 && words <= 64, "checkpoint: %zu words: %s", words, last_error());
+        CHECK(p_stepalloc_pool_checkpoint(0, 5, 5, state, 64) == 0 && p_stepalloc_last_status() == STEPALLOC_INVALID_ARGUMENT,
+              "a checkpoint of a missing pool must be refused");
+        release(y, 3 * MIB, 0, other);
+        void *z = alloc(5 * MIB, 0, other);
+        uint64_t freed[8], allocd[8];
+        size_t counts[2] = {9, 9};
+        CHECK(p_stepalloc_pool_restore(0, state, words, STEPALLOC_RESTORE_DRY_RUN, freed, 2, allocd, 2, counts) ==
+                  STEPALLOC_OK,
+              "%s", last_error());
+        CHECK(counts[0] == 1 && counts[1] == 1 && freed[0] == (uint64_t)(uintptr_t)z &&
+                  allocd[0] == (uint64_t)(uintptr_t)y && allocd[1] >= 3 * MIB && allocd[2] == 3 * MIB,
+              "dry run: %zu freed, %zu allocated", counts[0], counts[1]);
+        CHECK(p_stepalloc_pool_restore(0, state, words, STEPALLOC_RESTORE_ADOPT, freed, 0, allocd, 2, counts) ==
+                  STEPALLOC_INVALID_ARGUMENT,
+              "a restore whose list does not fit must be refused");
+        CHECK(p_stepalloc_pool_restore(0, state, words - 1, 0, freed, 2, allocd, 2, counts) == STEPALLOC_INVALID_ARGUMENT,
+              "a truncated checkpoint must be refused");
+        CHECK(p_stepalloc_pool_restore(0, state, words, STEPALLOC_RESTORE_ADOPT, freed, 2, allocd, 2, counts) ==
+                  STEPALLOC_OK,
+              "%s", last_error());
+        CHECK(counts[0] == 1 && counts[1] == 1, "restore: %zu freed, %zu allocated", counts[0], counts[1]);
+        void *y2 = alloc(3 * MIB, 0, other);
+        CHECK(y2 == y, "the pool's next allocation adopts the restored block: %p, %p", y2, y);
+        end_pool(0, cp);
+        release(x, MIB, 0, other);
+        release(y2, 3 * MIB, 0, other);
+        release_pool(0, cp);
+        release_pool(0, cp);
+        check_stats(0, 0, 0);
+    }
+
+    // A pool's segments registered as NCCL's register_mem_pool does: the one it holds, then the
+    // one it creates; deregistered when released and when the registration stops.
+    {
+        const MempoolId_t np{0, 88};
+        CHECK(p_stepalloc_pool_create(0, np.first, np.second) == STEPALLOC_OK, "%s", last_error());
+        begin_pool(0, np, [](cudaStream_t) { return true; });
+        void *x = alloc(3 * MIB, 0, other);
+        CHECK(p_stepalloc_pool_register_segments(0, np.first, np.second, &g_registered, fake_register, nullptr) ==
+                  STEPALLOC_INVALID_ARGUMENT,
+              "half a registrar must be refused");
+        CHECK(p_stepalloc_pool_register_segments(0, np.first, np.second, &g_registered, fake_register, fake_deregister) ==
+                  STEPALLOC_OK,
+              "%s", last_error());
+        CHECK(g_registered == 1 && g_registered_bytes == 20 * MIB, "registered %d, %zu bytes", g_registered, g_registered_bytes);
+        void *y = alloc(30 * MIB, 0, other);
+        CHECK(g_registered == 2 && g_registered_bytes == 50 * MIB, "a new segment: %d", g_registered);
+        release(y, 30 * MIB, 0, other);
+        end_pool(0, np);
+        p_stepalloc_empty_cache();
+        CHECK(g_deregistered == 1, "a released segment is deregistered first: %d", g_deregistered);
+        CHECK(p_stepalloc_pool_register_segments(0, np.first, np.second, &g_registered, nullptr, nullptr) == STEPALLOC_OK,
+              "%s", last_error());
+        CHECK(g_deregistered == 2, "stopping deregisters the rest: %d", g_deregistered);
+        CHECK(p_stepalloc_pool_register_segments(0, np.first, np.second, &g_registered, nullptr, nullptr) ==
+                  STEPALLOC_INVALID_ARGUMENT,
+              "stopping twice must be refused");
+        release(x, 3 * MIB, 0, other);
+        release_pool(0, np);
+        release_pool(0, np);
+        check_stats(0, 0, 0);
+    }
     printf("ok torch\n");
     return 0;
 }

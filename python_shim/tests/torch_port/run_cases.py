@@ -2,8 +2,9 @@
 one ``RESULT {json}`` line per test as it finishes (a crash keeps the lines before it). The
 tests run in one process, in order, as PyTorch's runner runs a test class.
 
-Usage: ``python3 run_cases.py MODE [Class.test_name ...]`` (no names: every test), with torch
-over testdrv's stub runtime (test_torch_port.py sets the environment). MODE:
+Usage: ``python3 run_cases.py MODE [--cases=MODULE] [Class.test_name ...]`` (no names: every
+test; MODULE: one of ``CASES``, by default cuda_cases), with torch over testdrv's stub runtime
+(test_torch_port.py sets the environment). MODE:
 - ``pytorch``: PyTorch's own caching allocator (``PYTORCH_CUDA_ALLOC_CONF`` empty);
 - ``pytorch-expandable``: the same with ``expandable_segments:True``, as PyTorch's
   test_cuda_expandable_segments.py runs these classes;
@@ -24,6 +25,11 @@ import traceback
 import unittest
 
 MODES = ("pytorch", "pytorch-expandable", "stepalloc", "stepalloc-plain")
+# The modules of ported tests and the test classes each holds; one process runs one module.
+CASES = {
+    "cuda_cases": ("TestCuda", "TestMemPool"),
+    "cudagraph_tree_cases": ("CudaGraphTreeTests",),
+}
 
 
 # Device memory the process holds outside any allocator, as a CUDA context does on a real GPU
@@ -44,7 +50,13 @@ def hold_context_memory(torch) -> None:
 
 
 def main() -> None:
-    mode, wanted = sys.argv[1], set(sys.argv[2:])
+    mode, args = sys.argv[1], sys.argv[2:]
+    module = "cuda_cases"
+    if args and args[0].startswith("--cases="):
+        module, args = args[0].removeprefix("--cases="), args[1:]
+    if module not in CASES:
+        raise SystemExit(f"--cases must be one of {sorted(CASES)}, not {module!r}")
+    wanted = set(args)
     if mode not in MODES:
         raise SystemExit(f"mode must be one of {MODES}, not {mode!r}")
     expected_conf = "expandable_segments:True" if mode == "pytorch-expandable" else ""
@@ -60,10 +72,11 @@ def main() -> None:
     assert torch.cuda.is_available()
     hold_context_memory(torch)
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import cuda_cases
+    import importlib
 
+    cases = importlib.import_module(module)
     loader = unittest.TestLoader()
-    for cls in (cuda_cases.TestCuda, cuda_cases.TestMemPool):
+    for cls in (getattr(cases, name) for name in CASES[module]):
         for name in loader.getTestCaseNames(cls):
             test_id = f"{cls.__name__}.{name}"
             if wanted and test_id not in wanted:

@@ -1,5 +1,6 @@
 """PyTorch's own allocator tests (cuda_cases.py, ported from its test/test_cuda.py and
-test_cuda_expandable_segments.py) run side by side under PyTorch's caching allocator (plain and
+test_cuda_expandable_segments.py; cudagraph_tree_cases.py, from test/inductor/test_cudagraph_trees.py)
+run side by side under PyTorch's caching allocator (plain and
 expandable segments) and under process-wide stepalloc (recommended and plain configuration),
 over testdrv's host-memory CUDA: one process per allocator runs every test in order
 (run_cases.py), as PyTorch's runner does.
@@ -40,16 +41,24 @@ pytestmark = pytest.mark.skipif(
 MODES = [mode for mode, _ in parity.ALLOCATORS]
 
 
-def ported_tests() -> list[str]:
-    """``Class.test_name`` of every test in cuda_cases.py, read from its source."""
-    tree = ast.parse((HERE / "cuda_cases.py").read_text())
-    return [
-        f"{cls.name}.{fn.name}"
-        for cls in tree.body
-        if isinstance(cls, ast.ClassDef)
-        for fn in cls.body
-        if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")
-    ]
+# The modules of ported tests (run_cases.py's ``CASES``), each run in a process of its own.
+CASE_MODULES = ("cuda_cases", "cudagraph_tree_cases")
+
+
+def ported_tests(module: str | None = None) -> list[str]:
+    """``Class.test_name`` of every ported test (of ``module`` only, when given), read from the
+    source."""
+    names = []
+    for m in CASE_MODULES if module is None else (module,):
+        tree = ast.parse((HERE / f"{m}.py").read_text())
+        names += [
+            f"{cls.name}.{fn.name}"
+            for cls in tree.body
+            if isinstance(cls, ast.ClassDef)
+            for fn in cls.body
+            if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test_")
+        ]
+    return names
 
 
 def run_cases(mode: str) -> dict[str, dict[str, str]]:
@@ -64,17 +73,19 @@ def run_cases(mode: str) -> dict[str, dict[str, str]]:
         "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True" if mode == "pytorch-expandable" else "",
     }
     runner = str(HERE / "run_cases.py")
-    code = f"import runpy, sys\nsys.argv = [{runner!r}, {mode!r}]\nrunpy.run_path({runner!r}, run_name='__main__')\n"
-    result = run_python(code, env=env, timeout=600)
     found = {}
-    for line in result.stdout.splitlines():
-        if line.startswith("RESULT "):
-            got = json.loads(line[len("RESULT ") :])
-            found[got["test"]] = got
-    for test in ported_tests():  # what a crash left unrun
-        found.setdefault(
-            test, {"test": test, "outcome": "crashed", "detail": f"rc {result.returncode}: {result.stderr[-2000:]}"}
-        )
+    for module in CASE_MODULES:
+        argv = [runner, mode, f"--cases={module}"]
+        code = f"import runpy, sys\nsys.argv = {argv!r}\nrunpy.run_path({runner!r}, run_name='__main__')\n"
+        result = run_python(code, env=env, timeout=600)
+        for line in result.stdout.splitlines():
+            if line.startswith("RESULT "):
+                got = json.loads(line[len("RESULT ") :])
+                found[got["test"]] = got
+        for test in ported_tests(module):  # what a crash left unrun
+            found.setdefault(
+                test, {"test": test, "outcome": "crashed", "detail": f"rc {result.returncode}: {result.stderr[-2000:]}"}
+            )
     return found
 
 
