@@ -10,10 +10,12 @@
 //!    allocation, the cache discarded; the loop calls `empty_cache` before the engine wakes
 //!    (what RL frameworks do so the trainer's cache does not sit under the engine);
 //! 4. `stepalloc`: stepalloc's recommended configuration, the engine's allocations in regions
-//!    of tags `engine_weights` (backed up) and `kv_cache` (discarded), paused after the rollout
-//!    and resumed before the next through `Allocator::pause` / `resume`; the same
-//!    `empty_cache` before the engine resumes. Its switch time is laid out by `cost.rs` under
-//!    the cost model's `Schedule` from each call's measured driver time.
+//!    of tags `engine_weights` (backed up) and `kv_cache` (discarded), both paused after the
+//!    rollout by one `Allocator::pause_tags` and resumed before the next by one `resume_tags`,
+//!    with no `empty_cache` (the resume releases the trainer's idle cached pages it takes the
+//!    place of). Its switch time is the simulated device's host clock over those two calls:
+//!    each driver call moves it by its modelled cost, each wait for a copy to the copy's end,
+//!    and the copy engine moves the bytes at the link's rate as the library queues them.
 //!
 //! Peak device use is the most bytes the device holds for the process at once over the run:
 //! reserved bytes (mapped pages under expandable segments), with paused memory not counted;
@@ -36,7 +38,7 @@ const WEIGHTS_TAG: &str = "engine_weights";
 const KV_TAG: &str = "kv_cache";
 const GIB: u64 = 1 << 30;
 /// How the stepalloc column switches, as the table's header says.
-const STEPALLOC_SWITCH: &str = "one pause and one resume per tag, empty_cache before the resume; the library's calls \
+const STEPALLOC_SWITCH: &str = "one pause and one resume of both engine tags, no empty_cache; the library's calls \
      timed on the simulated device's clock (copy engine at the link's rate)";
 
 /// One way of sharing the device, measured.
@@ -304,7 +306,7 @@ fn play(lp: &Loop, mode: Mode, cost: &CostModel) -> Result<Tally, String> {
                         t.switch_s += cost.vllm_s(w.0, w.1, w.0 + kv.0, false);
                         d.asleep_set(true);
                     }
-                    Mode::Stepalloc => pause_engine(&d, &mut t)?,
+                    Mode::Stepalloc => switch_engine(&d, &mut t, true)?,
                 }
                 note_switch(&d, &mut t)?;
             }
@@ -326,7 +328,7 @@ fn play(lp: &Loop, mode: Mode, cost: &CostModel) -> Result<Tally, String> {
                         t.switch_s += cost.vllm_s(w.0, w.1, w.0 + kv.0, true);
                         d.asleep_set(false);
                     }
-                    Mode::Stepalloc => resume_engine(&d, &mut t)?,
+                    Mode::Stepalloc => switch_engine(&d, &mut t, false)?,
                 }
                 note_switch(&d, &mut t)?;
             }
@@ -337,35 +339,18 @@ fn play(lp: &Loop, mode: Mode, cost: &CostModel) -> Result<Tally, String> {
     Ok(t)
 }
 
-/// One pause or resume of `tag` on the trainer's allocator, its invariants checked after:
-/// what it copied and the seconds it took on the simulated device's host clock (its driver
-/// calls, and its waits for the copies it queued).
-fn sleep_call(d: &Device, tag: &str, pause: bool) -> Result<(u64, f64), String> {
+/// stepalloc's pause (or resume) of the engine: both its tags in one call, its invariants
+/// checked after. Returns what it copied and the seconds it took on the simulated device's host
+/// clock (its driver calls, and its waits for the copies it queued, as the library makes them).
+fn switch_engine(d: &Device, t: &mut Tally, pause: bool) -> Result<(), String> {
     let before = stats(&d.trainer)?;
-    let r = if pause { d.trainer.pause(Some(tag), None) } else { d.trainer.resume(Some(tag)) };
+    let engine = [WEIGHTS_TAG, KV_TAG];
+    let r = if pause { d.trainer.pause_tags(&engine, None) } else { d.trainer.resume_tags(&engine) };
     let r = r.map_err(|e| e.to_string())?;
     let after = stats(&d.trainer)?;
-    d.trainer.check_invariants().map_err(|e| format!("after {} of {tag}: {e}", r.op))?;
-    Ok((r.copied_bytes, driver_s(&after, true) - driver_s(&before, true)))
-}
-
-/// stepalloc's pause of the engine: the cache first (nothing to copy), then the weights.
-fn pause_engine(d: &Device, t: &mut Tally) -> Result<(), String> {
-    let (_, cache_s) = sleep_call(d, KV_TAG, true)?;
-    let (copied, weights_s) = sleep_call(d, WEIGHTS_TAG, true)?;
-    t.copied += copied;
-    t.switch_s += cache_s + weights_s;
-    Ok(())
-}
-
-/// stepalloc's resume of the engine after the loop's `empty_cache`: the weights first (the
-/// engine's first kernels read them), then the cache.
-fn resume_engine(d: &Device, t: &mut Tally) -> Result<(), String> {
-    let release_cached_s = d.empty_cache()?;
-    let (copied, weights_s) = sleep_call(d, WEIGHTS_TAG, false)?;
-    let (_, cache_s) = sleep_call(d, KV_TAG, false)?;
-    t.copied += copied;
-    t.switch_s += release_cached_s + weights_s + cache_s;
+    d.trainer.check_invariants().map_err(|e| format!("after the engine's {}: {e}", r.op))?;
+    t.copied += r.copied_bytes;
+    t.switch_s += driver_s(&after, true) - driver_s(&before, true);
     Ok(())
 }
 
