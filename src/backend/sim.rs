@@ -628,6 +628,31 @@ mod tests {
     }
 
     #[test]
+    fn copies_run_on_their_own_engine_at_the_configured_rate() {
+        let mut d = device("sim_cost_model:True,sim_copy_mb_s:1000");
+        let host = d.host_alloc(100 * MIB).unwrap();
+        let range = d.reserve_address(100 * MIB).unwrap();
+        let page = d.create_physical(100 * MIB).unwrap();
+        d.map(range, 100 * MIB, page).unwrap();
+        let start = d.now_ns;
+        d.copy_to_host(host, range, 100 * MIB).unwrap();
+        let copy_ns = 100 * MIB * 1_000_000_000 / 1_000_000_000;
+        let event = d.record_copy_event().unwrap();
+        // The host goes on while the copy runs: a stream's synchronization does not wait for it.
+        d.synchronize_stream(Stream(1)).unwrap();
+        assert!(d.now_ns < start + copy_ns / 2, "a stream sync waited for the copy stream");
+        assert!(!d.event_done(event).unwrap());
+        d.wait_event(event).unwrap();
+        assert_eq!(d.now_ns, start + COST_COPY_CALL_NS + copy_ns, "the copy's bytes at 1000 MB/s after its launch");
+        // A device synchronization waits for both.
+        d.copy_to_host(host, range, 100 * MIB).unwrap();
+        let queued = d.now_ns;
+        d.record_copy_event().map(|e| d.free_event(e)).unwrap();
+        d.synchronize().unwrap();
+        assert!(d.now_ns >= queued + copy_ns);
+    }
+
+    #[test]
     fn virtual_memory_follows_the_drivers_rules() {
         let mut d = device("sim_capacity_mb:8");
         let g = d.vm_granularity().unwrap();

@@ -372,7 +372,7 @@ impl Heap {
                 }
                 let (last_addr, (_, last_bytes)) = backups[end - 1];
                 let pages = wanted[k][next[k]..].iter().take_while(|w| w.0 < last_addr + last_bytes).count();
-                self.map_wanted(&wanted[k][next[k]..next[k] + pages])?;
+                out[todo[k]].released_bytes += self.map_wanted(&wanted[k][next[k]..next[k] + pages])?;
                 next[k] += pages;
                 for &(addr, (offset, bytes)) in &backups[start..end] {
                     copy_pieces(&host, offset, bytes, addr, |dev, host, n| self.backend.copy_to_device(dev, host, n))?;
@@ -383,7 +383,7 @@ impl Heap {
         }
         // The pages nothing is copied into, while the last copies run.
         for (k, w) in wanted.iter().enumerate() {
-            self.map_wanted(&w[next[k]..])?;
+            out[todo[k]].released_bytes += self.map_wanted(&w[next[k]..])?;
         }
         Ok(())
     }
@@ -436,11 +436,12 @@ impl Heap {
 
     /// Creates and maps a page for each of `wanted`, after releasing as many bytes of other
     /// tags' idle cached pages (while any are left). A create refused for memory releases
-    /// every idle cached page and tries once more.
-    fn map_wanted(&mut self, wanted: &[Want]) -> Result<()> {
+    /// every idle cached page and tries once more. Returns the bytes released.
+    fn map_wanted(&mut self, wanted: &[Want]) -> Result<u64> {
         let bytes: u64 = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
+        let mut released = 0;
         if bytes > 0 {
-            self.release_cached_for_resume(bytes)?;
+            released += self.release_cached_for_resume(bytes)?;
         }
         for w in wanted {
             let page = self.arena.segment(w.1).page;
@@ -450,7 +451,7 @@ impl Heap {
                 if over_limit { Err(Error::OutOfMemory(Box::default())) } else { self.backend.create_physical(page) };
             if created.as_ref().is_err_and(|e| e.is_out_of_memory()) {
                 self.stats.num_alloc_retries += 1;
-                self.release_all_cached(ReleaseReason::Oom)?;
+                released += self.release_all_cached(ReleaseReason::Oom)?;
                 created = self.backend.create_physical(page);
             }
             let handle = created?;
@@ -461,7 +462,7 @@ impl Heap {
                 return Err(e);
             }
         }
-        Ok(())
+        Ok(released)
     }
 
     /// Releases at least `bytes` of other tags' idle cached memory, or all there is: whole
