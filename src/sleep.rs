@@ -112,9 +112,10 @@ fn with_rollback(e: Error, undone: Vec<Result<()>>, did: &str) -> Error {
 }
 
 /// Keeps the first of each repeated tag, in order.
-fn dedup_in_order(ids: &mut Vec<TagId>) {
+fn dedup_in_order<T>(ids: &mut Vec<T>, id_of: impl Fn(&T) -> TagId) {
     let mut seen = 0u128;
-    ids.retain(|&id| {
+    ids.retain(|item| {
+        let id = id_of(item);
         let new = seen & (1u128 << (id & 127)) == 0;
         seen |= 1u128 << (id & 127);
         new
@@ -148,7 +149,7 @@ impl Allocator {
     pub fn pause(&self, tag: Option<&str>, backup: Option<bool>) -> Result<SleepReport> {
         match tag {
             Some(name) => self.pause_tags(&[name], backup),
-            None => self.pause_ids(tags::registered().into_iter().map(|(id, _)| id).collect(), backup),
+            None => self.pause_ids(tags::registered().into_iter().map(|(id, _)| (id, backup)).collect()),
         }
     }
 
@@ -157,23 +158,31 @@ impl Allocator {
     /// while they run). Every name is checked (known, not "default", no capture, no IPC share)
     /// before any device changes.
     pub fn pause_tags(&self, names: &[&str], backup: Option<bool>) -> Result<SleepReport> {
-        let ids = names.iter().map(|name| named(name, "pause")).collect::<Result<Vec<TagId>>>()?;
-        self.pause_ids(ids, backup)
+        let each: Vec<(&str, Option<bool>)> = names.iter().map(|&name| (name, backup)).collect();
+        self.pause_tags_each(&each)
+    }
+
+    /// `pause_tags` with a backup choice per name (torch_memory_saver's and vLLM's sleep: the
+    /// tags to offload named at the call).
+    pub fn pause_tags_each(&self, names: &[(&str, Option<bool>)]) -> Result<SleepReport> {
+        let ids =
+            names.iter().map(|&(name, backup)| Ok((named(name, "pause")?, backup))).collect::<Result<Vec<_>>>()?;
+        self.pause_ids(ids)
     }
 
     /// Every name in one call per device; when that fails with several names and nothing of it
     /// is left, the names are paused one after the other, each all or none, as a call of one
     /// name would (names before a failing one stay paused, the error is that name's).
-    fn pause_ids(&self, mut ids: Vec<TagId>, backup: Option<bool>) -> Result<SleepReport> {
+    fn pause_ids(&self, mut ids: Vec<(TagId, Option<bool>)>) -> Result<SleepReport> {
         let started = Instant::now();
-        dedup_in_order(&mut ids);
-        match self.pause_together(&ids, backup) {
+        dedup_in_order(&mut ids, |&(id, _)| id);
+        match self.pause_together(&ids) {
             Ok(report) => Ok(report.finish(started)),
             Err((e, restored)) if !restored || ids.len() < 2 => Err(e),
             Err(_) => {
                 let mut report = SleepReport { op: "pause", ..Default::default() };
-                for &id in &ids {
-                    report.merge(self.pause_together(&[id], backup).map_err(|(e, _)| e)?);
+                for &one in &ids {
+                    report.merge(self.pause_together(&[one]).map_err(|(e, _)| e)?);
                 }
                 Ok(report.finish(started))
             }
@@ -182,17 +191,16 @@ impl Allocator {
 
     /// One call per device for every name of `ids`. An error comes with whether every part of
     /// the call was undone.
-    fn pause_together(&self, ids: &[TagId], backup: Option<bool>) -> std::result::Result<SleepReport, (Error, bool)> {
+    fn pause_together(&self, ids: &[(TagId, Option<bool>)]) -> std::result::Result<SleepReport, (Error, bool)> {
         let mut report = SleepReport { op: "pause", ..Default::default() };
         let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
-        for &id in ids {
+        for &(id, _) in ids {
             refuse_during_capture(&heaps, id, "pause").map_err(|e| (e, true))?;
             refuse_while_shared(&heaps, id).map_err(|e| (e, true))?;
         }
         let numbers: Vec<(TagId, bool)> = ids
             .iter()
-            .flat_map(|&id| tags::numbers(id))
-            .map(|n| (n, backup.unwrap_or_else(|| tags::backup(n))))
+            .flat_map(|&(id, backup)| tags::numbers(id).map(|n| (n, backup.unwrap_or_else(|| tags::backup(n)))))
             .collect();
         let mut skipped = vec![true; ids.len()];
         // Per device, the numbers this call paused there.
@@ -232,7 +240,7 @@ impl Allocator {
                 }
             }
         }
-        for (k, &id) in ids.iter().enumerate() {
+        for (k, &(id, _)) in ids.iter().enumerate() {
             if skipped[k] { &mut report.skipped } else { &mut report.tags }.push(tags::name(id));
         }
         Ok(report)
@@ -265,7 +273,7 @@ impl Allocator {
     /// undone) one name after the other, each all or none.
     fn resume_ids(&self, mut ids: Vec<TagId>) -> Result<SleepReport> {
         let started = Instant::now();
-        dedup_in_order(&mut ids);
+        dedup_in_order(&mut ids, |&id| id);
         match self.resume_together(&ids) {
             Ok(report) => Ok(report.finish(started)),
             Err((e, restored)) if !restored || ids.len() < 2 => Err(e),

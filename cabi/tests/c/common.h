@@ -36,6 +36,7 @@
     X(stepalloc_pool_create) X(stepalloc_pool_use_count)                                   \
     X(stepalloc_pool_set_segment_allocator) X(stepalloc_pool_set_use_on_oom) X(stepalloc_pool_set_no_split) \
     X(stepalloc_region_enter) X(stepalloc_region_exit) X(stepalloc_pause) X(stepalloc_resume) \
+    X(stepalloc_pause_tags) X(stepalloc_resume_tags) \
     X(stepalloc_sleep_report_json) X(stepalloc_release_backup) X(stepalloc_tags_json) \
     X(stepalloc_region_lend) X(stepalloc_region_borrow) X(stepalloc_region_lend_end) \
     X(stepalloc_ipc_share) X(stepalloc_ipc_open) X(stepalloc_ipc_close) X(stepalloc_ipc_unshare)
