@@ -11,16 +11,22 @@
 //! never hold blocks of two tags, and a pause unmaps exactly its tag's pages. The default tag
 //! is untouched: its memory is laid out as before.
 //!
-//! A pause, in order: wait for the pending frees' events; record an event on every stream that
-//! used the tag's blocks and wait for those (no device-wide synchronize); queue the live bytes'
-//! copies to the tag's pinned host buffers (kept across pauses, grown when short) on the
-//! backend's copy stream, in pieces, with an event every `COPY_BATCH` bytes; meanwhile unmap and
-//! release the whole pages of the tag's free blocks; then unmap and release the live pages in
-//! address order, each once the copies that read it completed. Idle cached pages of other tags
-//! go too (`empty_cache`), so the device shows the memory free when `pause_tag` returns.
-//! A resume creates every physical page first (all or none: on failure the tag stays paused
-//! with its backup, and the error names the tag and the shortfall), maps them in address order
-//! and queues each block's copy as soon as its pages are mapped, then waits for the copies.
+//! A pause (`pause_tags`: one tag or several in one call), in order: wait for the pending
+//! frees' events; record an event on every stream that used the tags' blocks and wait for
+//! those (no device-wide synchronize); queue every backed-up tag's live bytes' copies to its
+//! pinned host buffers (kept across pauses, grown when short) on the backend's copy stream, in
+//! pieces, with an event every `COPY_BATCH` bytes; meanwhile unmap and release the whole pages
+//! of the tags' free blocks, the live pages of the tags without backup and other tags' idle
+//! cached pages (`empty_cache`, so the device shows the memory free when the call returns);
+//! then unmap and release the backed-up tags' live pages in address order, each once the
+//! copies that read it completed.
+//! A resume (`resume_tags`) checks first that the device has room (free memory plus other
+//! tags' idle cached pages; else the error names the tags and the shortfall and nothing
+//! changed); then per `COPY_BATCH` of backed-up blocks it releases as many bytes of other tags'
+//! idle cached pages as the batch maps, creates and maps the batch's pages and queues its
+//! copies, so that the next batch's driver calls run under this one's copies; then it maps the
+//! pages nothing is copied into and waits for the copies. All or none: on a failure it waits
+//! for the queued copies and unmaps what it mapped, and the tags stay paused with their backups.
 //!
 //! Invariants while a tag is paused: its segments keep their blocks (allocated blocks stay
 //! allocated, so `free` finds them) but none of their pages is mapped (`pages` holds `None`);
@@ -162,7 +168,7 @@ impl Heap {
         self.wait_for_streams(&all)?;
         // The backed-up tags' copies, queued before any page goes: (position in `todo`, the
         // batches' events, the backup records).
-        let mut gated: Vec<(usize, Vec<(u64, Event)>, BTreeMap<u64, (u64, u64)>)> = Vec::new();
+        let mut gated: Vec<Gated> = Vec::new();
         for (k, &i) in todo.iter().enumerate() {
             let (tag, backup) = tags[i];
             let live = self.tag_live_blocks(&segments[k]);
@@ -205,7 +211,7 @@ impl Heap {
         tags: &[(TagId, bool)],
         todo: &[usize],
         segments: &[Vec<SegmentId>],
-        gated: &mut Vec<(usize, Vec<(u64, Event)>, BTreeMap<u64, (u64, u64)>)>,
+        gated: &mut Vec<Gated>,
         out: &mut [SleepOutcome],
     ) -> Result<()> {
         // The streams' work on these pages completed: free neighbours of different streams may
@@ -813,6 +819,10 @@ impl Heap {
         Ok(())
     }
 }
+
+/// A backed-up tag of a pause whose copies are queued: (its position in the call's tags to
+/// pause, the copy batches' events with the end address each covers, the backup records).
+type Gated = (usize, Vec<(u64, Event)>, BTreeMap<u64, (u64, u64)>);
 
 /// A page a resume maps: (address, segment, page index).
 type Want = (u64, SegmentId, usize);
