@@ -451,16 +451,25 @@ impl Heap {
         }
         for w in wanted {
             let page = self.arena.segment(w.1).page;
-            let over_limit =
-                self.fraction_set && self.stats.reserved_bytes.current().saturating_add(page) > self.allowed;
-            let mut created =
-                if over_limit { Err(Error::OutOfMemory(Box::default())) } else { self.backend.create_physical(page) };
-            if created.as_ref().is_err_and(|e| e.is_out_of_memory()) {
-                self.stats.num_alloc_retries += 1;
-                released += self.release_all_cached(ReleaseReason::Oom)?;
-                created = self.backend.create_physical(page);
-            }
-            let handle = created?;
+            let mut retried = false;
+            let handle = loop {
+                let over_limit =
+                    self.fraction_set && self.stats.reserved_bytes.current().saturating_add(page) > self.allowed;
+                let created = if over_limit {
+                    Err(Error::OutOfMemory(Box::default()))
+                } else {
+                    self.backend.create_physical(page)
+                };
+                match created {
+                    Ok(handle) => break handle,
+                    Err(e) if e.is_out_of_memory() && !retried => {
+                        retried = true;
+                        self.stats.num_alloc_retries += 1;
+                        released += self.release_all_cached(ReleaseReason::Oom)?;
+                    }
+                    Err(e) => return Err(e),
+                }
+            };
             self.stats.num_create += 1;
             if let Err(e) = self.map_resumed(w, handle) {
                 self.backend.release_physical(handle)?;
