@@ -45,7 +45,9 @@ from e2e_model import SIZES, build_model, pick_variant  # noqa: E402
 
 MIB, GIB = 1 << 20, 1 << 30
 ENGINE, KV, TRAINER, SCRATCH = "engine_weights", "kv_cache", "trainer", "trainer_scratch"
-ENGINE_CALLS = {"resume kv", "pause kv", "pause weights", "resume weights"}
+# The engine's calls; its two tags go in one call where both switch together (stepalloc's
+# pause_tags / resume_tags: the cache's unmaps and maps under the weights' copies).
+ENGINE_CALLS = {"resume engine", "resume kv", "pause engine", "resume weights"}
 
 
 def on_host_driver() -> bool:
@@ -175,16 +177,15 @@ def run(a: argparse.Namespace) -> dict:
 
         # --- rollout (the engine's weights are awake: built so, or synced by the last step)
         if it == 1:
-            switch("resume weights", lambda: stepalloc.resume(ENGINE), "in")
-        switch("resume kv", lambda: stepalloc.resume(KV), "in")
+            switch("resume engine", lambda: stepalloc.resume([ENGINE, KV]), "in")
+        else:
+            switch("resume kv", lambda: stepalloc.resume(KV), "in")
         bytes_kept &= all(holds(w, last) for w in weights)
         fill(kv, version)  # the KV cache fills as tokens are generated
         peak = max(peak, in_use())
-        switch("pause kv", lambda: stepalloc.pause(KV), "out")
-        switch("pause weights", lambda: stepalloc.pause(ENGINE), "out")
+        switch("pause engine", lambda: stepalloc.pause([KV, ENGINE]), "out")
         # --- train
-        switch("resume trainer", lambda: stepalloc.resume(TRAINER), "in")
-        switch("resume scratch", lambda: stepalloc.resume(SCRATCH), "in")
+        switch("resume trainer", lambda: stepalloc.resume([TRAINER, SCRATCH]), "in")
         bytes_kept &= all(holds(p, last) for p in params_t)
         fill(acts, version)
         for g in grads:

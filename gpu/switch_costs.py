@@ -52,11 +52,14 @@ CONSTANTS = {
     "unmap_s": ("sim.rs", "COST_UNMAP_NS", 1e-9, 10e-6),
     "release_s": ("sim.rs", "COST_RELEASE_PHYSICAL_NS", 1e-9, 10e-6),
     "copy_call_s": ("sim.rs", "COST_COPY_CALL_NS", 1e-9, 3e-6),
-    "sim_copy_gib_s": ("sim.rs", "COPY_BYTES_PER_S", 1.0 / GIB, 25.0),
+    # The simulated device's copy rate unless `sim_copy_mb_s` sets it (the colocated loop sets
+    # it to --link-gbps).
+    "sim_copy_gib_s": ("config.rs", "DEFAULT_SIM_COPY_BYTES_PER_S", 1.0 / GIB, 25.0),
 }
 SOURCES = {
     "cost.rs": ["stress/src/workload/colocated/cost.rs", "model/cost.rs"],
     "sim.rs": ["src/backend/sim.rs", "model/sim.rs"],
+    "config.rs": ["src/config.rs", "model/config.rs"],
 }
 
 

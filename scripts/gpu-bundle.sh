@@ -76,7 +76,7 @@ cp python_shim/examples/colocated_loop.py "$OUT/python/examples/"
 cp gpu/*.py gpu/*.sh "$OUT/gpu/"
 # The colocated cost model's constants, which gpu/switch_costs.py sets beside its measurements.
 mkdir -p "$OUT/model"
-cp stress/src/workload/colocated/cost.rs src/backend/sim.rs "$OUT/model/"
+cp stress/src/workload/colocated/cost.rs src/backend/sim.rs src/config.rs "$OUT/model/"
 cp scripts/cuda_matches_sim.py scripts/gpu_manifest.py "$OUT/scripts/"
 cp stress/tests/data/model_vlm_agent.jsonl "$OUT/traces/"
 # torch_memory_saver's wheel (abi3, CUDA 12 and 13), which gpu/sleep_check.py runs beside

@@ -11,10 +11,13 @@
 //! as it was paused (what came back from a backup is backed up again, the rest discarded), and a
 //! rollback that fails says so in the error.
 //!
-//! A call holds every device's lock while it acts on one name (in device order, the only place
-//! that takes more than one): another thread, a metrics scrape or `tags()` sees a name either
-//! untouched or paused with both its numbers on every device, never half, and a capture on any
-//! device refuses the call before any device changes.
+//! A call holds every device's lock while it acts (in device order, the only place that takes
+//! more than one): another thread, a metrics scrape or `tags()` sees the names either untouched
+//! or paused with all their numbers on every device, never half, and a capture on any device
+//! (or a name unknown, "default" or shared over IPC) refuses the call before any device
+//! changes. Every name of a call, and every number of each, go to one heap call per device
+//! (`Heap::pause_tags` / `resume_tags`), so that one tag's driver calls run under another's
+//! copies; a call of several names is all or none across them.
 
 use crate::allocator::Allocator;
 use crate::error::{Error, Result};
@@ -46,6 +49,15 @@ impl SleepReport {
         self.mapped_bytes += o.mapped_bytes;
         self.copied_bytes += o.copied_bytes;
         self.discarded_bytes += o.discarded_bytes;
+    }
+
+    fn merge(&mut self, other: SleepReport) {
+        self.tags.extend(other.tags);
+        self.skipped.extend(other.skipped);
+        self.released_bytes += other.released_bytes;
+        self.mapped_bytes += other.mapped_bytes;
+        self.copied_bytes += other.copied_bytes;
+        self.discarded_bytes += other.discarded_bytes;
     }
 
     fn finish(mut self, started: Instant) -> SleepReport {
@@ -99,6 +111,17 @@ fn with_rollback(e: Error, undone: Vec<Result<()>>, did: &str) -> Error {
     ))
 }
 
+/// Keeps the first of each repeated tag, in order.
+fn dedup_in_order<T>(ids: &mut Vec<T>, id_of: impl Fn(&T) -> TagId) {
+    let mut seen = 0u128;
+    ids.retain(|item| {
+        let id = id_of(item);
+        let new = seen & (1u128 << (id & 127)) == 0;
+        seen |= 1u128 << (id & 127);
+        new
+    });
+}
+
 /// The tag a caller named: a name some region used, never "default".
 fn named(tag: &str, what: &str) -> Result<TagId> {
     tags::check_name(tag)?;
@@ -120,85 +143,195 @@ impl Allocator {
     /// allocation's region (memory made in a region with a backup is copied to the host, the
     /// rest discarded); Some overrides it for the whole tag.
     ///
-    /// Per name, all or none: when one of its numbers on one device fails (no host memory for
-    /// the backup, a driver error), what this call paused of that name resumes again, so the
-    /// error leaves it resident with its bytes (the discarded part excepted, which is paused
-    /// after the backed-up part, when nothing can fail for want of host memory any more).
+    /// All or none: when one number on one device fails (no host memory for the backup, a
+    /// driver error), what this call paused resumes again, so the error leaves every tag
+    /// resident with its bytes.
     pub fn pause(&self, tag: Option<&str>, backup: Option<bool>) -> Result<SleepReport> {
+        match tag {
+            Some(name) => self.pause_tags(&[name], backup),
+            None => self.pause_ids(tags::registered().into_iter().map(|(id, _)| (id, backup)).collect()),
+        }
+    }
+
+    /// `pause` of several tags in one call: each device pauses them all at once
+    /// (`Heap::pause_tags`: the backed-up tags' copies queued first, the other pages released
+    /// while they run). Every name is checked (known, not "default", no capture, no IPC share)
+    /// before any device changes.
+    pub fn pause_tags(&self, names: &[&str], backup: Option<bool>) -> Result<SleepReport> {
+        let each: Vec<(&str, Option<bool>)> = names.iter().map(|&name| (name, backup)).collect();
+        self.pause_tags_each(&each)
+    }
+
+    /// `pause_tags` with a backup choice per name (torch_memory_saver's and vLLM's sleep: the
+    /// tags to offload named at the call).
+    pub fn pause_tags_each(&self, names: &[(&str, Option<bool>)]) -> Result<SleepReport> {
+        let ids =
+            names.iter().map(|&(name, backup)| Ok((named(name, "pause")?, backup))).collect::<Result<Vec<_>>>()?;
+        self.pause_ids(ids)
+    }
+
+    /// Every name in one call per device; when that fails with several names and nothing of it
+    /// is left, the names are paused one after the other, each all or none, as a call of one
+    /// name would (names before a failing one stay paused, the error is that name's).
+    fn pause_ids(&self, mut ids: Vec<(TagId, Option<bool>)>) -> Result<SleepReport> {
         let started = Instant::now();
-        let ids: Vec<TagId> = match tag {
-            Some(name) => vec![named(name, "pause")?],
-            None => tags::registered().into_iter().map(|(id, _)| id).collect(),
-        };
+        dedup_in_order(&mut ids, |&(id, _)| id);
+        match self.pause_together(&ids) {
+            Ok(report) => Ok(report.finish(started)),
+            Err((e, restored)) if !restored || ids.len() < 2 => Err(e),
+            Err(_) => {
+                let mut report = SleepReport { op: "pause", ..Default::default() };
+                for &one in &ids {
+                    report.merge(self.pause_together(&[one]).map_err(|(e, _)| e)?);
+                }
+                Ok(report.finish(started))
+            }
+        }
+    }
+
+    /// One call per device for every name of `ids`. An error comes with whether every part of
+    /// the call was undone.
+    fn pause_together(&self, ids: &[(TagId, Option<bool>)]) -> std::result::Result<SleepReport, (Error, bool)> {
         let mut report = SleepReport { op: "pause", ..Default::default() };
-        for id in ids {
-            let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
-            refuse_during_capture(&heaps, id, "pause")?;
-            refuse_while_shared(&heaps, id)?;
-            let mut skipped = true;
-            let mut paused: Vec<(usize, TagId)> = Vec::new();
-            for number in tags::numbers(id) {
-                let copy = backup.unwrap_or_else(|| tags::backup(number));
-                for device in 0..heaps.len() {
-                    let outcome = match heaps[device].pause_tag(number, copy) {
-                        Ok(outcome) => outcome,
-                        Err(e) => {
-                            let undone = paused.iter().rev().map(|&(d, n)| heaps[d].resume_tag(n).map(|_| ()));
-                            return Err(with_rollback(e, undone.collect(), "resumed"));
+        let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
+        for &(id, _) in ids {
+            refuse_during_capture(&heaps, id, "pause").map_err(|e| (e, true))?;
+            refuse_while_shared(&heaps, id).map_err(|e| (e, true))?;
+        }
+        let numbers: Vec<(TagId, bool)> = ids
+            .iter()
+            .flat_map(|&(id, backup)| tags::numbers(id).map(|n| (n, backup.unwrap_or_else(|| tags::backup(n)))))
+            .collect();
+        let mut skipped = vec![true; ids.len()];
+        // Per device, the numbers this call paused there.
+        let mut paused: Vec<Vec<TagId>> = Vec::new();
+        for device in 0..heaps.len() {
+            let before: Vec<bool> = numbers.iter().map(|&(n, _)| heaps[device].tag_paused(n)).collect();
+            match heaps[device].pause_tags(&numbers) {
+                Ok(outcomes) => {
+                    let mut here = Vec::new();
+                    for (j, o) in outcomes.iter().enumerate() {
+                        if !o.skipped {
+                            here.push(numbers[j].0);
+                            skipped[j / 2] = false;
                         }
-                    };
-                    if !outcome.skipped {
-                        paused.push((device, number));
+                        report.add(o);
                     }
-                    skipped &= outcome.skipped;
-                    report.add(&outcome);
+                    paused.push(here);
+                }
+                Err(e) => {
+                    // What this device paused before the error, then every device before it.
+                    let partial: Vec<TagId> = numbers
+                        .iter()
+                        .zip(&before)
+                        .filter(|&(&(n, _), &was)| !was && heaps[device].tag_paused(n))
+                        .map(|(&(n, _), _)| n)
+                        .collect();
+                    paused.push(partial);
+                    let undone: Vec<Result<()>> = paused
+                        .iter()
+                        .enumerate()
+                        .rev()
+                        .filter(|(_, ns)| !ns.is_empty())
+                        .map(|(d, ns)| heaps[d].resume_tags(ns).map(|_| ()))
+                        .collect();
+                    let restored = undone.iter().all(Result::is_ok);
+                    return Err((with_rollback(e, undone, "resumed"), restored));
                 }
             }
-            if skipped { &mut report.skipped } else { &mut report.tags }.push(tags::name(id));
         }
-        Ok(report.finish(started))
+        for (k, &(id, _)) in ids.iter().enumerate() {
+            if skipped[k] { &mut report.skipped } else { &mut report.tags }.push(tags::name(id));
+        }
+        Ok(report)
     }
 
     /// Resumes `tag` (None: every paused tag) on every device: memory is mapped again at the
     /// same addresses and backed-up bytes restored.
     pub fn resume(&self, tag: Option<&str>) -> Result<SleepReport> {
+        match tag {
+            Some(name) => self.resume_tags(&[name]),
+            None => {
+                let paused_anywhere =
+                    |id: TagId| tags::numbers(id).iter().any(|&n| self.devices.iter().any(|h| h.lock().tag_paused(n)));
+                let ids = tags::registered().into_iter().map(|(id, _)| id).filter(|&id| paused_anywhere(id));
+                self.resume_ids(ids.collect())
+            }
+        }
+    }
+
+    /// `resume` of several tags in one call: each device resumes them all at once
+    /// (`Heap::resume_tags`: room checked first, each batch's pages mapped while the batch
+    /// before copies). All or none: a device that fails leaves them paused there, and the
+    /// devices resumed before it pause again, each part as it was paused.
+    pub fn resume_tags(&self, names: &[&str]) -> Result<SleepReport> {
+        let ids = names.iter().map(|name| named(name, "resume")).collect::<Result<Vec<TagId>>>()?;
+        self.resume_ids(ids)
+    }
+
+    /// As `pause_ids`: every name in one call per device, else (several names, a failure
+    /// undone) one name after the other, each all or none.
+    fn resume_ids(&self, mut ids: Vec<TagId>) -> Result<SleepReport> {
         let started = Instant::now();
-        let paused_anywhere =
-            |id: TagId| tags::numbers(id).iter().any(|&n| self.devices.iter().any(|h| h.lock().tag_paused(n)));
-        let ids: Vec<TagId> = match tag {
-            Some(name) => vec![named(name, "resume")?],
-            None => tags::registered().into_iter().map(|(id, _)| id).filter(|&id| paused_anywhere(id)).collect(),
-        };
+        dedup_in_order(&mut ids, |&id| id);
+        match self.resume_together(&ids) {
+            Ok(report) => Ok(report.finish(started)),
+            Err((e, restored)) if !restored || ids.len() < 2 => Err(e),
+            Err(_) => {
+                let mut report = SleepReport { op: "resume", ..Default::default() };
+                for &id in &ids {
+                    report.merge(self.resume_together(&[id]).map_err(|(e, _)| e)?);
+                }
+                Ok(report.finish(started))
+            }
+        }
+    }
+
+    fn resume_together(&self, ids: &[TagId]) -> std::result::Result<SleepReport, (Error, bool)> {
         let mut report = SleepReport { op: "resume", ..Default::default() };
-        for id in ids {
-            let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
-            refuse_during_capture(&heaps, id, "resume")?;
-            let mut skipped = true;
-            // What this call resumed, and whether it restored bytes from a backup.
-            let mut resumed: Vec<(usize, TagId, bool)> = Vec::new();
-            for number in tags::numbers(id) {
-                for device in 0..heaps.len() {
-                    let outcome = match heaps[device].resume_tag(number) {
-                        Ok(outcome) => outcome,
-                        Err(e) => {
-                            // All or none: what this call resumed pauses again as it was paused
-                            // (restored bytes backed up again, discarded ones discarded again).
-                            let undone = resumed.iter().map(|&(d, n, restored)| {
-                                heaps[d].pause_tag(n, restored || tags::backup(n)).map(|_| ())
-                            });
-                            return Err(with_rollback(e, undone.collect(), "paused again"));
+        let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
+        for &id in ids {
+            refuse_during_capture(&heaps, id, "resume").map_err(|e| (e, true))?;
+        }
+        let numbers: Vec<TagId> = ids.iter().flat_map(|&id| tags::numbers(id)).collect();
+        let mut skipped = vec![true; ids.len()];
+        // Per device, what this call resumed there, and whether it restored bytes from a backup.
+        let mut resumed: Vec<Vec<(TagId, bool)>> = Vec::new();
+        for device in 0..heaps.len() {
+            match heaps[device].resume_tags(&numbers) {
+                Ok(outcomes) => {
+                    let mut here = Vec::new();
+                    for (j, o) in outcomes.iter().enumerate() {
+                        if !o.skipped {
+                            here.push((numbers[j], o.copied_bytes > 0));
+                            skipped[j / 2] = false;
                         }
-                    };
-                    if !outcome.skipped {
-                        resumed.push((device, number, outcome.copied_bytes > 0));
+                        report.add(o);
                     }
-                    skipped &= outcome.skipped;
-                    report.add(&outcome);
+                    resumed.push(here);
+                }
+                Err(e) => {
+                    // All or none: what this call resumed pauses again as it was paused
+                    // (restored bytes backed up again, discarded ones discarded again).
+                    let undone: Vec<Result<()>> = resumed
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, ns)| !ns.is_empty())
+                        .map(|(d, ns)| {
+                            let again: Vec<(TagId, bool)> =
+                                ns.iter().map(|&(n, restored)| (n, restored || tags::backup(n))).collect();
+                            heaps[d].pause_tags(&again).map(|_| ())
+                        })
+                        .collect();
+                    let restored = undone.iter().all(Result::is_ok);
+                    return Err((with_rollback(e, undone, "paused again"), restored));
                 }
             }
-            if skipped { &mut report.skipped } else { &mut report.tags }.push(tags::name(id));
         }
-        Ok(report.finish(started))
+        for (k, &id) in ids.iter().enumerate() {
+            if skipped[k] { &mut report.skipped } else { &mut report.tags }.push(tags::name(id));
+        }
+        Ok(report)
     }
 
     /// Frees the pinned host buffers that hold no paused bytes, on every device. Returns bytes.

@@ -375,6 +375,28 @@ int stepalloc_pause(const char *tag, int backup);
 // `tag` must be NULL or a NUL-terminated string.
 int stepalloc_resume(const char *tag);
 
+// Pauses every tag of `tags` (names separated by commas, e.g. "weights,kv_cache") in one call:
+// on each device the backed-up tags' copies are queued first and the other tags' pages are
+// released while they run, so the call takes about the copies' time. `backup` as
+// `stepalloc_pause`, for every name without its own: "name=1" backs that tag up, "name=0"
+// discards it. Every name is checked before anything changes; when the call fails, the names
+// are paused one after the other as `stepalloc_pause` of each would (those before the failing
+// one stay paused). Returns a status; `stepalloc_sleep_report_json` tells what it did.
+//
+// # Safety
+// `tags` must be a NUL-terminated string.
+int stepalloc_pause_tags(const char *tags, int backup);
+
+// Resumes every tag of `tags` (names separated by commas) in one call: the room is checked
+// first, then each copy batch's pages are mapped while the batch before copies. When the call
+// fails, the names are resumed one after the other as `stepalloc_resume` of each would; a tag
+// that cannot get its memory stays paused with its backup (`STEPALLOC_OUT_OF_MEMORY` naming
+// it). Returns a status.
+//
+// # Safety
+// `tags` must be a NUL-terminated string.
+int stepalloc_resume_tags(const char *tags);
+
 // The calling thread's last successful pause or resume, as JSON: {"op":"pause"|"resume",
 // "tags":[..],"skipped":[..],"released_bytes":N,"mapped_bytes":N,"copied_bytes":N,
 // "discarded_bytes":N,"seconds":F,"gib_per_s":F}; empty before the first. Text convention.

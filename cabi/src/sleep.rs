@@ -117,6 +117,77 @@ pub unsafe extern "C" fn stepalloc_resume(tag: *const c_char) -> c_int {
     })
 }
 
+/// A comma-separated list of tag names: each one a tag (names hold no commas).
+///
+/// # Safety
+/// `tags` must be NULL or a NUL-terminated string.
+unsafe fn tag_list<'a>(tags: *const c_char) -> Result<Vec<&'a str>, AbiError> {
+    // Safety: forwarded caller contract.
+    let text = unsafe { c_str(tags, "tags") }?;
+    let names: Vec<&str> = text.split(',').collect();
+    if names.iter().any(|n| n.is_empty()) {
+        return Err(AbiError::invalid(format!("tags {text:?}: an empty name; give names separated by single commas")));
+    }
+    Ok(names)
+}
+
+/// Pauses every tag of `tags` (names separated by commas, e.g. "weights,kv_cache") in one call:
+/// on each device the backed-up tags' copies are queued first and the other tags' pages are
+/// released while they run, so the call takes about the copies' time. `backup` as
+/// `stepalloc_pause`, for every name without its own: "name=1" backs that tag up, "name=0"
+/// discards it. Every name is checked before anything changes; when the call fails, the names
+/// are paused one after the other as `stepalloc_pause` of each would (those before the failing
+/// one stay paused). Returns a status; `stepalloc_sleep_report_json` tells what it did.
+///
+/// # Safety
+/// `tags` must be a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_pause_tags(tags: *const c_char, backup: c_int) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let names = unsafe { tag_list(tags) }?;
+        let backup = match backup {
+            -1 => None,
+            0 => Some(false),
+            1 => Some(true),
+            other => return Err(AbiError::invalid(format!("pause: backup must be -1, 0 or 1, not {other}"))),
+        };
+        let mut each = Vec::with_capacity(names.len());
+        for name in names {
+            each.push(match name.split_once('=') {
+                None => (name, backup),
+                Some((tag, "1")) => (tag, Some(true)),
+                Some((tag, "0")) => (tag, Some(false)),
+                Some((tag, other)) => {
+                    return Err(AbiError::invalid(format!("pause: {tag:?}={other}: a tag's backup is =0 or =1")))
+                }
+            });
+        }
+        let report = allocator()?.pause_tags_each(&each)?;
+        LAST_REPORT.with(|r| *r.borrow_mut() = report.to_json());
+        Ok(())
+    })
+}
+
+/// Resumes every tag of `tags` (names separated by commas) in one call: the room is checked
+/// first, then each copy batch's pages are mapped while the batch before copies. When the call
+/// fails, the names are resumed one after the other as `stepalloc_resume` of each would; a tag
+/// that cannot get its memory stays paused with its backup (`STEPALLOC_OUT_OF_MEMORY` naming
+/// it). Returns a status.
+///
+/// # Safety
+/// `tags` must be a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_resume_tags(tags: *const c_char) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let names = unsafe { tag_list(tags) }?;
+        let report = allocator()?.resume_tags(&names)?;
+        LAST_REPORT.with(|r| *r.borrow_mut() = report.to_json());
+        Ok(())
+    })
+}
+
 /// The calling thread's last successful pause or resume, as JSON: {"op":"pause"|"resume",
 /// "tags":[..],"skipped":[..],"released_bytes":N,"mapped_bytes":N,"copied_bytes":N,
 /// "discarded_bytes":N,"seconds":F,"gib_per_s":F}; empty before the first. Text convention.

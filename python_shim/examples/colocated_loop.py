@@ -103,8 +103,8 @@ def main() -> int:
     for it in range(1, args.iterations + 1):
         version = 2 + it % 200
         # --- rollout -------------------------------------------------------------------
-        woke = stepalloc.resume("engine_weights")
-        woke_kv = stepalloc.resume("kv_cache")
+        # Both engine tags in one call: the cache's maps run under the weights' copies.
+        woke = stepalloc.resume(["engine_weights", "kv_cache"])
         for w in weights:
             check(w, last, "engine weights")
         for i in range(0, kv.numel(), u):  # the KV cache grows as tokens are generated
@@ -112,16 +112,14 @@ def main() -> int:
         free, _ = torch.cuda.mem_get_info()
         in_use = total - free
         peak = max(peak, in_use)
-        slept = stepalloc.pause("kv_cache")
-        slept_w = stepalloc.pause("engine_weights")
-        seconds = woke.seconds + woke_kv.seconds + slept.seconds + slept_w.seconds
-        copied = woke.copied_bytes + slept_w.copied_bytes
+        slept = stepalloc.pause(["kv_cache", "engine_weights"])
+        seconds = woke.seconds + slept.seconds
+        copied = woke.copied_bytes + slept.copied_bytes
         switch_s += seconds
         gibs = copied / (1 << 30) / seconds if seconds else 0.0
         print(f"{it:>4} {'rollout':<8} {in_use / MIB:>10.0f} {copied / MIB:>10.0f} {seconds * 1e3:>9.1f} {gibs:>6.2f}")
         # --- train ---------------------------------------------------------------------
-        woke = stepalloc.resume("trainer")
-        woke_s = stepalloc.resume("trainer_scratch")
+        woke = stepalloc.resume(["trainer", "trainer_scratch"])
         for p in params:
             check(p, last, "trainer parameters")
         with stepalloc.region("trainer_scratch"):
@@ -138,15 +136,14 @@ def main() -> int:
         free, _ = torch.cuda.mem_get_info()
         in_use = total - free
         peak = max(peak, in_use)
-        slept_s = stepalloc.pause("trainer_scratch")
-        slept = stepalloc.pause("trainer")
+        slept = stepalloc.pause(["trainer_scratch", "trainer"])
         # Weight sync: the engine takes the trainer's new weights (through the host here; a
         # real loop copies device to device or broadcasts).
         synced = stepalloc.resume("engine_weights")
         for w in weights:
             fill(w, version)
         sync_pause = stepalloc.pause("engine_weights")
-        seconds = woke.seconds + woke_s.seconds + slept_s.seconds + slept.seconds + synced.seconds + sync_pause.seconds
+        seconds = woke.seconds + slept.seconds + synced.seconds + sync_pause.seconds
         copied = woke.copied_bytes + slept.copied_bytes + synced.copied_bytes + sync_pause.copied_bytes
         switch_s += seconds
         last = version

@@ -110,16 +110,18 @@ class CuMemAllocator:
         elif isinstance(offload_tags, str):
             offload_tags = (offload_tags,)
         offload = set(offload_tags)
-        for tag in self._known():
-            sleep.pause(_library_tag(tag), backup=tag in offload)
+        known = self._known()
+        if known:
+            # One call for every tag: the offloaded tags' copies run under the others' unmaps.
+            sleep._pause_each({_library_tag(tag): tag in offload for tag in known})
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Maps the memory of ``tags`` (None: every tag) again at the same addresses, with the
         offloaded bytes restored; discarded tags come back with undefined contents."""
         wanted = None if tags is None else set(tags)
-        for tag in self._known():
-            if wanted is None or tag in wanted:
-                sleep.resume(_library_tag(tag))
+        targets = [_library_tag(tag) for tag in self._known() if wanted is None or tag in wanted]
+        if targets:
+            sleep.resume(targets)
 
     def get_current_usage(self) -> int:
         """Bytes allocated in this object's pools, asleep or awake."""

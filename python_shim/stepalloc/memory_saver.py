@@ -276,7 +276,11 @@ class TorchMemorySaver:
         self._check_capture("pause")
         self._check_state("pause", tag, paused=True)
         self._sync_pools()
-        return _merge("pause", [sleep.pause(t) for t in self._targets(tag)])
+        targets = self._targets(tag)
+        if len(targets) > 1:
+            # One call: the backed-up tags' copies run under the other tags' unmaps.
+            return sleep.pause(targets)
+        return _merge("pause", [sleep.pause(t) for t in targets])
 
     def resume(self, tag: str | None = None) -> sleep.SleepReport:
         """Maps the memory of ``tag`` (None: every paused tag of this object's regions) again and
@@ -288,7 +292,7 @@ class TorchMemorySaver:
         targets = self._targets(tag)
         if self._margin:
             self._check_margin(targets)
-        report = _merge("resume", [sleep.resume(t) for t in targets])
+        report = sleep.resume(targets) if len(targets) > 1 else _merge("resume", [sleep.resume(t) for t in targets])
         if not self._retain:
             sleep.release_backup()
         return report

@@ -22,6 +22,7 @@ import ctypes
 import json
 import os
 import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -48,6 +49,8 @@ def _c() -> ctypes.CDLL:
                 "stepalloc_region_exit": ([], c_int),
                 "stepalloc_pause": ([c_char_p, c_int], c_int),
                 "stepalloc_resume": ([c_char_p], c_int),
+                "stepalloc_pause_tags": ([c_char_p, c_int], c_int),
+                "stepalloc_resume_tags": ([c_char_p], c_int),
                 "stepalloc_sleep_report_json": ([c_char_p, c_size_t], c_size_t),
                 "stepalloc_release_backup": ([], c_int),
                 "stepalloc_tags_json": ([c_char_p, c_size_t], c_size_t),
@@ -177,19 +180,25 @@ class region:
         return f"stepalloc.region({self.tag!r}, backup={self.backup!r})"
 
 
-def pause(tag: str | None = None, backup: bool | None = None) -> SleepReport:
-    """Releases the physical memory of ``tag`` (None: every tag that has had a region) to the
-    device, keeping every address: tensors keep their ``data_ptr()`` and CUDA graphs captured
-    before stay valid once ``resume`` ran. Live bytes are copied to host memory first when the
-    region they were allocated in asked for a backup (or ``backup`` is True), else discarded. No
-    host memory for the backup fails the pause before anything is released. Waits, stream-ordered, for the work that
-    used the memory; when it returns, another process sees the memory free.
+def pause(tag: str | Sequence[str] | None = None, backup: bool | None = None) -> SleepReport:
+    """Releases the physical memory of ``tag`` (a list of tags: all of them in one call; None:
+    every tag that has had a region) to the device, keeping every address: tensors keep their
+    ``data_ptr()`` and CUDA graphs captured before stay valid once ``resume`` ran. Live bytes are
+    copied to host memory first when the region they were allocated in asked for a backup (or
+    ``backup`` is True), else discarded. No host memory for the backup fails the pause before
+    anything is released. Waits, stream-ordered, for the work that used the memory; when it
+    returns, another process sees the memory free.
+
+    Several tags (a list, or None) go in one call: the backed-up tags' copies are queued first
+    and the other pages released while they run, so the call takes about the copies' time.
 
     A tag never seen raises ``ValueError``; a tag already paused is skipped (``.skipped``);
     during a CUDA graph capture, ``ValueError``; a tag one of whose tensors was sent to another
     process (CUDA IPC) that may still hold it, ``ValueError`` naming the tag (the receiver keeps
-    the memory it mapped).
+    the memory it mapped). With a list, each name is checked before anything changes.
     """
+    if tag is not None and not isinstance(tag, str):
+        return _pause_each({t: backup for t in _tag_list(tag, "pause")})
     data = None if tag is None else _tag_arg(tag, "pause: tag")
     mode = -1 if backup is None else (1 if backup else 0)
     # Tensors sent to other processes whose receivers all let go no longer hold the pause back.
@@ -198,12 +207,43 @@ def pause(tag: str | None = None, backup: bool | None = None) -> SleepReport:
     return _report()
 
 
-def resume(tag: str | None = None) -> SleepReport:
-    """Maps physical memory at the addresses ``tag`` (None: every paused tag) had and restores
-    its backed-up bytes. When the device cannot give the memory back, raises
+def _tag_list(tags: object, what: str) -> list[str]:
+    """A list of tag names as the list calls take them (names hold no ``,`` or ``=``, which
+    the library's list syntax uses)."""
+    if isinstance(tags, (bytes, bytearray)) or not isinstance(tags, Iterable):
+        raise TypeError(f"{what}: tag must be a str, a list of str or None, not {type(tags).__name__}")
+    names = list(tags)
+    if not names:
+        raise ValueError(f"{what}: an empty list of tags")
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"{what}: tag must be a str, not {type(name).__name__}")
+        if "," in name or "=" in name:
+            raise ValueError(f"{what}: tag {name!r}: a tag name holds no ',' or '='")
+    return names
+
+
+def _pause_each(tags: dict[str, bool | None]) -> SleepReport:
+    """Pauses every tag of ``tags`` in one call, each with its own backup choice (None: its
+    regions')."""
+    parts = [name if b is None else f"{name}={int(bool(b))}" for name, b in tags.items()]
+    data = _tag_arg(",".join(parts), "pause: tags")
+    ipc.collect()
+    _lib.check(int(_c().stepalloc_pause_tags(data, -1)))
+    return _report()
+
+
+def resume(tag: str | Sequence[str] | None = None) -> SleepReport:
+    """Maps physical memory at the addresses ``tag`` (a list of tags: all of them in one call,
+    each batch's pages mapped while the batch before copies; None: every paused tag) had and
+    restores its backed-up bytes. When the device cannot give the memory back, raises
     ``torch.cuda.OutOfMemoryError`` naming the tag and the shortfall; the tag stays paused with
     its backup and ``resume`` can be called again once memory is free. A tag that is not paused
     is skipped (``.skipped``)."""
+    if tag is not None and not isinstance(tag, str):
+        data = _tag_arg(",".join(_tag_list(tag, "resume")), "resume: tags")
+        _lib.check(int(_c().stepalloc_resume_tags(data)))
+        return _report()
     data = None if tag is None else _tag_arg(tag, "resume: tag")
     _lib.check(int(_c().stepalloc_resume(data)))
     return _report()

@@ -5,6 +5,14 @@
 //! time after they are recorded, failure injection, and an optional cost model that charges
 //! each driver call a modelled time. Time is virtual: it advances only through the cost model,
 //! `advance_time`, and waits, so every run with the same inputs is the same run.
+//!
+//! Two timelines under the cost model: the host's (`now_ns`: each driver call moves it by its
+//! cost, a wait moves it to the awaited completion) and the copy engine's (`copy_done_ns`: a
+//! copy starts when the host queues it or when the copy before it ends, whichever is later,
+//! and takes its bytes at `sim_copy_mb_s`). So whether the host's calls run under the copies
+//! or after them follows from the order the allocator makes them in. A stream's
+//! synchronization waits for the compute streams' events, not for the copy stream's (which is
+//! a stream of its own, as on a GPU); a device synchronization waits for both.
 
 use super::{Backend, DeviceInfo, DriverTime, Event, PhysHandle, Stream};
 use crate::config::SimConfig;
@@ -34,9 +42,9 @@ const COST_RELEASE_PHYSICAL_NS: u64 = 10_000;
 const COST_MAP_NS: u64 = 10_000;
 const COST_UNMAP_NS: u64 = 10_000;
 const COST_SYNC_NS: u64 = 5_000;
-/// Host backups: a copy over the host link at 25 GiB/s (PCIe 5 x16 in practice, about what a
-/// pinned `copy_()` reaches on an H100), plus a per-call cost like an async memcpy's launch.
-const COPY_BYTES_PER_S: u64 = 25 << 30;
+/// Host backups: a copy over the host link at `sim_copy_mb_s` (default 25 GiB/s,
+/// `config::DEFAULT_SIM_COPY_BYTES_PER_S`: PCIe 5 x16 in practice, about what a pinned `copy_()`
+/// reaches on an H100), plus a per-call cost like an async memcpy's launch.
 const COST_COPY_CALL_NS: u64 = 3_000;
 /// A pinned host allocation: about 1 ms per GiB (page pinning), the cost the backup buffers
 /// are kept to avoid.
@@ -84,8 +92,12 @@ pub struct SimDevice {
     /// Completion time of each live event, indexed by event id; `None` marks a free slot.
     events: Vec<Option<u64>>,
     free_events: Vec<u64>,
-    /// Completion time of the last event recorded on any stream (what `synchronize` waits for).
+    /// Completion time of the last event recorded on any stream, the copy stream included
+    /// (what `synchronize` waits for).
     last_completion_ns: u64,
+    /// Completion time of the last event recorded on a compute stream (what
+    /// `synchronize_stream` waits for: the copy stream is not one of them).
+    last_compute_ns: u64,
     time: DriverTime,
     /// Virtual ranges (offset -> size); also in `live`, which holds every used address range.
     ranges: BTreeMap<u64, u64>,
@@ -120,6 +132,7 @@ impl SimDevice {
             events: Vec::new(),
             free_events: Vec::new(),
             last_completion_ns: 0,
+            last_compute_ns: 0,
             time: DriverTime::default(),
             ranges: BTreeMap::new(),
             mappings: BTreeMap::new(),
@@ -195,7 +208,8 @@ impl SimDevice {
             return Err(invalid(call));
         }
         if self.config.cost_model {
-            let ns = (u128::from(bytes) * 1_000_000_000 / u128::from(COPY_BYTES_PER_S)) as u64;
+            let rate = u128::from(self.config.copy_bytes_per_s.max(1));
+            let ns = u64::try_from(u128::from(bytes) * 1_000_000_000 / rate).unwrap_or(u64::MAX);
             self.copy_done_ns = self.copy_done_ns.max(self.now_ns).saturating_add(ns);
         }
         self.copied[way] = self.copied[way].saturating_add(bytes);
@@ -316,6 +330,7 @@ impl Backend for SimDevice {
         // wrap into the past and complete at once while the block is still in use.
         let done = self.now_ns.saturating_add(self.config.event_delay_ns);
         self.last_completion_ns = self.last_completion_ns.max(done);
+        self.last_compute_ns = self.last_compute_ns.max(done);
         let id = match self.free_events.pop() {
             Some(id) => {
                 self.events[id as usize] = Some(done);
@@ -495,10 +510,16 @@ impl Backend for SimDevice {
     }
 
     fn synchronize_stream(&mut self, _stream: Stream) -> Result<()> {
-        // Events do not record their stream here: waiting for the whole device is the safe bound.
+        // Events do not record their compute stream here: waiting for every compute stream is
+        // the safe bound. The copy stream is not waited for, as `cuStreamSynchronize` of another
+        // stream would not.
         let cost = self.charge(COST_SYNC_NS);
         self.time.sync_ns = self.time.sync_ns.saturating_add(cost);
-        self.synchronize()
+        if self.last_compute_ns > self.now_ns {
+            self.time.sync_ns = self.time.sync_ns.saturating_add(self.last_compute_ns - self.now_ns);
+            self.now_ns = self.last_compute_ns;
+        }
+        Ok(())
     }
 
     fn advance_time(&mut self, ns: u64) {
@@ -581,7 +602,9 @@ impl Backend for SimDevice {
     }
 
     fn record_copy_event(&mut self) -> Result<Event> {
+        let compute = self.last_compute_ns;
         let event = self.record_event(Stream::DEFAULT)?;
+        self.last_compute_ns = compute;
         // The copy stream's event completes with its copies (and no earlier than an event on
         // any stream would).
         if let Some(Some(done)) = self.events.get_mut(event.0 as usize) {
@@ -674,6 +697,31 @@ mod tests {
         let mut d = device("");
         d.reserve(2 * MIB).unwrap();
         assert_eq!(d.driver_time().reserve_ns, 0);
+    }
+
+    #[test]
+    fn copies_run_on_their_own_engine_at_the_configured_rate() {
+        let mut d = device("sim_cost_model:True,sim_copy_mb_s:1000");
+        let host = d.host_alloc(100 * MIB).unwrap();
+        let range = d.reserve_address(100 * MIB).unwrap();
+        let page = d.create_physical(100 * MIB).unwrap();
+        d.map(range, 100 * MIB, page).unwrap();
+        let start = d.now_ns;
+        d.copy_to_host(host, range, 100 * MIB).unwrap();
+        let copy_ns = 100 * MIB * 1_000_000_000 / 1_000_000_000;
+        let event = d.record_copy_event().unwrap();
+        // The host goes on while the copy runs: a stream's synchronization does not wait for it.
+        d.synchronize_stream(Stream(1)).unwrap();
+        assert!(d.now_ns < start + copy_ns / 2, "a stream sync waited for the copy stream");
+        assert!(!d.event_done(event).unwrap());
+        d.wait_event(event).unwrap();
+        assert_eq!(d.now_ns, start + COST_COPY_CALL_NS + copy_ns, "the copy's bytes at 1000 MB/s after its launch");
+        // A device synchronization waits for both.
+        d.copy_to_host(host, range, 100 * MIB).unwrap();
+        let queued = d.now_ns;
+        d.record_copy_event().map(|e| d.free_event(e)).unwrap();
+        d.synchronize().unwrap();
+        assert!(d.now_ns >= queued + copy_ns);
     }
 
     #[test]

@@ -256,4 +256,10 @@ pub const KEYS: &[KeyDoc] = &[
         form: "integer",
         doc: "simulated device: pinned host memory it gives for backups; beyond it a host allocation fails (out of memory)",
     },
+    KeyDoc {
+        name: "sim_copy_mb_s",
+        default: "26843 (25 GiB/s)",
+        form: "integer 1..=10000000",
+        doc: "simulated device: the host link's copy rate for backups, in MB/s (10^6 bytes per second), under the cost model",
+    },
 ];

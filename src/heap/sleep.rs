@@ -11,17 +11,23 @@
 //! never hold blocks of two tags, and a pause unmaps exactly its tag's pages. The default tag
 //! is untouched: its memory is laid out as before.
 //!
-//! A pause, in order: wait for the pending frees' events; record an event on every stream that
-//! used the tag's blocks and wait for those (no device-wide synchronize); queue the live bytes'
-//! copies to the tag's host buffers (kept across pauses, grown when short; pinned, or pageable for
-//! the `mmap` store, or a file per block for the disk store: `heap/backup.rs`) on the backend's
-//! copy stream, in pieces, with an event every `COPY_BATCH` bytes; meanwhile unmap and
-//! release the whole pages of the tag's free blocks; then unmap and release the live pages in
-//! address order, each once the copies that read it completed. Idle cached pages of other tags
-//! go too (`empty_cache`), so the device shows the memory free when `pause_tag` returns.
-//! A resume creates every physical page first (all or none: on failure the tag stays paused
-//! with its backup, and the error names the tag and the shortfall), maps them in address order
-//! and queues each block's copy as soon as its pages are mapped, then waits for the copies.
+//! A pause (`pause_tags`: one tag or several in one call), in order: wait for the pending
+//! frees' events; record an event on every stream that used the tags' blocks and wait for
+//! those (no device-wide synchronize); queue every backed-up tag's live bytes' copies to its
+//! store (pinned or pageable host buffers kept across pauses and grown when short, or a file
+//! per block: `heap/backup.rs`) on the backend's copy stream, in
+//! pieces, with an event every `COPY_BATCH` bytes; meanwhile unmap and release the whole pages
+//! of the tags' free blocks, the live pages of the tags without backup and other tags' idle
+//! cached pages (`empty_cache`, so the device shows the memory free when the call returns);
+//! then unmap and release the backed-up tags' live pages in address order, each once the
+//! copies that read it completed.
+//! A resume (`resume_tags`) checks first that the device has room (free memory plus other
+//! tags' idle cached pages; else the error names the tags and the shortfall and nothing
+//! changed); then per `COPY_BATCH` of backed-up blocks it releases as many bytes of other tags'
+//! idle cached pages as the batch maps, creates and maps the batch's pages and queues its
+//! copies, so that the next batch's driver calls run under this one's copies; then it maps the
+//! pages nothing is copied into and waits for the copies. All or none: on a failure it waits
+//! for the queued copies and unmaps what it mapped, and the tags stay paused with their backups.
 //!
 //! Invariants while a tag is paused: its segments keep their blocks (allocated blocks stay
 //! allocated, so `free` finds them) but none of their pages is mapped (`pages` holds `None`);
@@ -32,6 +38,7 @@
 //! whole pages of free blocks, which `whole_pages` never finds in a paused tag's segments.
 
 use super::backup::DiskStore;
+use super::expandable::Unmapped;
 use super::Heap;
 use crate::backend::{Event, PhysHandle, Stream};
 use crate::error::{Error, OomReport, Result};
@@ -139,21 +146,139 @@ impl Heap {
     /// skipped. Refused during a CUDA-graph capture. On an error before any page was released
     /// (no host memory for the backup, a failed copy) the tag is as it was: resident, intact.
     pub fn pause_tag(&mut self, tag: TagId, backup: bool) -> Result<SleepOutcome> {
-        self.check_sleep_call(tag, "pause")?;
-        if self.sleep.is_paused(tag) {
-            return Ok(SleepOutcome { skipped: true, ..Default::default() });
+        Ok(self.pause_tags(&[(tag, backup)])?[0])
+    }
+
+    /// `pause_tag` of several tags (number, backup) in one call, one outcome each: the pending
+    /// frees and the tags' streams are waited for once; every backed-up tag's copies are queued
+    /// first; while they run, the pages of the tags without backup, the backed-up tags' free
+    /// pages and other tags' idle cached pages go; last the backed-up tags' live pages, batch
+    /// by batch as each batch's copy completes. An error before any page went (no host memory
+    /// for a backup, a failed copy) leaves every tag as it was.
+    pub fn pause_tags(&mut self, tags: &[(TagId, bool)]) -> Result<Vec<SleepOutcome>> {
+        for &(tag, _) in tags {
+            self.check_sleep_call(tag, "pause")?;
+        }
+        let mut out = vec![SleepOutcome::default(); tags.len()];
+        let mut todo: Vec<usize> = Vec::new();
+        for (i, &(tag, _)) in tags.iter().enumerate() {
+            if self.sleep.is_paused(tag) || tags[..i].iter().any(|t| t.0 == tag) {
+                out[i].skipped = true;
+            } else {
+                todo.push(i);
+            }
+        }
+        if todo.is_empty() {
+            return Ok(out);
         }
         let started = Instant::now();
         if !self.pending.is_empty() {
             self.synchronize_pending()?;
         }
-        // The buffers are about to be written again: the retained records no longer hold.
-        self.sleep.tag(tag).retained.clear();
-        let segments = self.tag_segments(tag);
-        self.wait_for_streams(&segments)?;
-        let mut out = SleepOutcome::default();
-        // The live blocks, in address order: (address, bytes to keep, block size).
-        let live: Vec<(u64, u64, u64)> = segments
+        let segments: Vec<Vec<SegmentId>> = todo.iter().map(|&i| self.tag_segments(tags[i].0)).collect();
+        let all: Vec<SegmentId> = segments.concat();
+        for &i in &todo {
+            // The buffers are about to be written again: the retained records no longer hold.
+            self.sleep.tag(tags[i].0).retained.clear();
+        }
+        self.wait_for_streams(&all)?;
+        // The backed-up tags' copies, queued before any page goes: (position in `todo`, the
+        // batches' events, the backup records).
+        let mut gated: Vec<Gated> = Vec::new();
+        for (k, &i) in todo.iter().enumerate() {
+            let (tag, backup) = tags[i];
+            let live = self.tag_live_blocks(&segments[k]);
+            if !backup {
+                out[i].discarded_bytes = live.iter().map(|&(_, bytes, _)| bytes).sum();
+                continue;
+            }
+            match self.queue_backup(tag, &live) {
+                Ok((batches, backups)) => {
+                    out[i].copied_bytes = backups.values().map(|&(_, bytes)| bytes).sum();
+                    gated.push((k, batches, backups));
+                }
+                Err(e) => {
+                    // Nothing was unmapped yet: the copies queued for the tags before finish
+                    // and every tag stays as it was.
+                    self.drop_batches(gated.into_iter().flat_map(|g| g.1).collect());
+                    return Err(e);
+                }
+            }
+        }
+        let result = self.pause_pages(tags, &todo, &segments, &mut gated, &mut out);
+        // On an error, the batches not reached are waited for and dropped (their tags stay
+        // resident).
+        self.drop_batches(gated.into_iter().flat_map(|g| g.1).collect());
+        result?;
+        let share = (started.elapsed().as_nanos() as u64) / todo.len() as u64;
+        for &i in &todo {
+            let state = self.sleep.tag(tags[i].0);
+            state.pauses += 1;
+            state.pause_ns = state.pause_ns.saturating_add(share);
+        }
+        Ok(out)
+    }
+
+    /// The page work of `pause_tags` once the copies are queued: everything that waits for no
+    /// copy first, then the backed-up tags' live pages as their batches complete. `gated`'s
+    /// entries leave as they are used.
+    fn pause_pages(
+        &mut self,
+        tags: &[(TagId, bool)],
+        todo: &[usize],
+        segments: &[Vec<SegmentId>],
+        gated: &mut Vec<Gated>,
+        out: &mut [SleepOutcome],
+    ) -> Result<()> {
+        // The streams' work on these pages completed: free neighbours of different streams may
+        // merge, so that a page only free blocks share goes whole.
+        self.settle_tag_free_streams(&segments.concat());
+        // Free pages need no copy: they go while the copies run.
+        // (A graph pool's free pages are the graph's: they go with the live pages, below, and a
+        // resume maps them again; `heap/graphs.rs`.)
+        for (k, &i) in todo.iter().enumerate() {
+            for &seg in &segments[k] {
+                if self.arena.segment(seg).pool != 0 {
+                    continue;
+                }
+                let free: Vec<BlockId> =
+                    self.arena.segment_blocks(seg).filter(|&id| self.arena.state(id) == BlockState::Free).collect();
+                for id in free {
+                    out[i].released_bytes += self.unmap_free_pages(id, ReleaseReason::Pause)?;
+                }
+            }
+        }
+        // The tags without backup: their live pages go now. From its mark on, a tag is paused:
+        // its live blocks leave the heap's statistics.
+        for (k, &i) in todo.iter().enumerate() {
+            if tags[i].1 {
+                continue;
+            }
+            self.mark_paused(tags[i].0, &segments[k]);
+            out[i].released_bytes += self.release_live_pages(&segments[k], Vec::new())?;
+        }
+        // Idle pages of other tags are not needed now: the other side of the loop needs them.
+        out[todo[0]].released_bytes += self.release_all_cached(ReleaseReason::Pause)?;
+        // Last the backed-up tags' live pages, each once the copy that reads it completed.
+        while !gated.is_empty() {
+            let (k, batches, backups) = gated.remove(0);
+            let i = todo[k];
+            self.mark_paused(tags[i].0, &segments[k]);
+            self.sleep.tag(tags[i].0).backup = backups;
+            out[i].released_bytes += self.release_live_pages(&segments[k], batches)?;
+        }
+        Ok(())
+    }
+
+    /// From here on `tag` is paused: its live blocks leave the heap's statistics.
+    fn mark_paused(&mut self, tag: TagId, segments: &[SegmentId]) {
+        self.sleep.set_paused(tag, true);
+        self.count_live_blocks(segments, false);
+    }
+
+    /// The live blocks of `segments`, in address order: (address, bytes to keep, block size).
+    fn tag_live_blocks(&self, segments: &[SegmentId]) -> Vec<(u64, u64, u64)> {
+        segments
             .iter()
             .flat_map(|&s| self.arena.segment_blocks(s))
             .filter(|&id| self.arena.state(id) == BlockState::Allocated)
@@ -161,57 +286,142 @@ impl Heap {
                 let b = self.arena.block(id);
                 (b.addr, b.requested, b.size)
             })
-            .collect();
-        let (batches, backups) = if backup {
-            self.queue_backup(tag, &live)?
-        } else {
-            out.discarded_bytes = live.iter().map(|&(_, bytes, _)| bytes).sum();
-            (Vec::new(), BTreeMap::new())
-        };
-        out.copied_bytes = backups.values().map(|&(_, bytes)| bytes).sum();
-        // The streams' work on these pages completed: free neighbours of different streams may
-        // merge, so that a page only free blocks share goes whole.
-        self.settle_tag_free_streams(&segments);
-        // Free pages need no copy: they go while the copies run.
-        // (A graph pool's free pages are the graph's: they go with the live pages, below, and a
-        // resume maps them again; `heap/graphs.rs`.)
-        for &seg in &segments {
-            if self.arena.segment(seg).pool != 0 {
-                continue;
-            }
-            let free: Vec<BlockId> =
-                self.arena.segment_blocks(seg).filter(|&id| self.arena.state(id) == BlockState::Free).collect();
-            for id in free {
-                out.released_bytes += self.unmap_free_pages(id, ReleaseReason::Pause)?;
-            }
+            .collect()
+    }
+
+    /// Waits for the copy batches' events and gives them back (after an error: errors of the
+    /// waits themselves are the first error's consequences and are not reported again).
+    fn drop_batches(&mut self, batches: Vec<(u64, Event)>) {
+        for (_, event) in batches {
+            let _ = self.backend.wait_event(event);
+            self.backend.free_event(event);
         }
-        // From here on the tag is paused: its live blocks leave the heap's statistics.
-        self.sleep.set_paused(tag, true);
-        self.count_live_blocks(&segments, false);
-        let state = self.sleep.tag(tag);
-        state.backup = backups;
-        out.released_bytes += self.release_live_pages(&segments, batches)?;
-        // Idle pages of other tags are not needed now: the other side of the loop needs them.
-        out.released_bytes += self.release_all_cached(ReleaseReason::Pause)?;
-        let state = self.sleep.tag(tag);
-        state.pauses += 1;
-        state.pause_ns = state.pause_ns.saturating_add(started.elapsed().as_nanos() as u64);
-        Ok(out)
     }
 
     /// Maps physical memory again at every address of `tag`'s live blocks and restores the
     /// backed-up bytes. All or nothing: when the device cannot give the memory, the tag stays
     /// paused with its backup and the error names the tag and the shortfall.
     pub fn resume_tag(&mut self, tag: TagId) -> Result<SleepOutcome> {
-        self.check_sleep_call(tag, "resume")?;
-        if !self.sleep.is_paused(tag) {
-            return Ok(SleepOutcome { skipped: true, ..Default::default() });
+        Ok(self.resume_tags(&[tag])?[0])
+    }
+
+    /// `resume_tag` of several tags in one call, one outcome each, all or none. The room is
+    /// checked first (free device memory plus other tags' idle cached pages); then, per
+    /// `COPY_BATCH` of backed-up blocks, idle cached pages of other tags are released for the
+    /// batch's pages (as many bytes as it maps, while any are left: the resumed memory takes
+    /// their place), its pages created and mapped and its copies queued, so that one batch's
+    /// driver calls run while the batch before copies; then the pages without a backup are
+    /// mapped while the last copies run; then the copies are waited for. On a failure what
+    /// was mapped is unmapped and released: every tag stays paused with its backup.
+    pub fn resume_tags(&mut self, tags: &[TagId]) -> Result<Vec<SleepOutcome>> {
+        for &tag in tags {
+            self.check_sleep_call(tag, "resume")?;
+        }
+        let mut out = vec![SleepOutcome::default(); tags.len()];
+        let mut todo: Vec<usize> = Vec::new();
+        for (i, &tag) in tags.iter().enumerate() {
+            if !self.sleep.is_paused(tag) || tags[..i].contains(&tag) {
+                out[i].skipped = true;
+            } else {
+                todo.push(i);
+            }
+        }
+        if todo.is_empty() {
+            return Ok(out);
         }
         let started = Instant::now();
-        let segments = self.tag_segments(tag);
-        // Every unmapped page under a block that is not an unmapped one: (address, segment, index).
-        let mut wanted: Vec<(u64, SegmentId, usize)> = Vec::new();
-        for &seg in &segments {
+        // Backed-up tags first: their copies start first.
+        todo.sort_by_key(|&i| self.sleep.tags.get(usize::from(tags[i])).is_none_or(|t| t.backup.is_empty()));
+        let resumed: Vec<TagId> = todo.iter().map(|&i| tags[i]).collect();
+        let segments: Vec<Vec<SegmentId>> = resumed.iter().map(|&t| self.tag_segments(t)).collect();
+        let wanted: Vec<Vec<Want>> = segments.iter().map(|s| self.wanted_pages(s)).collect();
+        let need: u64 = wanted.iter().flatten().map(|w| self.arena.segment(w.1).page).sum();
+        self.check_resume_room(&resumed, need)?;
+        let mut result = self.resume_pages(&resumed, &wanted, &mut out, &todo);
+        let copied = self.backend.record_copy_event().and_then(|event| {
+            let waited = self.backend.wait_event(event);
+            self.backend.free_event(event);
+            waited
+        });
+        result = result.and(copied);
+        if let Err(e) = result {
+            // Nothing is lost: back to paused, every page given back, the backups kept.
+            for w in wanted.iter().flatten() {
+                self.unmap_resumed(w)?;
+            }
+            if e.is_out_of_memory() {
+                return Err(self.resume_out_of_memory(&resumed, need));
+            }
+            return Err(e);
+        }
+        let share = (started.elapsed().as_nanos() as u64) / todo.len() as u64;
+        for (k, &tag) in resumed.iter().enumerate() {
+            let i = todo[k];
+            out[i].mapped_bytes = wanted[k].iter().map(|w| self.arena.segment(w.1).page).sum();
+            self.sleep.set_paused(tag, false);
+            self.drop_disk_files(tag);
+            self.count_live_blocks(&segments[k], true);
+            let state = self.sleep.tag(tag);
+            state.retained = std::mem::take(&mut state.backup);
+            state.resumes += 1;
+            state.resume_ns = state.resume_ns.saturating_add(share);
+        }
+        self.step.note_reserved(self.stats.reserved_bytes.current());
+        Ok(out)
+    }
+
+    /// The mapping and copying of `resume_tags`, batch by batch (`resumed[k]` is `tags[todo[k]]`,
+    /// `wanted[k]` its pages). Pages it mapped are in `pages`: on an error the caller waits for
+    /// the queued copies and unmaps them.
+    fn resume_pages(
+        &mut self,
+        resumed: &[TagId],
+        wanted: &[Vec<Want>],
+        out: &mut [SleepOutcome],
+        todo: &[usize],
+    ) -> Result<()> {
+        // Per tag, the next of its pages to map.
+        let mut next = vec![0usize; resumed.len()];
+        for (k, &tag) in resumed.iter().enumerate() {
+            let backups: Vec<(u64, (u64, u64))> = self.sleep.tag(tag).backup.iter().map(|(&a, &v)| (a, v)).collect();
+            let host = self.sleep.tag(tag).host.clone();
+            let mut start = 0;
+            while start < backups.len() {
+                // A batch: blocks up to `COPY_BATCH` bytes (at least one), and the pages under them.
+                let (mut end, mut bytes) = (start, 0u64);
+                while end < backups.len() && (end == start || bytes < COPY_BATCH) {
+                    bytes += backups[end].1 .1;
+                    end += 1;
+                }
+                let (last_addr, (_, last_bytes)) = backups[end - 1];
+                let pages = wanted[k][next[k]..].iter().take_while(|w| w.0 < last_addr + last_bytes).count();
+                out[todo[k]].released_bytes += self.map_wanted(&wanted[k][next[k]..next[k] + pages])?;
+                next[k] += pages;
+                for &(addr, (offset, bytes)) in &backups[start..end] {
+                    if tags::Store::of(tag) == tags::Store::Disk {
+                        self.restore_from_disk(tag, addr, bytes)?;
+                    } else {
+                        copy_pieces(&host, offset, bytes, addr, |dev, host, n| {
+                            self.backend.copy_to_device(dev, host, n)
+                        })?;
+                    }
+                    out[todo[k]].copied_bytes += bytes;
+                }
+                start = end;
+            }
+        }
+        // The pages nothing is copied into, while the last copies run.
+        for (k, w) in wanted.iter().enumerate() {
+            out[todo[k]].released_bytes += self.map_wanted(&w[next[k]..])?;
+        }
+        Ok(())
+    }
+
+    /// Every unmapped page of `segments` (a paused tag's) under a block that is not an unmapped
+    /// one, in address order.
+    fn wanted_pages(&self, segments: &[SegmentId]) -> Vec<Want> {
+        let mut wanted: Vec<Want> = Vec::new();
+        for &seg in segments {
             let (seg_addr, page) = (self.arena.segment(seg).addr, self.arena.segment(seg).page);
             for id in self.arena.segment_blocks(seg) {
                 if self.arena.state(id) == BlockState::Unmapped {
@@ -228,67 +438,96 @@ impl Heap {
                 }
             }
         }
-        let handles = self.create_pages_for(tag, &wanted)?;
-        let mut out = SleepOutcome::default();
-        let backups: Vec<(u64, (u64, u64))> = self.sleep.tag(tag).backup.iter().map(|(&a, &v)| (a, v)).collect();
-        let host = self.sleep.tag(tag).host.clone();
-        let mut next = 0;
-        let mut result = Ok(());
-        'blocks: for &(addr, (offset, bytes)) in &backups {
-            // Map up to the block's end, then queue its copy while later pages are mapped.
-            while next < wanted.len() && wanted[next].0 < addr + bytes {
-                if let Err(e) = self.map_resumed(&wanted[next], handles[next]) {
-                    result = Err(e);
-                    break 'blocks;
+        wanted
+    }
+
+    /// Bytes of idle cached memory that other tags could give back now: whole pages of free
+    /// blocks (a paused tag's and a graph's are not counted) and free plain segments.
+    fn idle_cached_bytes(&self) -> u64 {
+        let pages: u64 = self.free_pages.iter().filter_map(|id| self.whole_pages(id)).map(|(lo, hi)| hi - lo).sum();
+        let segments: u64 = self.releasable_segments().iter().map(|&s| self.arena.segment(s).size).sum();
+        pages + segments
+    }
+
+    /// A resume of `tags` needing `need` bytes fails up front, before any page is created, when
+    /// neither the device's free memory nor the memory fraction leaves room for them once
+    /// other tags' idle cached pages are released.
+    fn check_resume_room(&mut self, tags: &[TagId], need: u64) -> Result<()> {
+        let idle = self.idle_cached_bytes();
+        let device_free = self.backend.mem_info().map_or(u64::MAX, |(free, _)| free);
+        let over_fraction = self.fraction_set
+            && self.stats.reserved_bytes.current().saturating_sub(idle).saturating_add(need) > self.allowed;
+        if need > device_free.saturating_add(idle) || over_fraction {
+            return Err(self.resume_out_of_memory(tags, need));
+        }
+        Ok(())
+    }
+
+    /// Creates and maps a page for each of `wanted`, after releasing as many bytes of other
+    /// tags' idle cached pages (while any are left). A create refused for memory releases
+    /// every idle cached page and tries once more. Returns the bytes released.
+    fn map_wanted(&mut self, wanted: &[Want]) -> Result<u64> {
+        let bytes: u64 = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
+        let mut released = 0;
+        if bytes > 0 {
+            released += self.release_cached_for_resume(bytes)?;
+        }
+        for w in wanted {
+            let page = self.arena.segment(w.1).page;
+            let mut retried = false;
+            let handle = loop {
+                let over_limit =
+                    self.fraction_set && self.stats.reserved_bytes.current().saturating_add(page) > self.allowed;
+                let created = if over_limit {
+                    Err(Error::OutOfMemory(Box::default()))
+                } else {
+                    self.backend.create_physical(page)
+                };
+                match created {
+                    Ok(handle) => break handle,
+                    Err(e) if e.is_out_of_memory() && !retried => {
+                        retried = true;
+                        self.stats.num_alloc_retries += 1;
+                        released += self.release_all_cached(ReleaseReason::Oom)?;
+                    }
+                    Err(e) => return Err(e),
                 }
-                next += 1;
-            }
-            let restored = if tags::Store::of(tag) == tags::Store::Disk {
-                self.restore_from_disk(tag, addr, bytes)
-            } else {
-                copy_pieces(&host, offset, bytes, addr, |dev, host, n| self.backend.copy_to_device(dev, host, n))
             };
-            if let Err(e) = restored {
-                result = Err(e);
+            self.stats.num_create += 1;
+            if let Err(e) = self.map_resumed(w, handle) {
+                self.backend.release_physical(handle)?;
+                self.stats.num_release_physical += 1;
+                return Err(e);
+            }
+        }
+        Ok(released)
+    }
+
+    /// Releases at least `bytes` of other tags' idle cached memory, or all there is: whole
+    /// pages of free blocks in block order (a block's first pages first), then free plain
+    /// segments.
+    fn release_cached_for_resume(&mut self, bytes: u64) -> Result<u64> {
+        let mut candidates: Vec<BlockId> = self.free_pages.iter().collect();
+        candidates.sort_unstable();
+        let (mut released, mut synced) = (0u64, Vec::new());
+        for id in candidates {
+            if released >= bytes {
                 break;
             }
-            out.copied_bytes += bytes;
+            let Some((lo, hi)) = self.whole_pages(id) else { continue };
+            let page = self.arena.segment(self.arena.block(id).segment).page;
+            let end = hi.min(lo.saturating_add((bytes - released).div_ceil(page).saturating_mul(page)));
+            self.unmap_range(id, lo, end, Unmapped::Release(ReleaseReason::Pause), &mut synced)?;
+            released += end - lo;
         }
-        while result.is_ok() && next < wanted.len() {
-            result = self.map_resumed(&wanted[next], handles[next]);
-            next += usize::from(result.is_ok());
-        }
-        let copied = self.backend.record_copy_event().and_then(|event| {
-            let waited = self.backend.wait_event(event);
-            self.backend.free_event(event);
-            waited
-        });
-        if let Err(e) = result.and(copied) {
-            // Nothing is lost: back to paused, every page given back, the backup kept.
-            for (i, w) in wanted.iter().enumerate() {
-                if i < next {
-                    self.unmap_resumed(w)?;
-                } else {
-                    self.backend.release_physical(handles[i])?;
-                    self.stats.num_release_physical += 1;
-                }
+        self.free_unmapped_segments()?;
+        for seg in self.releasable_segments() {
+            if released >= bytes {
+                break;
             }
-            if e.is_out_of_memory() {
-                let need = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
-                return Err(self.resume_out_of_memory(tag, need));
-            }
-            return Err(e);
+            released += self.release_segment(seg, ReleaseReason::Pause)?;
         }
-        out.mapped_bytes = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
-        self.sleep.set_paused(tag, false);
-        self.drop_disk_files(tag);
-        self.count_live_blocks(&segments, true);
-        self.step.note_reserved(self.stats.reserved_bytes.current());
-        let state = self.sleep.tag(tag);
-        state.retained = std::mem::take(&mut state.backup);
-        state.resumes += 1;
-        state.resume_ns = state.resume_ns.saturating_add(started.elapsed().as_nanos() as u64);
-        Ok(out)
+        Ok(released)
     }
 
     /// Frees the host buffers of every tag that holds no paused bytes in them, and the disk
@@ -547,50 +786,12 @@ impl Heap {
         result.map(|()| released)
     }
 
-    /// Creates a physical page for each of `wanted`, all or none. When the device is short,
-    /// idle cached pages of other tags go first; then the error names the tag and the shortfall.
-    fn create_pages_for(&mut self, tag: TagId, wanted: &[(u64, SegmentId, usize)]) -> Result<Vec<PhysHandle>> {
-        let mut handles = Vec::with_capacity(wanted.len());
-        let need: u64 = wanted.iter().map(|w| self.arena.segment(w.1).page).sum();
-        let mut retried = false;
-        let mut failure = None;
-        while handles.len() < wanted.len() {
-            let page = self.arena.segment(wanted[handles.len()].1).page;
-            let over_limit = self.stats.reserved_bytes.current().saturating_add(need) > self.allowed;
-            let created =
-                if over_limit { Err(Error::OutOfMemory(Box::default())) } else { self.backend.create_physical(page) };
-            match created {
-                Ok(handle) => {
-                    handles.push(handle);
-                    self.stats.num_create += 1;
-                }
-                Err(e) if e.is_out_of_memory() && !retried && self.captures_underway == 0 => {
-                    retried = true;
-                    self.stats.num_alloc_retries += 1;
-                    self.release_all_cached(ReleaseReason::Oom)?;
-                }
-                Err(e) => {
-                    failure = Some(e);
-                    break;
-                }
-            }
-        }
-        let Some(e) = failure else { return Ok(handles) };
-        for handle in handles {
-            self.backend.release_physical(handle)?;
-            self.stats.num_release_physical += 1;
-        }
-        if !e.is_out_of_memory() {
-            return Err(e);
-        }
-        Err(self.resume_out_of_memory(tag, need))
-    }
-
-    /// The out-of-memory error of a resume that could not get `need` bytes for `tag`.
-    fn resume_out_of_memory(&mut self, tag: TagId, need: u64) -> Error {
+    /// The out-of-memory error of a resume that could not get `need` bytes for `tags`.
+    fn resume_out_of_memory(&mut self, tags: &[TagId], need: u64) -> Error {
         self.stats.num_ooms += 1;
         let (device_free, device_total) = self.backend.mem_info().unwrap_or((0, self.device_total));
-        let mut short = need.saturating_sub(device_free);
+        // Other tags' idle cached pages would have made room: they count as free here.
+        let mut short = need.saturating_sub(device_free.saturating_add(self.idle_cached_bytes()));
         if self.fraction_set {
             short = short.max(self.stats.reserved_bytes.current().saturating_add(need).saturating_sub(self.allowed));
         }
@@ -607,15 +808,17 @@ impl Heap {
             largest_free_block: self.largest_free_block(),
             address_space: None,
             hint: format!(
-                "Resuming tag {:?} needs {} of device memory: {}. The tag stays paused with its backup; free \
-                 memory (or pause another tag) and resume it again.",
-                tags::name(tag),
+                "Resuming {} needs {} of device memory: {}. {} paused with {} backup; free memory (or pause \
+                 another tag) and resume again.",
+                resumed_names(tags),
                 format_bytes(need),
                 if short > 0 {
                     format!("{} more than the device has free or the memory fraction allows", format_bytes(short))
                 } else {
                     format!("the device refused it with {} free", format_bytes(device_free))
                 },
+                if names_count(tags) == 1 { "The tag stays" } else { "The tags stay" },
+                if names_count(tags) == 1 { "its" } else { "their" },
             ),
             unmapped: None,
         }))
@@ -651,6 +854,33 @@ impl Heap {
         }
         Ok(())
     }
+}
+
+/// A backed-up tag of a pause whose copies are queued: (its position in the call's tags to
+/// pause, the copy batches' events with the end address each covers, the backup records).
+type Gated = (usize, Vec<(u64, Event)>, BTreeMap<u64, (u64, u64)>);
+
+/// A page a resume maps: (address, segment, page index).
+type Want = (u64, SegmentId, usize);
+
+/// The names of tag numbers, each once: `tag "a"` or `tags "a", "b"`.
+fn resumed_names(tags: &[TagId]) -> String {
+    let mut names: Vec<String> = Vec::new();
+    for &t in tags {
+        let name = format!("{:?}", tags::name(t));
+        if !names.contains(&name) {
+            names.push(name);
+        }
+    }
+    format!("{} {}", if names.len() == 1 { "tag" } else { "tags" }, names.join(", "))
+}
+
+/// How many names `tags` (numbers) are.
+fn names_count(tags: &[TagId]) -> usize {
+    let mut bases: Vec<TagId> = tags.iter().map(|&t| tags::base(t)).collect();
+    bases.sort_unstable();
+    bases.dedup();
+    bases.len()
 }
 
 /// Runs `copy(device address, host address, bytes)` over `bytes` at `device`, backed at

@@ -59,7 +59,7 @@ impl Heap {
     }
 
     /// Figures of "default" and of every tag with memory, state or a registered name, one per
-    /// name (its two numbers, with and without backup, summed).
+    /// name (its numbers, one per backup store, summed).
     pub fn tag_figures(&self) -> Vec<TagFigures> {
         let mut figures: BTreeMap<TagId, TagFigures> = BTreeMap::new();
         let mut tagged_live = 0;

@@ -123,12 +123,6 @@ enum Command {
         /// Effective host-link bandwidth in GB/s: PCIe 4 x16 about 25, PCIe 5 x16 about 50.
         #[arg(long, default_value_t = colocated::PCIE4_X16_GBPS)]
         link_gbps: f64,
-        /// How stepalloc's switch is modelled: `serial` (what the library does today: one tag
-        /// at a time, each call waiting for its copies) or `overlapped` (a planned pause and
-        /// resume of all the engine's tags with the driver calls under the copies, not yet in
-        /// the library). See docs/performance.md.
-        #[arg(long, value_enum, default_value = "serial")]
-        schedule: colocated::Schedule,
     },
     /// Write the agent workload as a trace file (for replay benchmarks and tests).
     GenTrace {
@@ -176,9 +170,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
             (Input::Trace(program), format!("replay {}", file.display()), compare::DEFAULT_OTHER)
         }
         Command::Random(args) => return run_random(g, &args, capacity_mb),
-        Command::Colocated { spec, capacity_gb, link_gbps, schedule } => {
-            return run_colocated(g, &spec, capacity_gb, link_gbps, schedule)
-        }
+        Command::Colocated { spec, capacity_gb, link_gbps } => return run_colocated(g, &spec, capacity_gb, link_gbps),
         Command::Advise { file, capacity_gb } => return run_advise(g, &file, capacity_gb.as_deref(), capacity_mb),
         Command::Headroom { agent, search } => return run_headroom(g, &agent, &search, capacity_mb),
         Command::GenTrace { agent, format, out } => {
@@ -419,13 +411,7 @@ fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<&str>, cap
     Ok(0)
 }
 
-fn run_colocated(
-    g: &Global,
-    spec: &ColocatedSpec,
-    capacity_gb: Option<u64>,
-    link_gbps: f64,
-    schedule: colocated::Schedule,
-) -> Result<i32, Failure> {
+fn run_colocated(g: &Global, spec: &ColocatedSpec, capacity_gb: Option<u64>, link_gbps: f64) -> Result<i32, Failure> {
     // One of --capacity-gb, --capacity-mb and --h200 at most (clap refuses two); each checked
     // under its own name.
     let capacity_mb = match (capacity_gb, g.capacity_mb) {
@@ -446,7 +432,7 @@ fn run_colocated(
         (None, None) => colocated::DEFAULT_CAPACITY_GB * 1024,
     };
     let started = Instant::now();
-    let cost = colocated::CostModel::new(link_gbps)?.with_schedule(schedule);
+    let cost = colocated::CostModel::new(link_gbps)?;
     let report = colocated::run(spec, capacity_mb, cost)?;
     if g.timing {
         note!("timing: colocated in {:.3} s", started.elapsed().as_secs_f64());

@@ -5,7 +5,7 @@
 //! the device's size however it is given.
 
 use stepalloc_stress::workload::colocated::{
-    self, ColocatedReport, ColocatedSpec, CostModel, Schedule, PCIE4_X16_GBPS, PCIE5_X16_GBPS,
+    self, ColocatedReport, ColocatedSpec, CostModel, PCIE4_X16_GBPS, PCIE5_X16_GBPS,
 };
 
 const GB80_MB: u64 = 80 * 1024;
@@ -97,30 +97,21 @@ fn bad_dimensions_and_links_are_refused_with_the_flag() {
     }
 }
 
-/// The switch under both schedules at both links: the overlapped one (one pause and one
-/// resume, driver calls under the copies: a planned change of the library, modelled) within
-/// 1.2x of the copies at link speed, the serial one (the library's order today, the default)
-/// above it, and neither below the copies.
+/// The default loop's switch at both links, timed on the simulated device's clock as the
+/// library makes its calls (its copy engine at the link's rate): within 1.2x of the copies at
+/// link speed, and never below them.
 #[test]
 fn overlapped_switch_is_within_1_2x_of_the_link_at_25_and_50_gbps() {
     for link in [PCIE4_X16_GBPS, PCIE5_X16_GBPS] {
-        let cost = CostModel::new(link).unwrap();
-        let over =
-            colocated::run(&ColocatedSpec::default(), GB80_MB, cost.with_schedule(Schedule::Overlapped)).unwrap();
-        let serial = colocated::run(&ColocatedSpec::default(), GB80_MB, cost).unwrap();
-        assert_eq!(serial.cost.schedule, Schedule::Serial, "the default is what the library does");
-        let (o, s) = (stepalloc_column(&over), stepalloc_column(&serial));
-        let floor = o.link_floor_s_per_iteration;
+        let r = colocated::run(&ColocatedSpec::default(), GB80_MB, CostModel::new(link).unwrap()).unwrap();
+        let s = stepalloc_column(&r);
+        let floor = s.link_floor_s_per_iteration;
         assert!(floor > 0.0);
         assert!(
-            o.switch_s_per_iteration >= floor && o.switch_s_per_iteration <= 1.2 * floor,
-            "{link} GB/s: overlapped switch {:.4} s against {floor:.4} s of copies",
-            o.switch_s_per_iteration
+            s.switch_s_per_iteration >= floor && s.switch_s_per_iteration <= 1.2 * floor,
+            "{link} GB/s: stepalloc's switch {:.4} s against {floor:.4} s of copies",
+            s.switch_s_per_iteration
         );
-        assert!(s.switch_s_per_iteration > o.switch_s_per_iteration, "{link} GB/s");
-        // The schedule changes the modelled time alone: the same memory moves.
-        assert_eq!((o.peak_bytes, o.copied_per_iteration), (s.peak_bytes, s.copied_per_iteration));
-        assert_eq!(over.cost.schedule, Schedule::Overlapped);
     }
 }
 

@@ -240,7 +240,6 @@ fn subcommands(dir: &Path, trace: &Path) -> Vec<Sub> {
         case("--micro-tokens-max", Some("3072"), Output),
         case("--capacity-gb", Some("20"), Output),
         case("--link-gbps", Some("50"), Output),
-        case("--schedule", Some("overlapped"), Output),
     ]);
 
     vec![

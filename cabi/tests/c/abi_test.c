@@ -593,6 +593,19 @@ static void scenario_sleep(void) {
     CHECK(p_stepalloc_resume("weights") == STEPALLOC_OK && strstr(report(), "\"skipped\":[\"weights\"]"), "%s",
           report());
     check_stats(0, 2, 150.0 * MIB);
+    /* A list of tags in one call: a bad list changes nothing; a good one pauses and resumes both. */
+    CHECK(p_stepalloc_pause_tags("weights,,kv_cache", -1) == STEPALLOC_INVALID_ARGUMENT, "empty name: %s", last_error());
+    CHECK(p_stepalloc_pause_tags(NULL, -1) == STEPALLOC_INVALID_ARGUMENT, "NULL list");
+    CHECK(p_stepalloc_pause_tags("weights,never_seen", -1) == STEPALLOC_INVALID_ARGUMENT &&
+              strstr(last_error(), "never_seen") && stat(0, "stepalloc.tag.weights.paused_bytes") == 0,
+          "a list with an unknown tag: %s", last_error());
+    CHECK(p_stepalloc_pause_tags("weights=2,kv_cache", -1) == STEPALLOC_INVALID_ARGUMENT, "backup =2");
+    CHECK(p_stepalloc_pause_tags("weights=1,kv_cache=0", 0) == STEPALLOC_OK &&
+              strstr(report(), "\"tags\":[\"weights\",\"kv_cache\"]") && strstr(report(), "\"copied_bytes\":115343360,"),
+          "pause_tags: %s %s", last_error(), report());
+    CHECK(stat(0, "stepalloc.tag.weights.paused_bytes") == 100.0 * MIB, "paused by the list");
+    CHECK(p_stepalloc_resume_tags("kv_cache,weights") == STEPALLOC_OK && strstr(report(), "\"copied_bytes\":115343360,"),
+          "resume_tags: %s %s", last_error(), report());
     p_stepalloc_free(w0, 100 * MIB, 0, NULL);
     p_stepalloc_free(w1, 10 * MIB, 1, NULL);
     p_stepalloc_free(plain, 50 * MIB, 0, NULL);

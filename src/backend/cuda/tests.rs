@@ -640,6 +640,60 @@ fn host_a_failed_wait_does_not_leak_the_block() {
     assert_eq!(reserved, Some(0), "the block whose wait failed was never freed");
 }
 
+/// A resume of two tags in one heap call (`Heap::resume_tags`) whose `cuMemMap` fails after
+/// the first copy batch was mapped and its copies queued: both tags stay paused with their
+/// backups and the device's memory is as before the call; memory given back meanwhile is
+/// overwritten by another allocation; a retry restores every backed-up byte.
+#[test]
+fn host_a_resume_of_two_tags_that_fails_halfway_loses_nothing() {
+    let test = "host_a_resume_of_two_tags_that_fails_halfway_loses_nothing";
+    let Some(host) = HostCuda::get(test) else { return };
+    let tools = super::tools::DeviceTools::open(0).expect("tools");
+    let config = Config::parse("backend:cuda,expandable_segments:True,large_segment_size_mb:2").expect("valid");
+    let a = Allocator::new(config).expect("allocator");
+    let (w, kv) = ("cuda_halfway_w", "cuda_halfway_kv");
+    crate::tags::enter(w, true).expect("region");
+    let weights: Vec<u64> = (0..3).map(|_| a.malloc(0, 200 * MIB, Stream::DEFAULT).expect("malloc")).collect();
+    crate::tags::exit().expect("exit");
+    crate::tags::enter(kv, false).expect("region");
+    let cache = a.malloc(0, 100 * MIB, Stream::DEFAULT).expect("malloc");
+    crate::tags::exit().expect("exit");
+    let words = (200 * MIB / 4) as usize;
+    for (i, &p) in weights.iter().enumerate() {
+        tools.memset_d32(p, 0x5EED_0000 + i as u32, words).expect("memset");
+    }
+    a.pause_tags(&[w, kv], None).expect("pause");
+    let used = host.used(0);
+    let numbers: Vec<u8> = [w, kv].iter().flat_map(|t| crate::tags::numbers(crate::tags::lookup(t).unwrap())).collect();
+    // 2 MiB pages: the first batch is 128 of them; the 201st map fails.
+    let maps = a.stats(0).expect("stats").heap.num_map;
+    with_setting(&host, "fail", "cuMemMap:2:after=200:count=1", "", || {
+        let e = a.with_heap(0, |h| h.resume_tags(&numbers)).expect("heap").expect_err("a map fails");
+        assert!(e.is_out_of_memory(), "{e}");
+    });
+    assert_eq!(a.stats(0).expect("stats").heap.num_map - maps, 200, "it failed in the second batch");
+    assert_eq!(host.used(0), used, "the failed resume gave back everything it mapped");
+    let figures = a.tag_figures();
+    let of = |t: &str| figures.iter().find(|f| f.tag == t).expect("figures").clone();
+    assert!(of(w).paused && of(kv).paused && of(w).backup_bytes == 600 * MIB, "{figures:?}");
+    a.check_invariants().expect("invariants");
+    let other = a.malloc(0, 700 * MIB, Stream::DEFAULT).expect("the memory given back");
+    tools.memset_d32(other, 0xDEAD_BEEF, (700 * MIB / 4) as usize).expect("memset");
+    a.free(0, other, 700 * MIB).expect("free");
+    let r = a.resume_tags(&[w, kv]).expect("the retry");
+    assert_eq!(r.copied_bytes, 600 * MIB);
+    let mut data = vec![0u8; 200 * MIB as usize];
+    for (i, &p) in weights.iter().enumerate() {
+        tools.copy_to_host(&mut data, p).expect("read");
+        let want = (0x5EED_0000 + i as u32).to_ne_bytes();
+        assert!(data.chunks_exact(4).all(|x| x == want), "block {i} lost its bytes");
+        a.free(0, p, 200 * MIB).expect("free");
+    }
+    a.free(0, cache, 100 * MIB).expect("free");
+    a.release_backup().expect("release_backup");
+    a.empty_cache().expect("empty_cache");
+}
+
 #[test]
 fn gpu_mem_info_on_an_unused_device_creates_no_context() {
     let Some(mut devices) = devices("gpu_mem_info_on_an_unused_device_creates_no_context") else { return };

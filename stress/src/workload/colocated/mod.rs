@@ -26,7 +26,7 @@
 mod cost;
 mod run;
 
-pub use cost::{CostModel, Schedule, PCIE4_X16_GBPS, PCIE5_X16_GBPS};
+pub use cost::{CostModel, PCIE4_X16_GBPS, PCIE5_X16_GBPS};
 pub use run::{run, table, ColocatedReport, Column, DEFAULT_CAPACITY_GB, MAX_CAPACITY_GB};
 
 use rand::{RngExt, SeedableRng};

@@ -10,10 +10,12 @@
 //!    allocation, the cache discarded; the loop calls `empty_cache` before the engine wakes
 //!    (what RL frameworks do so the trainer's cache does not sit under the engine);
 //! 4. `stepalloc`: stepalloc's recommended configuration, the engine's allocations in regions
-//!    of tags `engine_weights` (backed up) and `kv_cache` (discarded), paused after the rollout
-//!    and resumed before the next through `Allocator::pause` / `resume`; the same
-//!    `empty_cache` before the engine resumes. Its switch time is laid out by `cost.rs` under
-//!    the cost model's `Schedule` from each call's measured driver time.
+//!    of tags `engine_weights` (backed up) and `kv_cache` (discarded), both paused after the
+//!    rollout by one `Allocator::pause_tags` and resumed before the next by one `resume_tags`,
+//!    with no `empty_cache` (the resume releases the trainer's idle cached pages it takes the
+//!    place of). Its switch time is the simulated device's host clock over those two calls:
+//!    each driver call moves it by its modelled cost, each wait for a copy to the copy's end,
+//!    and the copy engine moves the bytes at the link's rate as the library queues them.
 //!
 //! Peak device use is the most bytes the device holds for the process at once over the run:
 //! reserved bytes (mapped pages under expandable segments), with paused memory not counted;
@@ -22,7 +24,7 @@
 //! with `--capacity-gb`. Every iteration is one full cycle: rollout, switch to training,
 //! training step, switch back.
 
-use super::cost::{CostModel, PauseCalls, ResumeCalls, Schedule};
+use super::cost::CostModel;
 use super::{generate, ColocatedSpec, Ev, Loop, Owner};
 use crate::report::gib;
 use comfy_table::{presets::UTF8_FULL_CONDENSED, CellAlignment, Table};
@@ -35,6 +37,9 @@ const SIM_MB: u64 = 1 << 20;
 const WEIGHTS_TAG: &str = "engine_weights";
 const KV_TAG: &str = "kv_cache";
 const GIB: u64 = 1 << 30;
+/// How the stepalloc column switches, as the table's header says.
+const STEPALLOC_SWITCH: &str = "one pause and one resume of both engine tags, no empty_cache; the library's calls \
+     timed on the simulated device's clock (copy engine at the link's rate)";
 
 /// One way of sharing the device, measured.
 #[derive(Clone, Debug, PartialEq, Serialize)]
@@ -145,8 +150,10 @@ struct Device {
     asleep: std::cell::Cell<bool>,
 }
 
-fn allocator(conf: &str) -> Result<Allocator, String> {
-    let full = format!("backend:sim,sim_capacity_mb:{SIM_MB},sim_cost_model:True,{conf}");
+/// An allocator on the simulated device with its cost model, its copy engine at the link's rate.
+fn allocator(conf: &str, cost: &CostModel) -> Result<Allocator, String> {
+    let link = cost.sim_copy_mb_s();
+    let full = format!("backend:sim,sim_capacity_mb:{SIM_MB},sim_cost_model:True,sim_copy_mb_s:{link},{conf}");
     let config = Config::parse(&full).map_err(|e| e.to_string())?;
     Allocator::new(config).map_err(|e| e.to_string())
 }
@@ -163,7 +170,8 @@ fn driver_s(s: &DeviceStats, waits: bool) -> f64 {
 }
 
 impl Device {
-    fn new(mode: Mode) -> Result<Device, String> {
+    fn new(mode: Mode, cost: &CostModel) -> Result<Device, String> {
+        let allocator = |conf: &str| allocator(conf, cost);
         let pytorch = "exact_fit:True";
         Ok(match mode {
             Mode::Resident | Mode::EmptyCache => {
@@ -253,7 +261,7 @@ impl Device {
 
 /// Plays the loop under `mode`.
 fn play(lp: &Loop, mode: Mode, cost: &CostModel) -> Result<Tally, String> {
-    let d = Device::new(mode)?;
+    let d = Device::new(mode, cost)?;
     let mut t = Tally::default();
     let mut live: Vec<Option<(u64, u64, Owner)>> = Vec::new();
     // Column 2: the cache blocks freed at the switch, allocated again at the next rollout.
@@ -298,7 +306,7 @@ fn play(lp: &Loop, mode: Mode, cost: &CostModel) -> Result<Tally, String> {
                         t.switch_s += cost.vllm_s(w.0, w.1, w.0 + kv.0, false);
                         d.asleep_set(true);
                     }
-                    Mode::Stepalloc => pause_engine(&d, &mut t, cost)?,
+                    Mode::Stepalloc => switch_engine(&d, &mut t, true)?,
                 }
                 note_switch(&d, &mut t)?;
             }
@@ -320,10 +328,7 @@ fn play(lp: &Loop, mode: Mode, cost: &CostModel) -> Result<Tally, String> {
                         t.switch_s += cost.vllm_s(w.0, w.1, w.0 + kv.0, true);
                         d.asleep_set(false);
                     }
-                    Mode::Stepalloc => {
-                        let release_cached_s = d.empty_cache()?;
-                        resume_engine(&d, &mut t, cost, release_cached_s)?;
-                    }
+                    Mode::Stepalloc => switch_engine(&d, &mut t, false)?,
                 }
                 note_switch(&d, &mut t)?;
             }
@@ -334,37 +339,18 @@ fn play(lp: &Loop, mode: Mode, cost: &CostModel) -> Result<Tally, String> {
     Ok(t)
 }
 
-/// One pause or resume of `tag` on the trainer's allocator, its invariants checked after:
-/// what it copied and the driver time of its calls, in all and in page creations (seconds,
-/// waits for copies excluded).
-fn sleep_call(d: &Device, tag: &str, pause: bool) -> Result<(u64, f64, f64), String> {
+/// stepalloc's pause (or resume) of the engine: both its tags in one call, its invariants
+/// checked after. Returns what it copied and the seconds it took on the simulated device's host
+/// clock (its driver calls, and its waits for the copies it queued, as the library makes them).
+fn switch_engine(d: &Device, t: &mut Tally, pause: bool) -> Result<(), String> {
     let before = stats(&d.trainer)?;
-    let r = if pause { d.trainer.pause(Some(tag), None) } else { d.trainer.resume(Some(tag)) };
+    let engine = [WEIGHTS_TAG, KV_TAG];
+    let r = if pause { d.trainer.pause_tags(&engine, None) } else { d.trainer.resume_tags(&engine) };
     let r = r.map_err(|e| e.to_string())?;
     let after = stats(&d.trainer)?;
-    d.trainer.check_invariants().map_err(|e| format!("after {} of {tag}: {e}", r.op))?;
-    let create_s = after.driver_time.create_ns.saturating_sub(before.driver_time.create_ns) as f64 * 1e-9;
-    Ok((r.copied_bytes, driver_s(&after, false) - driver_s(&before, false), create_s))
-}
-
-/// stepalloc's pause of the engine: the cache first (nothing to copy), then the weights; the
-/// switch's time from the calls' driver times under the cost model's schedule.
-fn pause_engine(d: &Device, t: &mut Tally, cost: &CostModel) -> Result<(), String> {
-    let (_, free_s, _) = sleep_call(d, KV_TAG, true)?;
-    let (copied, gated_s, _) = sleep_call(d, WEIGHTS_TAG, true)?;
-    t.copied += copied;
-    t.switch_s += cost.pause_s(&PauseCalls { copied, free_s, gated_s });
-    Ok(())
-}
-
-/// stepalloc's resume of the engine after the loop's `empty_cache` (`release_cached_s`): the
-/// weights first (the engine's first kernels read them), then the cache.
-fn resume_engine(d: &Device, t: &mut Tally, cost: &CostModel, release_cached_s: f64) -> Result<(), String> {
-    let (copied, weights_s, create_s) = sleep_call(d, WEIGHTS_TAG, false)?;
-    let (_, after_s, _) = sleep_call(d, KV_TAG, false)?;
-    t.copied += copied;
-    let map_s = weights_s - create_s;
-    t.switch_s += cost.resume_s(&ResumeCalls { copied, release_cached_s, create_s, map_s, after_s });
+    d.trainer.check_invariants().map_err(|e| format!("after the engine's {}: {e}", r.op))?;
+    t.copied += r.copied_bytes;
+    t.switch_s += driver_s(&after, true) - driver_s(&before, true);
     Ok(())
 }
 
@@ -400,7 +386,7 @@ pub fn table(r: &ColocatedReport) -> String {
         "colocated loop: decoder {} x {} layers ({} GiB of engine weights in {} tensors), rollout batch {} x {}..{} \
          response tokens, {} micro-batches of {}..{} tokens, {} iterations, seed {}\n\
          host link {:.0} GB/s (PCIe 4 x16 about {:.0}, PCIe 5 x16 about {:.0}), device {}\n\
-         stepalloc's switch modelled {}\n\
+         stepalloc's switch: {}\n\
          phases' own peaks: rollout {} GiB, training {} GiB; larger {} GiB\n",
         s.hidden,
         s.layers,
@@ -418,11 +404,7 @@ pub fn table(r: &ColocatedReport) -> String {
         super::PCIE4_X16_GBPS,
         super::PCIE5_X16_GBPS,
         device_size(r.capacity_bytes),
-        match r.cost.schedule {
-            Schedule::Overlapped => "overlapped: one pause and one resume of the engine, driver calls under the copies",
-            Schedule::Serial =>
-                "serial: one tag per call, each waiting for its copies, a resume creating every page first",
-        },
+        STEPALLOC_SWITCH,
         gib(r.rollout_phase_peak),
         gib(r.train_phase_peak),
         gib(r.larger_phase_peak),
