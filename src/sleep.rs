@@ -213,7 +213,7 @@ impl Allocator {
                     for (j, o) in outcomes.iter().enumerate() {
                         if !o.skipped {
                             here.push(numbers[j].0);
-                            skipped[j / 2] = false;
+                            skipped[j / tags::NUMBERS] = false;
                         }
                         report.add(o);
                     }
@@ -304,7 +304,7 @@ impl Allocator {
                     for (j, o) in outcomes.iter().enumerate() {
                         if !o.skipped {
                             here.push((numbers[j], o.copied_bytes > 0));
-                            skipped[j / 2] = false;
+                            skipped[j / tags::NUMBERS] = false;
                         }
                         report.add(o);
                     }

@@ -180,9 +180,12 @@ pub fn backup(tag: TagId) -> bool {
     Store::of(tag) != Store::None
 }
 
+/// How many numbers one name has: one per backup store (`numbers`).
+pub const NUMBERS: usize = 4;
+
 /// The numbers memory of the name numbered `id` carries: backed up first (a pause that cannot
 /// back up fails before it discards anything), then discarded.
-pub fn numbers(id: TagId) -> [TagId; 4] {
+pub fn numbers(id: TagId) -> [TagId; NUMBERS] {
     let id = base(id);
     [id | Store::Pinned.bits(), id | Store::Mmap.bits(), id | Store::Disk.bits(), id]
 }
