@@ -19,8 +19,10 @@
 //!   other; it costs that waiter at most the deadline, never correctness.
 //! - the lock word and its parking key never move while anyone waits (a waiter borrows the lock).
 //!
-//! Waiting: spin a little (parking_lot's `SpinWait`: a few rounds of `pause`, then yields),
-//! then sleep in parking_lot's parking lot keyed by the lock's address. No fairness hand-off:
+//! Waiting: spin a little while nobody sleeps (parking_lot's `SpinWait`: a few rounds of
+//! `pause`, then yields), then sleep in parking_lot's parking lot keyed by the lock's address.
+//! Spinning behind sleepers cost a third of the throughput of `stepalloc-stress random
+//! --threads 8` on two cores; without it the figure matches parking_lot's mutex. No fairness hand-off:
 //! a released lock goes to whoever takes it first (as `std`'s mutex).
 
 // parking_lot_core's park and unpark are unsafe functions: each block says why the call is sound.
@@ -91,7 +93,8 @@ impl RawHeapLock {
             if !self.locked.load(Ordering::Relaxed) && lock_api::RawMutex::try_lock(self) {
                 return;
             }
-            if spin.spin() {
+            // Spin only while nobody sleeps: behind a sleeper, spinning only delays it.
+            if !self.parked.load(Ordering::Relaxed) && spin.spin() {
                 continue;
             }
             // A sequentially consistent store: it is visible before the check below reads
