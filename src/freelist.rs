@@ -49,8 +49,8 @@ impl ListKey {
 pub struct FreeList {
     pub key: ListKey,
     bitmap: BinBitmap,
-    /// First linked block of each bin's list. Invariant: bit `b` is set iff `heads[b] != NIL`
-    /// or `top` is in bin `b`.
+    /// First linked block of each bin's list. Invariant: bit `b` of `bitmap` is set iff
+    /// `heads[b] != NIL` (`top` is not in the bitmap: `first_from` adds it).
     heads: Box<[BlockId]>,
     /// The block filed last, below `max_split_size`, when it is still listed (else `NIL`): the
     /// logical head of bin `top_bin`, before `heads[top_bin]`, not linked (its links are NIL).
@@ -92,7 +92,6 @@ impl FreeList {
         }
         self.top = id;
         self.top_bin = bin;
-        self.bitmap.set(bin);
     }
 
     /// Links `top` at the head of its bin's list (it stays that bin's first block).
@@ -105,7 +104,18 @@ impl FreeList {
             blocks[head as usize].link_prev = id;
         }
         self.heads[bin] = id;
+        self.bitmap.set(bin);
         self.top = NIL;
+    }
+
+    /// The first non-empty bin at or after `bin`: the bitmap's, or `top`'s when it is earlier.
+    #[inline(always)]
+    fn first_from(&self, bin: usize) -> Option<usize> {
+        let linked = self.bitmap.find_from(bin);
+        if self.top != NIL && self.top_bin >= bin && linked.is_none_or(|l| self.top_bin <= l) {
+            return Some(self.top_bin);
+        }
+        linked
     }
 
     /// The first block of `bin` (`NIL` when it is empty).
@@ -138,9 +148,6 @@ impl FreeList {
         }
         if id == self.top {
             self.top = NIL;
-            if self.heads[self.top_bin] == NIL {
-                self.bitmap.clear(self.top_bin);
-            }
             return;
         }
         if prev != NIL {
@@ -148,7 +155,7 @@ impl FreeList {
         } else {
             let bin = bin_down(size);
             self.heads[bin] = next;
-            if next == NIL && !(self.top != NIL && self.top_bin == bin) {
+            if next == NIL {
                 self.bitmap.clear(bin);
             }
         }
@@ -186,7 +193,7 @@ impl FreeList {
         if exact != NIL && blocks[exact as usize].size >= size {
             return Some(exact);
         }
-        self.bitmap.find_from(bin_up(size)).map(|bin| self.first(bin))
+        self.first_from(bin_up(size)).map(|bin| self.first(bin))
     }
 
     /// The smallest free block below `max_split_size` that holds `size` bytes, the lowest
@@ -204,7 +211,7 @@ impl FreeList {
             }
             best.map(|x| x.2)
         };
-        best_in(bin_down(size)).or_else(|| self.bitmap.find_from(bin_up(size)).and_then(best_in))
+        best_in(bin_down(size)).or_else(|| self.first_from(bin_up(size)).and_then(best_in))
     }
 
     /// The smallest oversize block of at least `size` bytes and below `size + max_extra`.
@@ -218,7 +225,7 @@ impl FreeList {
     pub fn collect_at_least(&self, blocks: &[Block], min: u64, out: &mut Vec<(u64, BlockId)>) {
         out.extend(self.oversize.iter().filter(|e| e.0 >= min).map(|&(size, _, id)| (size, id)));
         let mut bin = bin_down(min);
-        while let Some(found) = self.bitmap.find_from(bin) {
+        while let Some(found) = self.first_from(bin) {
             for (id, b) in self.bin_blocks(blocks, found) {
                 if b.size >= min {
                     out.push((b.size, id));
@@ -234,11 +241,60 @@ impl FreeList {
     /// The largest free block's size.
     pub fn largest(&self, blocks: &[Block]) -> u64 {
         let mut largest = self.oversize.last().map_or(0, |&(size, _, _)| size);
-        if let Some(bin) = self.bitmap.last() {
+        let top_bin = (self.top != NIL).then_some(self.top_bin);
+        if let Some(bin) = self.bitmap.last().max(top_bin) {
             for (_, b) in self.bin_blocks(blocks, bin) {
                 largest = largest.max(b.size);
             }
         }
         largest
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::segment::ANY_STREAM;
+
+    /// The unlinked `top` reads as the head of its bin: lookups return what a list that linked
+    /// every block at its bin's head would return, through inserts, removals and linking.
+    #[test]
+    fn the_last_filed_block_is_its_bins_head() {
+        let class = BlockClass::new(0, true, false);
+        let sizes = [4096u64, 4096, 65536, 4096, 1 << 20];
+        let mut blocks: Vec<Block> = sizes
+            .iter()
+            .enumerate()
+            .map(|(i, &s)| Block::unlinked(i as u64 * (1 << 24), s, 0, class, ANY_STREAM, 0))
+            .collect();
+        let mut list = FreeList::new(ListKey::of(class, ANY_STREAM));
+        assert_eq!(list.find(&blocks, 512), None);
+        list.insert(&mut blocks, 0, false);
+        assert_eq!(list.find(&blocks, 4096), Some(0));
+        assert_eq!(list.find(&blocks, 1024), Some(0), "a larger bin's top serves a smaller request");
+        list.insert(&mut blocks, 1, false); // 0 is linked now, 1 is the top
+        assert_eq!(list.find(&blocks, 4096), Some(1));
+        list.insert(&mut blocks, 2, false); // 1 linked before 0
+        assert_eq!(list.find(&blocks, 4096), Some(1));
+        assert_eq!(list.find(&blocks, 8192), Some(2), "only the top is in the larger bin");
+        assert_eq!(list.find_exact(&blocks, 4096), Some(0), "lowest address among equal sizes");
+        assert_eq!(list.largest(&blocks), 65536);
+        list.remove(&mut blocks, 2, false);
+        assert_eq!(list.find(&blocks, 8192), None);
+        assert_eq!(list.largest(&blocks), 4096);
+        list.remove(&mut blocks, 1, false);
+        assert_eq!(list.find(&blocks, 4096), Some(0));
+        list.insert(&mut blocks, 4, false); // 1 MiB top above the linked 4 KiB bin
+        list.insert(&mut blocks, 3, false);
+        let mut found = Vec::new();
+        list.collect_at_least(&blocks, 4096, &mut found);
+        found.sort();
+        assert_eq!(found, vec![(4096, 0), (4096, 3), (1 << 20, 4)]);
+        assert_eq!(list.find(&blocks, 1 << 20), Some(4));
+        assert_eq!((list.count, list.bytes), (3, 4096 * 2 + (1 << 20)));
+        for id in [3, 0, 4] {
+            list.remove(&mut blocks, id, false);
+        }
+        assert_eq!((list.find(&blocks, 512), list.count, list.bytes), (None, 0, 0));
     }
 }
