@@ -6,14 +6,20 @@ use crate::backend::{self, sim::SimDevice, Backend, Stream};
 use crate::config::{BackendKind, Config};
 use crate::error::{Error, Result};
 use crate::heap::{Heap, PoolId};
+use crate::segment::HomeHint;
 use crate::snapshot::{SnapshotAnnotation, SnapshotSegment, SnapshotTraceEvent};
 use crate::stats::{DeviceStats, StepFigures};
-use parking_lot::{Mutex, MutexGuard};
 use serde_json::json;
+use std::sync::Arc;
+
+mod lock;
+pub use lock::{HeapGuard, HeapMutex, RawHeapLock};
 
 pub struct Allocator {
     config: Config,
-    pub(crate) devices: Vec<Mutex<Heap>>,
+    pub(crate) devices: Vec<HeapMutex<Heap>>,
+    /// Each device's `HomeHint`, read without its lock (`home_lines`).
+    hints: Vec<Arc<HomeHint>>,
 }
 
 impl Allocator {
@@ -35,8 +41,10 @@ impl Allocator {
 
     /// Builds the allocator over the given devices (device `i` is `backends[i]`).
     pub fn with_backends(config: Config, backends: Vec<Box<dyn Backend>>) -> Allocator {
-        let devices = backends.into_iter().enumerate().map(|(i, b)| Mutex::new(Heap::new(i, &config, b))).collect();
-        Allocator { config, devices }
+        let devices: Vec<_> =
+            backends.into_iter().enumerate().map(|(i, b)| HeapMutex::new(Heap::new(i, &config, b))).collect();
+        let hints = devices.iter().map(|heap| heap.lock().arena.home_hint()).collect();
+        Allocator { config, devices, hints }
     }
 
     pub fn config(&self) -> &Config {
@@ -48,7 +56,7 @@ impl Allocator {
     }
 
     #[inline]
-    fn heap(&self, device: usize) -> Result<MutexGuard<'_, Heap>> {
+    fn heap(&self, device: usize) -> Result<HeapGuard<'_, Heap>> {
         match self.devices.get(device) {
             Some(heap) => Ok(heap.lock()),
             None => Err(self.no_device(device)),
@@ -71,6 +79,14 @@ impl Allocator {
     #[inline]
     pub fn malloc_in_pool(&self, device: usize, size: u64, stream: Stream, pool: Option<PoolId>) -> Result<u64> {
         self.heap(device)?.malloc_tagged(size, stream, pool, crate::tags::current())
+    }
+
+    /// The addresses of the state bytes and the first of the four records where `free(ptr)`
+    /// will look first on `device` (`HomeHint`): read without the lock, possibly stale, for a
+    /// prefetch only. None for a device that does not exist.
+    #[inline]
+    pub fn home_lines(&self, device: usize, ptr: u64) -> Option<(usize, usize)> {
+        Some(self.hints.get(device)?.lines(ptr))
     }
 
     /// Frees `ptr`; `size` is the size asked for at malloc, or 0 when unknown.

@@ -20,14 +20,14 @@ impl Default for BinBitmap {
 }
 
 impl BinBitmap {
-    #[inline]
+    #[inline(always)]
     pub fn set(&mut self, bin: usize) {
         let (group, bit) = (bin / BINS_PER_GROUP, bin % BINS_PER_GROUP);
         self.groups[group] |= 1 << bit;
         self.top |= 1 << group;
     }
 
-    #[inline]
+    #[inline(always)]
     pub fn clear(&mut self, bin: usize) {
         let (group, bit) = (bin / BINS_PER_GROUP, bin % BINS_PER_GROUP);
         self.groups[group] &= !(1 << bit);

@@ -426,6 +426,7 @@ impl Config {
     }
 
     /// The divisions that apply to a request of `size` bytes (PyTorch's interval lookup).
+    #[inline]
     pub fn divisions_for(&self, size: u64) -> u64 {
         const INTERVAL_START: u32 = 20; // log2(1 MiB)
         let log_size = 63 - size.max(1).leading_zeros();

@@ -283,7 +283,9 @@ impl Heap {
         if !self.pending.is_empty() && self.captures_underway == 0 {
             self.process_events()?;
         }
-        self.alloc_clock += 1;
+        // Counts of calls wrap rather than carry the release profile's overflow check: 2^64
+        // calls would take centuries.
+        self.alloc_clock = self.alloc_clock.wrapping_add(1);
         let pool_index = match pool {
             Some(id) => self.private_pool_index(id),
             None => 0,
@@ -312,7 +314,7 @@ impl Heap {
         }
         let id = match found {
             Some(id) => {
-                self.stats.num_cache_hits += 1;
+                self.stats.num_cache_hits = self.stats.num_cache_hits.wrapping_add(1);
                 id
             }
             None if tag != 0 && pool_index != 0 => {
@@ -439,7 +441,7 @@ impl Heap {
         usage.phase_mask |= phase_bit;
         self.arena.file_allocated(id);
         let s = &mut self.stats;
-        s.num_mallocs += 1;
+        s.num_mallocs = s.num_mallocs.wrapping_add(1);
         s.allocation.increase(small, 1);
         s.allocated_bytes.increase(small, size);
         s.requested_bytes.increase(small, requested);
@@ -489,7 +491,7 @@ impl Heap {
             (b.size, b.stream, b.class.small(), b.requested)
         };
         let s = &mut self.stats;
-        s.num_frees += 1;
+        s.num_frees = s.num_frees.wrapping_add(1);
         s.allocation.decrease(small, 1);
         s.allocated_bytes.decrease(small, block_size);
         s.requested_bytes.decrease(small, requested);

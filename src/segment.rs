@@ -30,6 +30,8 @@ use crate::backend::Stream;
 use live::LiveIndex;
 use rustc_hash::FxHashMap;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 
 /// Slot storage for blocks and segments, with reuse of vacant slots, and the lookup of
 /// allocated blocks by address.
@@ -70,6 +72,35 @@ pub struct Arena {
     uses: Vec<SegmentUse>,
     vacant_segments: Vec<SegmentId>,
     pub live_segments: usize,
+    /// Where homes lie, for readers without the device lock (`HomeHint`).
+    hint: Arc<HomeHint>,
+}
+
+/// Where the home bucket of an address lies, readable without the device lock: the addresses
+/// of the state bytes and of the records and the home table's size, stored by the arena
+/// whenever they change (`resize_homes`). A reader may see them stale or torn (another thread
+/// may be resizing), so the addresses are only fit for a prefetch: the C ABI's `free` asks for
+/// the lines of the freed block's bucket before it takes the lock, so that the record `free`
+/// must load (a miss in a large heap) arrives while the lock is taken.
+#[derive(Debug, Default)]
+pub struct HomeHint {
+    states: AtomicUsize,
+    records: AtomicUsize,
+    slots: AtomicUsize,
+}
+
+impl HomeHint {
+    /// The address of the state bytes and of the first of the four records of the home bucket
+    /// of a block at `addr` (both possibly stale: for a prefetch only).
+    #[inline]
+    pub fn lines(&self, addr: u64) -> (usize, usize) {
+        let slots = self.slots.load(Ordering::Relaxed);
+        let home = Arena::home_in(home_hash(addr), slots.max(BUCKET)) as usize;
+        let states = self.states.load(Ordering::Relaxed).wrapping_add(home);
+        let records =
+            self.records.load(Ordering::Relaxed).wrapping_add(home.wrapping_mul(std::mem::size_of::<Block>()));
+        (states, records)
+    }
 }
 
 /// A slot's byte: its `BlockState` in the low three bits and, for an allocated block filed at
@@ -150,6 +181,7 @@ impl Default for Arena {
             uses: Vec::new(),
             vacant_segments: Vec::new(),
             live_segments: 0,
+            hint: Arc::default(),
         };
         arena.resize_homes(FIRST_SLOTS);
         arena
@@ -167,6 +199,11 @@ impl Arena {
     #[inline]
     fn home_in(hash: u64, slots: usize) -> BlockId {
         ((hash >> 29) & (slots as u64 - 1) & !(BUCKET as u64 - 1)) as BlockId
+    }
+
+    /// The lookup hint this arena keeps up to date (`HomeHint`).
+    pub fn home_hint(&self) -> Arc<HomeHint> {
+        Arc::clone(&self.hint)
     }
 
     /// Whether block `id` is in its home bucket.
@@ -231,6 +268,9 @@ impl Arena {
         }
         // Blocks filed at home all lie in the old table.
         let filed = std::mem::replace(&mut self.home_slots, slots);
+        self.hint.states.store(self.states.as_ptr() as usize, Ordering::Relaxed);
+        self.hint.records.store(self.blocks.as_ptr() as usize, Ordering::Relaxed);
+        self.hint.slots.store(slots, Ordering::Relaxed);
         for id in 0..filed as BlockId {
             let hash = home_hash(self.blocks[id as usize].addr);
             if self.states[id as usize] == slot_byte::allocated(hash) && !self.is_home(id) {

@@ -86,7 +86,7 @@ pub fn segment_size(rounded: u64) -> u64 {
 
 /// The bin a free block of `size` bytes is filed in (rounds down). `size` is a multiple of
 /// `GRANULE`, at least one granule.
-#[inline]
+#[inline(always)]
 pub fn bin_down(size: u64) -> usize {
     let units = size / GRANULE;
     if units < MANTISSA_VALUES {
@@ -99,7 +99,7 @@ pub fn bin_down(size: u64) -> usize {
 }
 
 /// The first bin whose every block holds at least `size` bytes (rounds up).
-#[inline]
+#[inline(always)]
 pub fn bin_up(size: u64) -> usize {
     let down = bin_down(size);
     if bin_start(down) == size.div_ceil(GRANULE) * GRANULE {
@@ -110,6 +110,7 @@ pub fn bin_up(size: u64) -> usize {
 }
 
 /// The smallest size filed in `bin`.
+#[inline]
 pub fn bin_start(bin: usize) -> u64 {
     let exponent = bin as u64 / MANTISSA_VALUES;
     let mantissa = bin as u64 & MANTISSA_MASK;

@@ -114,7 +114,8 @@ pub struct Block {
     pub segment: SegmentId,
     pub prev: BlockId,
     pub next: BlockId,
-    /// Links in the free list's bin (valid while `Free` and not oversize).
+    /// Links in the free list's bin (valid while `Free`, not oversize and not the list's
+    /// unlinked `top`, whose links are NIL).
     pub link_prev: BlockId,
     pub link_next: BlockId,
     pub class: BlockClass,
