@@ -84,6 +84,7 @@ class TorchMemorySaver:
         self._hook_mode: str | None = None
         self._pools: dict[tuple[str, bool, str, int], Any] = {}
         self._init_region: sleep.region | None = None
+        self._init_at_import = False  # initialised at import by TMS_INIT_ENABLE
 
     # --- setup ---------------------------------------------------------------------------
 
@@ -123,6 +124,15 @@ class TorchMemorySaver:
                 self._tags.add(SAVER_DEFAULT_TAG)
             self._route = route
 
+    def _init_from_env(self) -> None:
+        """``TMS_INIT_ENABLE=1`` at import: initialise now (process-wide, with the init region)
+        unless CUDA is initialised already (then at the first use, as without it)."""
+        import torch
+
+        if not torch.cuda.is_initialized():
+            self._ensure_initialized()
+            self._init_at_import = True
+
     @property
     def enabled(self) -> bool:
         return True
@@ -138,6 +148,11 @@ class TorchMemorySaver:
         if value not in ("preload", "torch"):
             raise ValueError(f"hook_mode must be 'preload' or 'torch', not {value!r}")
         if self._route is not None and value != self._hook_mode and (value == "torch") != (self._route == "pools"):
+            if self._init_at_import:
+                raise RuntimeError(
+                    f"hook_mode={value!r} with TMS_INIT_ENABLE=1: that variable asks for the preload hook mode, "
+                    "and the saver began process-wide when it was imported; unset it to use hook_mode='torch'"
+                )
             raise RuntimeError(
                 f"hook_mode={value!r} after the first region: the saver already runs "
                 f"{'with pools' if self._route == 'pools' else 'process-wide'}; set hook_mode first"
@@ -218,21 +233,26 @@ class TorchMemorySaver:
 
     @contextlib.contextmanager
     def disable(self, dispose_mem_pool_after_use: bool = True) -> Iterator[None]:
-        """Tensors allocated inside are not paused by this object's ``pause()``."""
+        """Tensors allocated inside are not paused by this object's ``pause()``. At the exit,
+        the memory they freed goes back to the device, as torch_memory_saver disposes the pool
+        it allocated them from (its training_engine example asserts it): they are allocated
+        from a pool of their own (PyTorch's in the pools route, one of stepalloc's private pools
+        process-wide), dropped at the exit. Other cached memory, a paused tag's included, stays."""
         if not dispose_mem_pool_after_use:
             raise AssertionError("Only dispose_mem_pool_after_use=true is supported now")
         self._ensure_initialized()
+        import torch
+
         if self._route == "pools":
             # PyTorch's own allocator, in a pool of its own (torch_memory_saver does the same).
-            import torch
-
             pool = torch.cuda.MemPool()
-            with torch.cuda.use_mem_pool(pool), sleep.region(DISABLED_TAG, backup=False):
-                yield
-            del pool
-            return
-        with sleep.region(DISABLED_TAG, backup=False):
+        else:
+            from . import torch as _torch
+
+            pool = _torch.mempool()
+        with torch.cuda.use_mem_pool(pool), sleep.region(DISABLED_TAG, backup=False):
             yield
+        del pool
 
     # --- pause and resume ------------------------------------------------------------------
 
@@ -431,6 +451,12 @@ def alias_torch_memory_saver() -> None:
 
 # The global singleton, as torch_memory_saver exports it.
 torch_memory_saver = TorchMemorySaver()
+
+if _env_flag("TMS_INIT_ENABLE"):
+    # torch_memory_saver's preload library tracks from the process's start under
+    # TMS_INIT_ENABLE, so what a program allocates before it first calls the saver is pauseable
+    # (its training_engine example); the nearest point here is this import.
+    torch_memory_saver._init_from_env()
 
 
 def _main(argv: list[str]) -> int:
