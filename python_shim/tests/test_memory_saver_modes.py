@@ -339,3 +339,41 @@ def test_a_retained_backup_stays_readable_after_resume(hook_mode: str) -> None:
         """
     )
     assert "ok=retain" in out
+
+
+@needs_torch
+def test_tms_init_enable_tracks_from_import_and_disable_gives_its_memory_back() -> None:
+    # torch_memory_saver's preload library tracks from the process's start under
+    # TMS_INIT_ENABLE (its training_engine example allocates before any call to the saver);
+    # disable() disposes of what it allocated at its exit, and leaves the paused memory paused.
+    out = run(
+        """
+        from stepalloc.memory_saver import torch_memory_saver as SAVER
+        import stepalloc
+        assert stepalloc.is_installed(), "TMS_INIT_ENABLE=1: process-wide from the import"
+        f0 = free()
+        w = full(64 * MIB, 42)  # before any call to the saver
+        assert free() <= f0 - 64 * MIB
+        SAVER.pause()
+        f_paused = free()
+        assert f_paused >= f0, (f_paused, f0)  # all of it went back
+        with SAVER.disable():
+            d = full(128 * MIB, 7)
+            assert free() <= f_paused - 128 * MIB
+            assert read(d) == (7, 7)
+            del d
+        assert free() == f_paused, (free(), f_paused)  # given back at the exit
+        SAVER.resume()
+        assert read(w) == (42, 42)  # TMS_INIT_ENABLE_CPU_BACKUP=1
+        try:
+            SAVER.hook_mode = "torch"
+        except RuntimeError as e:
+            assert "TMS_INIT_ENABLE" in str(e), str(e)
+        else:
+            raise AssertionError("hook_mode='torch' accepted after a process-wide start")
+        print("ok=init_enable")
+        """,
+        TMS_INIT_ENABLE="1",
+        TMS_INIT_ENABLE_CPU_BACKUP="1",
+    )
+    assert "ok=init_enable" in out

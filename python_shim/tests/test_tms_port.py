@@ -42,6 +42,9 @@ CASES = [
     ("cuda_graph", "cuda_graph", "run", ("preload", "torch"), {}, 1),
     ("rl_example", "rl_example", "run", ("preload", "torch"), {}, 1),
     ("training_engine", "training_engine", "run", ("preload",), {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}, 1),
+    # test/test_configure_subprocess.py and test/test_utils.py (what of them is the library's behaviour)
+    ("configure_subprocess", "utils_and_configure", "run_configure_subprocess", ("preload",), {}, 1),
+    ("cpu_backup_backend_requires_enable", "utils_and_configure", "run_backend_requires_enable", ("preload", "torch"), {}, 1),
 ]
 
 # Fails under stepalloc, with why, and the assertion it must fail at (docs/testing.md lists
