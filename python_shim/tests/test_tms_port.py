@@ -10,8 +10,10 @@ exits with status 1 at interpreter teardown (``tms_torch_free``, see test_memory
 the preload hook mode of the original gets its library through ``LD_PRELOAD`` ahead of testdrv's
 runtime, as ``configure_subprocess`` would set it; testdrv keeps no warm memory
 (``HOSTCUDA_WARM_MB=0``), so memory released and created again does not hold its old bytes. The environment variables the original
-harness sets per test (``TMS_INIT_ENABLE``, ...) are set here the same way. Examples not ported
-(kernels throughout, or a GPU-only check): ``cuda_graph``, ``rl_example``, ``training_engine``,
+harness sets per test (``TMS_INIT_ENABLE``, ...) are set here the same way. The examples with
+CUDA graphs (``cuda_graph``, ``rl_example``) use graphs of copies, which testdrv replays. Also
+run: what of ``test/test_configure_subprocess.py`` and ``test/test_utils.py`` tests the library's
+behaviour (``tms_port/utils_and_configure.py``). Not ported (a GPU-only check, or process RSS):
 ``cuda_vmm_granularity``, ``cpu_backup.run_rss``, ``run_preload_backend_from_env``, XPU ones.
 docs/testing.md has the table of results.
 """
@@ -28,6 +30,9 @@ from conftest import SHIM, run_python
 
 TESTS = SHIM / "tests"
 
+INIT_ENABLE = {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}
+BOTH = ("preload", "torch")
+
 # (test id, module, function, hook modes, environment, devices)
 CASES = [
     ("simple", "simple", "run", ("preload", "torch"), {}, 1),
@@ -41,10 +46,10 @@ CASES = [
     ("nested_region", "nested_region", "run", ("preload",), {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}, 1),
     ("cuda_graph", "cuda_graph", "run", ("preload", "torch"), {}, 1),
     ("rl_example", "rl_example", "run", ("preload", "torch"), {}, 1),
-    ("training_engine", "training_engine", "run", ("preload",), {"TMS_INIT_ENABLE": "1", "TMS_INIT_ENABLE_CPU_BACKUP": "1"}, 1),
+    ("training_engine", "training_engine", "run", ("preload",), INIT_ENABLE, 1),
     # test/test_configure_subprocess.py and test/test_utils.py (what of them is the library's behaviour)
     ("configure_subprocess", "utils_and_configure", "run_configure_subprocess", ("preload",), {}, 1),
-    ("cpu_backup_backend_requires_enable", "utils_and_configure", "run_backend_requires_enable", ("preload", "torch"), {}, 1),
+    ("cpu_backup_backend_requires_enable", "utils_and_configure", "run_backend_requires_enable", BOTH, {}, 1),
 ]
 
 # Fails under stepalloc, with why, and the assertion it must fail at (docs/testing.md lists
@@ -127,7 +132,8 @@ def test_torch_memory_saver_example(
     assert f"impl={expected}\n" in r.stdout, r.stdout + r.stderr
     if impl == "stepalloc" and case_id in STEPALLOC_FAILS:
         why, at = STEPALLOC_FAILS[case_id]
-        assert r.returncode != 0, f"{case_id} {mode} passes under stepalloc now: take it out of STEPALLOC_FAILS"
-        assert at in r.stderr, f"{case_id} {mode} failed elsewhere than at `{at}`:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
+        assert r.returncode != 0, f"{case_id} {mode} passes under stepalloc now: out of STEPALLOC_FAILS with it"
+        where = f"{case_id} {mode} failed elsewhere than at `{at}`"
+        assert at in r.stderr, f"{where}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
         pytest.xfail(why)
     assert r.returncode == 0 and "ok=port" in r.stdout, f"{impl} {case_id} {mode}:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"

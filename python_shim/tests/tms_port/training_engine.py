@@ -19,7 +19,6 @@ import logging
 import os
 import sys
 from functools import reduce
-from typing import List
 
 import torch
 from torch_memory_saver import torch_memory_saver
@@ -101,7 +100,7 @@ def run(hook_mode: str):
     del initial_tensor, c
 
 
-def _execute_forward_pass_and_assert(weights: List[torch.Tensor]):
+def _execute_forward_pass_and_assert(weights: list[torch.Tensor]):
     # simulate large activations during forward pass (device tensors of the original's count/8)
     n = GIB // SCALE
     ones = fill((n,), 1.0, dtype=torch.float32, device="cuda")
