@@ -21,6 +21,12 @@
 //! cached pages (`empty_cache`, so the device shows the memory free when the call returns);
 //! then unmap and release the backed-up tags' live pages in address order, each once the
 //! copies that read it completed.
+//! With `tags::keeps_cached` (torch_memory_saver's semantics, set per name by its room), the
+//! pause also records the free pages it unmapped (`TagState::cached`; a block freed while paused
+//! adds its pages) and keeps the tag's segments reserved, and the resume maps them again, no
+//! copy, after the live pages: counted in its room check, all or none, then adopted as free
+//! blocks of the tag (filed, in reserved bytes) that its mallocs reuse and `empty_cache` and the
+//! cache limits release. Without it a pause releases them for good.
 //! A resume (`resume_tags`) checks first that the device has room (free memory plus other
 //! tags' idle cached pages; else the error names the tags and the shortfall and nothing
 //! changed); then per `COPY_BATCH` of backed-up blocks it releases as many bytes of other tags'
