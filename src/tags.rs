@@ -22,7 +22,7 @@ pub mod lend;
 use crate::error::{Error, Result};
 use parking_lot::Mutex;
 use std::cell::{Cell, RefCell};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// A tag's number: 0 is "default", 1..=`MAX_TAGS` are registered names, each also with a
 /// store's bits set (`STORE_BITS`: its memory made in regions with that backup).
@@ -119,6 +119,10 @@ static REGISTRY: Mutex<Vec<Entry>> = Mutex::new(Vec::new());
 /// in libstepalloc.so). A thread sets it before its own tag, so its later mallocs see it.
 static ANY_REGION: AtomicBool = AtomicBool::new(false);
 
+/// Bit `n` set: a pause of the name numbered `n` keeps its free cached pages' addresses and the
+/// resume maps them again (`keep_cached`).
+static KEEP_CACHED: AtomicU64 = AtomicU64::new(0);
+
 thread_local! {
     static CURRENT: Cell<TagId> = const { Cell::new(DEFAULT) };
     static STACK: RefCell<Vec<TagId>> = const { RefCell::new(Vec::new()) };
@@ -172,6 +176,30 @@ pub fn register(name: &str) -> Result<TagId> {
 #[inline]
 pub const fn base(tag: TagId) -> TagId {
     tag & !STORE_BITS
+}
+
+/// Sets whether a pause of `name` (registered if new) gives its free cached pages back only
+/// until the resume, which maps them again as the tag's free cached memory (torch_memory_saver's
+/// semantics: its regions' whole segments come back), or for good (the default: a resume maps
+/// only the live blocks' pages). "default" cannot be paused and is refused.
+pub fn set_keep_cached(name: &str, on: bool) -> Result<()> {
+    let id = register(name)?;
+    if id == DEFAULT {
+        return Err(Error::InvalidArgument("keep_cached of tag \"default\": it cannot be paused".into()));
+    }
+    let bit = 1u64 << id;
+    if on {
+        KEEP_CACHED.fetch_or(bit, Ordering::Relaxed);
+    } else {
+        KEEP_CACHED.fetch_and(!bit, Ordering::Relaxed);
+    }
+    Ok(())
+}
+
+/// Whether a pause of this tag number's name keeps its free cached pages for the resume.
+#[inline]
+pub fn keeps_cached(tag: TagId) -> bool {
+    KEEP_CACHED.load(Ordering::Relaxed) >> base(tag) & 1 != 0
 }
 
 /// Whether memory with this tag number is backed up (to the host or to disk) at a pause.

@@ -72,6 +72,26 @@ pub extern "C" fn stepalloc_region_exit() -> c_int {
     })
 }
 
+/// Sets whether a pause of `tag` (registered if new) gives its free cached pages back only
+/// until the resume, which maps them again (no copy) after the live pages as the tag's free
+/// cached memory (`on` nonzero: torch_memory_saver's semantics, whose resume maps a region's
+/// whole segments; the resume's room check counts them and it maps all or nothing), or for
+/// good (`on` 0, the default: the resume maps only the live blocks' pages). Blocks freed while
+/// paused count as cached pages too. Takes effect at the next pause. "default" is
+/// `STEPALLOC_INVALID_ARGUMENT`. Returns a status.
+///
+/// # Safety
+/// `tag` must be NULL or a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_tag_keep_cached(tag: *const c_char, on: c_int) -> c_int {
+    guard_status(|| {
+        // Safety: forwarded caller contract.
+        let tag = unsafe { c_str(tag, "tag") }?;
+        stepalloc::tags::set_keep_cached(tag, on != 0)?;
+        Ok(())
+    })
+}
+
 /// Pauses `tag` (NULL: every tag a region has used) on every device: the physical memory of
 /// its live blocks and cached pages goes back to the device, every address stays reserved
 /// (tensors keep their pointers; CUDA graphs captured before stay valid), after a

@@ -121,8 +121,16 @@ class TorchMemorySaver:
                 init_backup = self._backend if _env_flag("TMS_INIT_ENABLE_CPU_BACKUP") else False
                 self._init_region = sleep.region(SAVER_DEFAULT_TAG, backup=init_backup)
                 self._init_region.__enter__()
-                self._tags.add(SAVER_DEFAULT_TAG)
+                self._adopt(SAVER_DEFAULT_TAG)
             self._route = route
+
+    def _adopt(self, name: str) -> None:
+        """A tag this object's regions named: its pause keeps the cached memory for the resume,
+        as torch_memory_saver's, which maps a region's whole segments again
+        (``sleep.keep_cached``; ``stepalloc.pause`` and the cumem room release it for good)."""
+        if name not in self._tags:
+            sleep.keep_cached(name, True)
+            self._tags.add(name)
 
     def _init_from_env(self) -> None:
         """``TMS_INIT_ENABLE=1`` at import: initialise now (process-wide, with the init region)
@@ -196,7 +204,7 @@ class TorchMemorySaver:
 
                 stack.enter_context(torch.cuda.use_mem_pool(self._pool(name, store)))
             stack.enter_context(sleep.region(name, backup=store))
-            self._tags.add(name)
+            self._adopt(name)
             yield
 
     @contextlib.contextmanager
@@ -228,7 +236,7 @@ class TorchMemorySaver:
 
         graph = torch.cuda.graph(cuda_graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode)
         with sleep.region(_tag(tag), backup=store), graph:
-            self._tags.add(_tag(tag))
+            self._adopt(_tag(tag))
             yield
 
     @contextlib.contextmanager

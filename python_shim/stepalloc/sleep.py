@@ -270,6 +270,21 @@ def backup_dir() -> str:
     return _lib.read_text(_c().stepalloc_backup_dir)
 
 
+def keep_cached(tag: str, on: bool = True) -> None:
+    """Sets whether a pause of ``tag`` gives its free cached memory back only until the resume,
+    which maps it again (no copy) as the tag's cached memory, so a resume takes back as much
+    device memory as the pause released (torch_memory_saver's semantics; its room turns this
+    on for its tags). Off by default: a pause releases cached memory for good and a resume maps
+    only the live tensors' pages. Takes effect at the next pause (``stepalloc_tag_keep_cached``)."""
+    data = _tag_arg(tag, "keep_cached: tag")
+    fn = getattr(_c(), "stepalloc_tag_keep_cached", None)
+    if fn is None:
+        raise NotImplementedError(f"{_lib.library_path()} has no stepalloc_tag_keep_cached")
+    fn.argtypes = [ctypes.c_char_p, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    _lib.check(int(fn(data, 1 if on else 0)))
+
+
 def tags() -> dict[str, dict[str, Any]]:
     """Every tag with its figures: ``live_bytes``, ``paused``, ``paused_bytes``, ``backup``,
     ``backup_bytes``, ``host_bytes`` (pinned), ``mmap_bytes`` (pageable), ``disk_bytes`` (in

@@ -377,3 +377,70 @@ def test_tms_init_enable_tracks_from_import_and_disable_gives_its_memory_back() 
         TMS_INIT_ENABLE_CPU_BACKUP="1",
     )
     assert "ok=init_enable" in out
+
+
+@needs_torch
+def test_the_savers_resume_maps_its_cached_memory_back_and_stepallocs_pause_does_not() -> None:
+    # torch_memory_saver remaps PyTorch's whole segments at resume: the memory of tensors freed
+    # before the pause (cached) comes back, and the tag's next tensors reuse it. The saver's
+    # tags are paused with keep_cached; stepalloc's own pause releases the cache for good.
+    out = run(
+        """
+        from stepalloc.memory_saver import torch_memory_saver as SAVER
+        import stepalloc
+        from stepalloc import sleep
+        f0 = free()
+        with SAVER.region(tag="kc", enable_cpu_backup=True):
+            keep = full(64 * MIB, 5)
+            gone = full(128 * MIB, 6)
+        del gone  # cached
+        f_cached = free()
+        assert f_cached <= f0 - 192 * MIB, (f0, f_cached)
+        SAVER.pause("kc")
+        f_kc = free()
+        assert f_kc >= f_cached + 190 * MIB, (f_kc, f_cached)
+        with SAVER.region(tag="kc2"):
+            late = full(32 * MIB, 8)
+        # Its memory: whole pages of the tag's segment, 32 MiB or more.
+        f_late = f_cached - (f_kc - free())
+        SAVER.pause("kc2")
+        del late  # freed while paused: cached memory at the resume too
+        f_paused = free()
+        SAVER.resume()
+        assert abs(free() - f_late) <= 2 * MIB, (free(), f_late)
+        assert read(keep) == (5, 5)
+        with SAVER.region(tag="kc", enable_cpu_backup=True):  # the same tag number: its cache
+            again = full(128 * MIB, 7)
+        with SAVER.region(tag="kc2"):
+            again2 = full(32 * MIB, 9)
+        assert abs(free() - f_late) <= 2 * MIB, ("the cached memory served them", free(), f_late)
+        print("ok=keep_cached")
+        """
+    )
+    assert "ok=keep_cached" in out
+    # In a process of its own (after the saver's regions above, stepalloc.region's tensors in
+    # that process were counted in no tag: see the report of issue 32's keep_cached work).
+    out = run(
+        """
+        import stepalloc
+        from stepalloc import sleep
+        stepalloc.install("backend:cuda," + stepalloc.RECOMMENDED)
+        with stepalloc.region("plain_kc", backup=True):
+            kept = full(64 * MIB, 1)
+            dropped = full(128 * MIB, 2)
+        del dropped
+        f1 = free()
+        stepalloc.pause("plain_kc")
+        stepalloc.resume("plain_kc")
+        assert free() >= f1 + 120 * MIB, (free(), f1)  # the cache went for good
+        assert read(kept) == (1, 1)
+        try:
+            sleep.keep_cached("default")
+        except ValueError as e:
+            assert "default" in str(e), str(e)
+        else:
+            raise AssertionError("keep_cached of default accepted")
+        print("ok=default_releases")
+        """
+    )
+    assert "ok=default_releases" in out

@@ -54,13 +54,7 @@ CASES = [
 
 # Fails under stepalloc, with why, and the assertion it must fail at (docs/testing.md lists
 # them too): run every time, xfail only when it fails there, an error if it passes.
-STEPALLOC_FAILS: dict[str, tuple[str, str]] = {
-    "training_engine": (
-        "a pause releases the tag's free cached blocks for good and resume maps only live memory; "
-        "torch_memory_saver, under PyTorch's cache, maps the cache's unused segments back too",
-        "assert delta_expect - 50 * 1024**2 < delta_actual < delta_expect + 50 * 1024**2",
-    ),
-}
+STEPALLOC_FAILS: dict[str, tuple[str, str]] = {}
 
 PARAMS = [
     pytest.param(impl, case_id, module, fn, mode, env, devices, id=f"{impl}-{case_id}-{mode}")

@@ -739,7 +739,10 @@ impl Heap {
             .live_segment_ids()
             .filter(|&s| {
                 let seg = self.arena.segment(s);
-                seg.expandable() && seg.mapped == 0 && self.arena.block(seg.first).next == NIL
+                seg.expandable()
+                    && seg.mapped == 0
+                    && self.arena.block(seg.first).next == NIL
+                    && !self.sleep.keeps_cached(seg.tag)
             })
             .collect();
         for seg_id in empty {

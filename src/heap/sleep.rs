@@ -21,6 +21,12 @@
 //! cached pages (`empty_cache`, so the device shows the memory free when the call returns);
 //! then unmap and release the backed-up tags' live pages in address order, each once the
 //! copies that read it completed.
+//! With `tags::keeps_cached` (torch_memory_saver's semantics, set per name by its room), the
+//! pause also records the free pages it unmapped (`TagState::cached`; a block freed while paused
+//! adds its pages) and keeps the tag's segments reserved, and the resume maps them again, no
+//! copy, after the live pages: counted in its room check, all or none, then adopted as free
+//! blocks of the tag (filed, in reserved bytes) that its mallocs reuse and `empty_cache` and the
+//! cache limits release. Without it a pause releases them for good.
 //! A resume (`resume_tags`) checks first that the device has room (free memory plus other
 //! tags' idle cached pages; else the error names the tags and the shortfall and nothing
 //! changed); then per `COPY_BATCH` of backed-up blocks it releases as many bytes of other tags'
@@ -82,6 +88,12 @@ pub(super) struct TagState {
     /// (torch_memory_saver's `retain_cpu_backup`): its bytes stay readable through
     /// `backup_host_address` until the next pause, `release_backup`, or the block's free.
     pub(super) retained: BTreeMap<u64, (u64, u64)>,
+    /// While paused by a pause that kept cached pages (`tags::keeps_cached`): the whole pages of
+    /// the tag's free blocks it unmapped, and those of blocks freed since, as `[lo, hi)` ranges;
+    /// the resume maps them again as free cached memory. The tag's segments stay reserved.
+    pub(super) cached: Vec<(u64, u64)>,
+    /// The last pause kept cached pages (`cached`) for the resume.
+    pub(super) keep_cached: bool,
     pub(super) pauses: u64,
     pub(super) resumes: u64,
     pub(super) pause_ns: u64,
@@ -106,6 +118,12 @@ impl SleepState {
         } else {
             self.paused[word] &= !bit;
         }
+    }
+
+    /// Whether `tag` is paused (or pausing) with its free cached pages kept for the resume: its
+    /// segments must stay reserved even when nothing of them is mapped.
+    pub(super) fn keeps_cached(&self, tag: TagId) -> bool {
+        self.tags.get(usize::from(tag)).is_some_and(|t| t.keep_cached)
     }
 
     pub(super) fn tag(&mut self, tag: TagId) -> &mut TagState {
@@ -179,7 +197,10 @@ impl Heap {
         let all: Vec<SegmentId> = segments.concat();
         for &i in &todo {
             // The buffers are about to be written again: the retained records no longer hold.
-            self.sleep.tag(tags[i].0).retained.clear();
+            let state = self.sleep.tag(tags[i].0);
+            state.retained.clear();
+            state.cached.clear();
+            state.keep_cached = false;
         }
         self.wait_for_streams(&all)?;
         // The backed-up tags' copies, queued before any page goes: (position in `todo`, the
@@ -237,6 +258,8 @@ impl Heap {
         // (A graph pool's free pages are the graph's: they go with the live pages, below, and a
         // resume maps them again; `heap/graphs.rs`.)
         for (k, &i) in todo.iter().enumerate() {
+            let keep = tags::keeps_cached(tags[i].0);
+            self.sleep.tag(tags[i].0).keep_cached = keep;
             for &seg in &segments[k] {
                 if self.arena.segment(seg).pool != 0 {
                     continue;
@@ -244,6 +267,9 @@ impl Heap {
                 let free: Vec<BlockId> =
                     self.arena.segment_blocks(seg).filter(|&id| self.arena.state(id) == BlockState::Free).collect();
                 for id in free {
+                    if keep {
+                        self.note_cached(tags[i].0, id);
+                    }
                     out[i].released_bytes += self.unmap_free_pages(id, ReleaseReason::Pause)?;
                 }
             }
@@ -335,9 +361,18 @@ impl Heap {
         let resumed: Vec<TagId> = todo.iter().map(|&i| tags[i]).collect();
         let segments: Vec<Vec<SegmentId>> = resumed.iter().map(|&t| self.tag_segments(t)).collect();
         let wanted: Vec<Vec<Want>> = segments.iter().map(|s| self.wanted_pages(s)).collect();
-        let need: u64 = wanted.iter().flatten().map(|w| self.arena.segment(w.1).page).sum();
+        // The free cached pages a pause kept (`tags::keeps_cached`), mapped after the live ones.
+        let runs: Vec<Vec<CachedRun>> = resumed.iter().zip(&segments).map(|(&t, s)| self.cached_runs(t, s)).collect();
+        let cached: Vec<Vec<Want>> = runs.iter().map(|r| self.run_pages(r)).collect();
+        let need: u64 = wanted.iter().chain(&cached).flatten().map(|w| self.arena.segment(w.1).page).sum();
         self.check_resume_room(&resumed, need)?;
         let mut result = self.resume_pages(&resumed, &wanted, &mut out, &todo);
+        for (k, w) in cached.iter().enumerate() {
+            if result.is_err() {
+                break;
+            }
+            result = self.map_wanted(w).map(|released| out[todo[k]].released_bytes += released);
+        }
         let copied = self.backend.record_copy_event().and_then(|event| {
             let waited = self.backend.wait_event(event);
             self.backend.free_event(event);
@@ -346,7 +381,7 @@ impl Heap {
         result = result.and(copied);
         if let Err(e) = result {
             // Nothing is lost: back to paused, every page given back, the backups kept.
-            for w in wanted.iter().flatten() {
+            for w in wanted.iter().chain(&cached).flatten() {
                 self.unmap_resumed(w)?;
             }
             if e.is_out_of_memory() {
@@ -357,11 +392,16 @@ impl Heap {
         let share = (started.elapsed().as_nanos() as u64) / todo.len() as u64;
         for (k, &tag) in resumed.iter().enumerate() {
             let i = todo[k];
-            out[i].mapped_bytes = wanted[k].iter().map(|w| self.arena.segment(w.1).page).sum();
+            out[i].mapped_bytes = wanted[k].iter().chain(&cached[k]).map(|w| self.arena.segment(w.1).page).sum();
             self.sleep.set_paused(tag, false);
             self.drop_disk_files(tag);
             self.count_live_blocks(&segments[k], true);
+            for &run in &runs[k] {
+                self.adopt_cached(run);
+            }
             let state = self.sleep.tag(tag);
+            state.cached.clear();
+            state.keep_cached = false;
             state.retained = std::mem::take(&mut state.backup);
             state.resumes += 1;
             state.resume_ns = state.resume_ns.saturating_add(share);
@@ -439,6 +479,95 @@ impl Heap {
             }
         }
         wanted
+    }
+
+    /// Records the whole pages of the free block `id` of paused (or pausing) `tag` as cached
+    /// pages its resume maps again.
+    pub(super) fn note_cached(&mut self, tag: TagId, id: BlockId) {
+        let b = self.arena.block(id);
+        let (lo, hi) = self.arena.segment(b.segment).whole_pages(b.addr, b.size);
+        if hi > lo {
+            self.sleep.tag(tag).cached.push((lo, hi));
+        }
+    }
+
+    /// The unmapped runs of `segments` (paused `tag`'s) inside the cached ranges its pause
+    /// kept: (segment, start, end), page-aligned, each inside one unmapped block.
+    fn cached_runs(&mut self, tag: TagId, segments: &[SegmentId]) -> Vec<CachedRun> {
+        let mut ranges = std::mem::take(&mut self.sleep.tag(tag).cached);
+        ranges.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+        for (lo, hi) in ranges {
+            match merged.last_mut() {
+                Some(last) if lo <= last.1 => last.1 = last.1.max(hi),
+                _ => merged.push((lo, hi)),
+            }
+        }
+        let mut runs = Vec::new();
+        for &seg in segments {
+            for id in self.arena.segment_blocks(seg) {
+                if self.arena.state(id) != BlockState::Unmapped {
+                    continue;
+                }
+                let (addr, end) = (self.arena.block(id).addr, self.arena.block(id).addr + self.arena.block(id).size);
+                for &(lo, hi) in &merged {
+                    let (start, stop) = (lo.max(addr), hi.min(end));
+                    if start < stop {
+                        runs.push((seg, start, stop));
+                    }
+                }
+            }
+        }
+        // Kept until the resume succeeds: a failed one leaves the tag paused as it was.
+        self.sleep.tag(tag).cached = merged;
+        runs
+    }
+
+    /// The pages of `runs`, in order.
+    fn run_pages(&self, runs: &[CachedRun]) -> Vec<Want> {
+        let mut pages = Vec::new();
+        for &(seg, start, end) in runs {
+            let (seg_addr, page) = (self.arena.segment(seg).addr, self.arena.segment(seg).page);
+            for addr in (start..end).step_by(page as usize) {
+                pages.push((addr, seg, ((addr - seg_addr) / page) as usize));
+            }
+        }
+        pages
+    }
+
+    /// After a resume mapped the pages of `run` (reserved bytes counted then): the part of the
+    /// unmapped block there becomes a free block, merged with free neighbours and filed, as
+    /// `map_block` leaves pages it maps for a request. Its pages are the tag's cached memory:
+    /// a malloc of the tag reuses them, `empty_cache` and the cache limits release them.
+    fn adopt_cached(&mut self, (seg, start, end): CachedRun) {
+        let Some(id) = self.arena.segment_blocks(seg).find(|&id| {
+            let b = self.arena.block(id);
+            self.arena.state(id) == BlockState::Unmapped && b.addr <= start && end <= b.addr + b.size
+        }) else {
+            debug_assert!(false, "a cached run lost its unmapped block");
+            return;
+        };
+        let (addr, size) = (self.arena.block(id).addr, self.arena.block(id).size);
+        self.arena.remove_unmapped(id);
+        let mut middle = id;
+        if start > addr {
+            middle = self.split_block(id, start - addr);
+            self.arena.add_unmapped(id);
+        }
+        if end < addr + size {
+            let rest = self.split_block(middle, end - start);
+            self.arena.add_unmapped(rest);
+        }
+        let clock = self.alloc_clock;
+        self.arena.set_state(middle, BlockState::Free);
+        let b = self.arena.block_mut(middle);
+        // Fresh pages: no stream's work is queued on them.
+        b.stream = ANY_STREAM;
+        b.freed_at = clock;
+        self.arena.segment_mut(seg).mapped += end - start;
+        let (merged, absorbed, absorbed_bytes) = self.merge_neighbours(middle);
+        self.enlist(merged);
+        self.count_merged_free(merged, absorbed, absorbed_bytes);
     }
 
     /// Bytes of idle cached memory that other tags could give back now: whole pages of free
@@ -862,6 +991,9 @@ type Gated = (usize, Vec<(u64, Event)>, BTreeMap<u64, (u64, u64)>);
 
 /// A page a resume maps: (address, segment, page index).
 type Want = (u64, SegmentId, usize);
+
+/// Cached pages a resume maps again: (segment, start, end), inside one unmapped block.
+type CachedRun = (SegmentId, u64, u64);
 
 /// The names of tag numbers, each once: `tag "a"` or `tags "a", "b"`.
 fn resumed_names(tags: &[TagId]) -> String {

@@ -146,6 +146,11 @@ impl Heap {
         self.enlist(merged);
         self.count_merged_free(merged, absorbed, absorbed_bytes);
         if !self.graph_keeps(merged) {
+            if self.sleep.keeps_cached(tag) {
+                // Its pages come back at the resume as the tag's cached memory, as those of
+                // the blocks free at the pause (torch_memory_saver maps whole segments again).
+                self.note_cached(tag, merged);
+            }
             self.unmap_free_pages(merged, ReleaseReason::Pause)?;
         }
         Ok(())

@@ -543,6 +543,13 @@ static void scenario_sleep(void) {
     CHECK(p_stepalloc_region_enter("bad tag", 0) == STEPALLOC_INVALID_ARGUMENT, "a space in a tag");
     CHECK(p_stepalloc_region_enter(NULL, 0) == STEPALLOC_INVALID_ARGUMENT, "NULL tag");
     CHECK(p_stepalloc_region_enter("weights", 4) == STEPALLOC_INVALID_ARGUMENT, "backup 4");
+    /* keep_cached: a setting of a name, refused for "default" and bad names. */
+    CHECK(p_stepalloc_tag_keep_cached("default", 1) == STEPALLOC_INVALID_ARGUMENT, "keep_cached of default");
+    CHECK(p_stepalloc_tag_keep_cached(NULL, 1) == STEPALLOC_INVALID_ARGUMENT, "keep_cached of NULL");
+    CHECK(p_stepalloc_tag_keep_cached("bad tag", 1) == STEPALLOC_INVALID_ARGUMENT, "keep_cached of a bad name");
+    CHECK(p_stepalloc_tag_keep_cached("kv_cache", 1) == STEPALLOC_OK &&
+              p_stepalloc_tag_keep_cached("kv_cache", 0) == STEPALLOC_OK,
+          "keep_cached on and off: %s", last_error());
     CHECK(p_stepalloc_region_enter("weights", -1) == STEPALLOC_INVALID_ARGUMENT, "backup -1");
     CHECK(p_stepalloc_set_backup_dir(NULL) == STEPALLOC_INVALID_ARGUMENT, "NULL backup dir");
     CHECK(p_stepalloc_set_backup_dir("/proc/version/sub") == STEPALLOC_INVALID_ARGUMENT &&

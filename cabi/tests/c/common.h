@@ -37,7 +37,7 @@
     X(stepalloc_pool_set_segment_allocator) X(stepalloc_pool_set_use_on_oom) X(stepalloc_pool_set_no_split) \
     X(stepalloc_pool_checkpoint) X(stepalloc_pool_restore) X(stepalloc_pool_register_segments) \
     X(stepalloc_region_enter) X(stepalloc_region_exit) X(stepalloc_pause) X(stepalloc_resume) \
-    X(stepalloc_pause_tags) X(stepalloc_resume_tags) \
+    X(stepalloc_pause_tags) X(stepalloc_resume_tags) X(stepalloc_tag_keep_cached) \
     X(stepalloc_sleep_report_json) X(stepalloc_release_backup) X(stepalloc_tags_json) \
     X(stepalloc_set_backup_dir) X(stepalloc_backup_dir) \
     X(stepalloc_region_lend) X(stepalloc_region_borrow) X(stepalloc_region_lend_end) \
