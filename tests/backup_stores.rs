@@ -100,6 +100,12 @@ fn one_tag_keeps_each_stores_memory_apart() {
     assert_eq!(r.copied_bytes, 8 * MIB + 6 * MIB + 4 * MIB + 3000);
     assert!(files(&dir).is_empty(), "files left after resume: {:?}", files(&dir));
     assert_eq!(figures(&a, tag).disk_bytes, 0);
+    // Only names show: "default" and the registered tags, not the other numbers of a name's
+    // stores (the per-number state grows by index).
+    let registered: Vec<String> = stepalloc::tags::registered().into_iter().map(|(_, name)| name).collect();
+    for f in a.tag_figures() {
+        assert!(f.tag == "default" || registered.contains(&f.tag), "a figure for no name: {}", f.tag);
+    }
     for (p, s) in pinned.into_iter().chain(mmap).chain(disk).chain(none) {
         a.free(0, p, s).unwrap();
     }

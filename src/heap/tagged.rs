@@ -86,8 +86,10 @@ impl Heap {
         for (tag, _) in tags::registered() {
             figures.entry(tag).or_default();
         }
+        figures.entry(0).or_default();
+        // Per tag number; a number no name owns (the state vector is grown by index) shows nothing.
         for (i, state) in self.sleep.tags.iter().enumerate() {
-            let f = figures.entry(tags::base(i as TagId)).or_default();
+            let Some(f) = figures.get_mut(&tags::base(i as TagId)) else { continue };
             f.backup_bytes += state.backup.values().map(|&(_, bytes)| bytes).sum::<u64>();
             let host = state.host.iter().map(|&(_, bytes)| bytes).sum::<u64>();
             match tags::Store::of(i as TagId) {
