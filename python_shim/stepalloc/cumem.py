@@ -91,7 +91,8 @@ class CuMemAllocator:
                 pool = self._pools.get(tag)
                 if pool is None:
                     pool = self._pools[tag] = _torch.mempool()
-                with torch.cuda.use_mem_pool(pool), region:
+                pooled = sleep.region(_library_tag(tag), backup=False, _pool_routed=True)
+                with torch.cuda.use_mem_pool(pool), pooled:
                     yield
         finally:
             self.current_tag = old

@@ -203,7 +203,7 @@ class TorchMemorySaver:
                 import torch
 
                 stack.enter_context(torch.cuda.use_mem_pool(self._pool(name, store)))
-            stack.enter_context(sleep.region(name, backup=store))
+            stack.enter_context(sleep.region(name, backup=store, _pool_routed=self._route == "pools"))
             self._adopt(name)
             yield
 
@@ -258,7 +258,7 @@ class TorchMemorySaver:
             from . import torch as _torch
 
             pool = _torch.mempool()
-        with torch.cuda.use_mem_pool(pool), sleep.region(DISABLED_TAG, backup=False):
+        with torch.cuda.use_mem_pool(pool), sleep.region(DISABLED_TAG, backup=False, _pool_routed=True):
             yield
         del pool
 

@@ -144,6 +144,22 @@ def _store_number(backup: object) -> int:
         ) from None
 
 
+def _served_by_pytorchs_allocator() -> bool:
+    """Whether this thread's CUDA tensors go to PyTorch's own caching allocator: torch is
+    imported, CUDA is initialised, stepalloc was not installed and the library drives the real
+    device (on the simulated device the library's own calls allocate, whatever torch does)."""
+    torch = __import__("sys").modules.get("torch")
+    if torch is None:
+        return False
+    try:
+        if not torch.cuda.is_initialized() or torch.cuda.memory.get_allocator_backend() != "native":
+            return False
+    except Exception:  # noqa: BLE001 - a torch without CUDA or these calls: nothing to check
+        return False
+    conf, _ = _lib.pending_configuration()
+    return "backend:sim" not in conf.replace(" ", "")
+
+
 class region:
     """``with stepalloc.region(tag, backup=False):`` — what this thread allocates inside carries
     ``tag`` (the innermost region wins; outside every region, ``"default"``).
@@ -162,13 +178,26 @@ class region:
     raises ``stepalloc.PausedError``: resume it first.
     """
 
-    def __init__(self, tag: str = DEFAULT_TAG, backup: bool | str = False) -> None:
+    def __init__(self, tag: str = DEFAULT_TAG, backup: bool | str = False, *, _pool_routed: bool = False) -> None:
         self.tag = tag
         self._store = _store_number(backup)
         self.backup = backup if isinstance(backup, str) else bool(backup)
         self._data = _tag_arg(tag, "region: tag")
+        # The rooms (memory_saver, cumem) enter a region inside use_mem_pool of a stepalloc
+        # pool when PyTorch keeps its own allocator: those allocations do reach stepalloc.
+        self._pool_routed = _pool_routed
 
     def __enter__(self) -> region:
+        if not self._pool_routed and _served_by_pytorchs_allocator():
+            raise _lib.ConfigError(
+                f"stepalloc.region({self.tag!r}): PyTorch's own allocator serves this process's CUDA "
+                "memory (CUDA was initialised before stepalloc.install()), so the region would tag "
+                f"nothing and pause({self.tag!r}) would release nothing. Call stepalloc.install() right "
+                "after `import torch`, before anything touches the GPU, or use "
+                "stepalloc.memory_saver (hook_mode='torch') or stepalloc.cumem, whose regions allocate "
+                "through stepalloc's pools",
+                _lib.INVALID_ARGUMENT,
+            )
         _lib.check(int(_c().stepalloc_region_enter(self._data, self._store)))
         follow.ensure()  # backward() inside: autograd's thread borrows the tag (stepalloc.follow)
         return self

@@ -444,3 +444,32 @@ def test_the_savers_resume_maps_its_cached_memory_back_and_stepallocs_pause_does
         """
     )
     assert "ok=default_releases" in out
+
+
+@needs_torch
+def test_a_region_under_pytorchs_own_allocator_is_refused_and_the_rooms_still_work() -> None:
+    # CUDA initialised before any install: PyTorch's allocator serves plain tensors, so a bare
+    # stepalloc.region would tag nothing and a pause of it would release nothing (it did, before:
+    # tags() showed the tag with 0 live bytes and pause() "paused" it). The rooms route their
+    # regions through stepalloc's pools and keep working.
+    out = run(
+        """
+        from stepalloc.memory_saver import torch_memory_saver as SAVER
+        import stepalloc, torch
+        f0 = free()  # CUDA initialised, PyTorch's allocator
+        try:
+            with stepalloc.region("bare"):
+                full(MIB, 1)
+        except stepalloc.StepallocError as e:
+            assert "install()" in str(e) and "'bare'" in str(e), str(e)
+            print("ok=refused")
+        with SAVER.region(tag="kc"):
+            kept = full(64 * MIB, 3)
+        assert stepalloc.tags()["kc"]["live_bytes"] >= 64 * MIB, stepalloc.tags()["kc"]
+        SAVER.pause("kc")
+        assert free() >= f0 - 8 * MIB, (free(), f0)
+        SAVER.resume("kc")
+        print("ok=room")
+        """
+    )
+    assert "ok=refused" in out and "ok=room" in out
