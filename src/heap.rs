@@ -470,6 +470,26 @@ impl Heap {
 
     // ----- free ---------------------------------------------------------------------------
 
+    /// The statistics and the trace entry of a free request of allocated block `id` at `ptr`
+    /// (the block no longer counts as allocated): returns its size, stream and requested bytes.
+    #[inline]
+    fn count_free_request(&mut self, id: BlockId, ptr: u64) -> (u64, Stream, u64) {
+        let (size, stream, small, requested) = {
+            let b = self.arena.block(id);
+            (b.size, b.stream, b.class.small(), b.requested)
+        };
+        let s = &mut self.stats;
+        s.num_frees = s.num_frees.wrapping_add(1);
+        s.allocation.decrease(small, 1);
+        s.allocated_bytes.decrease(small, size);
+        s.requested_bytes.decrease(small, requested);
+        if size >= self.config.max_split_size {
+            s.oversize_allocations.decrease(1);
+        }
+        self.trace.record(TraceAction::FreeRequested, ptr, size, requested, stream.0, 0);
+        (size, stream, requested)
+    }
+
     /// Frees the block at `ptr`. `size`, when not 0, must be the size asked for at malloc;
     /// a mismatch is refused and the block stays allocated.
     #[inline]
@@ -486,19 +506,7 @@ impl Heap {
         if self.sleep.any_paused() && self.sleep.is_paused(self.arena.block(id).class.tag()) {
             return self.free_paused(id);
         }
-        let (block_size, stream, small, requested) = {
-            let b = self.arena.block(id);
-            (b.size, b.stream, b.class.small(), b.requested)
-        };
-        let s = &mut self.stats;
-        s.num_frees = s.num_frees.wrapping_add(1);
-        s.allocation.decrease(small, 1);
-        s.allocated_bytes.decrease(small, block_size);
-        s.requested_bytes.decrease(small, requested);
-        if block_size >= self.config.max_split_size {
-            s.oversize_allocations.decrease(1);
-        }
-        self.trace.record(TraceAction::FreeRequested, ptr, block_size, requested, stream.0, 0);
+        self.count_free_request(id, ptr);
         if !self.arena.has_extra_streams(id) {
             return self.finish_free(id);
         }

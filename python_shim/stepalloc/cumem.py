@@ -76,13 +76,15 @@ class CuMemAllocator:
             tag = DEFAULT_TAG
         if not isinstance(tag, str):
             raise TypeError(f"use_memory_pool: tag must be a str, not {type(tag).__name__}")
-        region = sleep.region(_library_tag(tag), backup=False)  # a bad tag fails here
         from . import torch as _torch
 
+        installed = _torch.is_installed()
+        # A bad tag fails here. Not installed: the region is entered inside the tag's pool.
+        region = sleep.region(_library_tag(tag), backup=False, _pool_routed=not installed)
         old, self.current_tag = self.current_tag, tag
         try:
             self._tags.setdefault(tag, None)
-            if _torch.is_installed():
+            if installed:
                 with region:
                     yield
             else:
@@ -91,8 +93,7 @@ class CuMemAllocator:
                 pool = self._pools.get(tag)
                 if pool is None:
                     pool = self._pools[tag] = _torch.mempool()
-                pooled = sleep.region(_library_tag(tag), backup=False, _pool_routed=True)
-                with torch.cuda.use_mem_pool(pool), pooled:
+                with torch.cuda.use_mem_pool(pool), region:
                     yield
         finally:
             self.current_tag = old

@@ -21,6 +21,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import sys
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -148,7 +149,7 @@ def _served_by_pytorchs_allocator() -> bool:
     """Whether this thread's CUDA tensors go to PyTorch's own caching allocator: torch is
     imported, CUDA is initialised, stepalloc was not installed and the library drives the real
     device (on the simulated device the library's own calls allocate, whatever torch does)."""
-    torch = __import__("sys").modules.get("torch")
+    torch = sys.modules.get("torch")
     if torch is None:
         return False
     try:

@@ -301,19 +301,7 @@ impl Heap {
             .arena
             .take_allocated(addr, |_| true)
             .map_err(|_| Error::UnknownPointer { device: self.device, ptr: addr })?;
-        let (size, stream, small, requested) = {
-            let b = self.arena.block(id);
-            (b.size, b.stream, b.class.small(), b.requested)
-        };
-        let s = &mut self.stats;
-        s.num_frees += 1;
-        s.allocation.decrease(small, 1);
-        s.allocated_bytes.decrease(small, size);
-        s.requested_bytes.decrease(small, requested);
-        if size >= self.config.max_split_size {
-            s.oversize_allocations.decrease(1);
-        }
-        self.trace.record(TraceAction::FreeRequested, addr, size, requested, stream.0, 0);
+        let (size, stream, requested) = self.count_free_request(id, addr);
         self.trace.record(TraceAction::FreeCompleted, addr, size, requested, stream.0, 0);
         self.arena.set_state(id, BlockState::Free);
         let b = self.arena.block_mut(id);

@@ -1,5 +1,5 @@
-//! Sleep and wake: tagged memory (`crate::tags`) that `pause_tag` gives back to the device with
-//! its addresses kept, and `resume_tag` maps again. Part of the heap: runs under the device lock,
+//! Sleep and wake: tagged memory (`crate::tags`) that `pause_tags` gives back to the device with
+//! its addresses kept, and `resume_tags` maps again. Part of the heap: runs under the device lock,
 //! `&mut self` throughout.
 //!
 //! Layout: a non-default tag's allocations live in segments of their own (the tag is in the
@@ -158,16 +158,11 @@ pub struct SleepOutcome {
 }
 
 impl Heap {
-    /// Gives back the physical memory of `tag`'s pages, keeping every address: with `backup`,
-    /// the live blocks' bytes are copied to host memory first; without, they are discarded.
-    /// `tag` is a tag number (one of a name's `tags::numbers`). A tag paused already is
-    /// skipped. Refused during a CUDA-graph capture. On an error before any page was released
-    /// (no host memory for the backup, a failed copy) the tag is as it was: resident, intact.
-    pub fn pause_tag(&mut self, tag: TagId, backup: bool) -> Result<SleepOutcome> {
-        Ok(self.pause_tags(&[(tag, backup)])?[0])
-    }
-
-    /// `pause_tag` of several tags (number, backup) in one call, one outcome each: the pending
+    /// Gives back the physical memory of the pages of `tags` (tag number, backup), keeping
+    /// every address: with a backup, the live blocks' bytes are copied to host memory (the
+    /// number's store) first; without, they are discarded. A number is one of a name's
+    /// `tags::numbers`; one paused already is skipped; refused during a CUDA-graph capture.
+    /// One call, one outcome per tag: the pending
     /// frees and the tags' streams are waited for once; every backed-up tag's copies are queued
     /// first; while they run, the pages of the tags without backup, the backed-up tags' free
     /// pages and other tags' idle cached pages go; last the backed-up tags' live pages, batch
@@ -324,14 +319,10 @@ impl Heap {
         }
     }
 
-    /// Maps physical memory again at every address of `tag`'s live blocks and restores the
-    /// backed-up bytes. All or nothing: when the device cannot give the memory, the tag stays
-    /// paused with its backup and the error names the tag and the shortfall.
-    pub fn resume_tag(&mut self, tag: TagId) -> Result<SleepOutcome> {
-        Ok(self.resume_tags(&[tag])?[0])
-    }
-
-    /// `resume_tag` of several tags in one call, one outcome each, all or none. The room is
+    /// Maps physical memory again at every address of the live blocks of `tags` and restores
+    /// the backed-up bytes, in one call, one outcome each, all or none: when the device cannot
+    /// give the memory, the tags stay paused with their backups and the error names them and
+    /// the shortfall. The room is
     /// checked first (free device memory plus other tags' idle cached pages); then, per
     /// `COPY_BATCH` of backed-up blocks, idle cached pages of other tags are released for the
     /// batch's pages (as many bytes as it maps, while any are left: the resumed memory takes
