@@ -10,6 +10,10 @@ cargo fmt --all -- --check
 cargo clippy --workspace --all-targets -- -D warnings
 # No two modules use each other (src/, stress/src/, python_shim/stepalloc/), read from the code.
 python3 scripts/import_cycles.py
+# The documents describe the project as it is: no issue numbers or chronicle words, line limits,
+# relative links and anchors that resolve (the checker's own self-test first).
+python3 scripts/doc_check.py --self-test
+python3 scripts/doc_check.py
 # No leftover of a merge or an editor is tracked (*.orig, *.rej, backups, swap files).
 if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
     stray=$(git ls-files | grep -E '\.(orig|rej|bak|swp|swo)$|~$|(^|/)\.#' || true)
