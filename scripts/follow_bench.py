@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
-"""What autograd's thread following the pool and the region costs (``stepalloc.follow``): the
+"""What autograd's thread following a pool costs (``stepalloc.follow``) in MemPool mode: the
 time of one small ``torch.autograd.grad()`` (a custom Function, one allocation each way) with the
-follow off and on, outside any pool or region, inside ``use_mem_pool(stepalloc.mempool())`` and
-inside ``stepalloc.region``: the fastest of five runs of 1000 calls each (the machines this runs on
-are shared; the fastest run is the one least disturbed), after 200 to warm up, the
-configurations interleaved.
+follow off and on, outside any pool and inside ``use_mem_pool(stepalloc.mempool())`` (a
+``stepalloc.region`` needs ``install()``, so MemPool mode has none to measure): the fastest of
+five runs of 1000 calls each (the machines this runs on are shared; the fastest run is the one
+least disturbed), after 200 to warm up, the configurations interleaved.
 
 Runs over testdrv's stub CUDA runtime (kernels do not run; see docs/testing.md, "Real PyTorch
 over stubs"), so the figures are the Python and allocator overhead per backward call:
@@ -52,9 +52,6 @@ def main() -> None:
             if where == "use_mem_pool":
                 with torch.cuda.use_mem_pool(pool):
                     once()
-            elif where == "region":
-                with stepalloc.region("follow_bench"):
-                    once()
             else:
                 once()
         return (time.perf_counter() - t) / n * 1e6
@@ -63,12 +60,12 @@ def main() -> None:
     for _ in range(5):
         for on in (False, True):
             (stepalloc.follow.enable if on else stepalloc.follow.disable)()
-            for where in ("outside", "use_mem_pool", "region"):
+            for where in ("outside", "use_mem_pool"):
                 run(200, where)
                 figures.setdefault((on, where), []).append(run(1000, where))
     print("| where | follow off, us per backward | follow on | on - off |")
     print("|---|---|---|---|")
-    for where in ("outside", "use_mem_pool", "region"):
+    for where in ("outside", "use_mem_pool"):
         off, on = (min(figures[(f, where)]) for f in (False, True))
         print(f"| {where} | {off:.1f} | {on:.1f} | {on - off:+.1f} |")
     if os.environ.get("FOLLOW_BENCH_RAW"):
