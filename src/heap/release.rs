@@ -342,10 +342,10 @@ impl Heap {
 
     /// A route into pool `id` begins (`use_mem_pool`, `beginAllocateToPool` with a filter that
     /// claims the default stream: no capture): creates the pool or takes another reference. No
-    /// capture is counted, so events, releases and `empty_cache` go on while it lasts.
+    /// capture is counted, so events, releases and `empty_cache` go on while it lasts. Routes
+    /// nest: one of a pool already routed to, or captured into, adds to it and ends first (the C
+    /// ABI's table unwinds them as a stack); nothing underway counts as ended.
     pub fn begin_route(&mut self, id: PoolId) {
-        // The C ABI drops an older entry of the pool at a begin; a capture's counts as ended.
-        self.abandon_capture(id);
         self.add_pool_reference(id);
         if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) {
             p.routes += 1;
