@@ -411,12 +411,24 @@ assert [b["state"] for b in snap[0]["blocks"]] == ["active_allocated", "inactive
 """,
     "torch.cuda.use_mem_pool": """
 pool = torch.cuda.MemPool()
+other = torch.cuda.MemPool()
 with torch.cuda.use_mem_pool(pool):
     a = u8(MIB)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         b = u8(MIB)
-assert pool_of(a.data_ptr()) == pool.id and pool_of(b.data_ptr()) == pool.id
+    with torch.cuda.use_mem_pool(other), torch.cuda.use_mem_pool(pool):
+        c = u8(MIB)
+    d = u8(MIB)
+assert all(pool_of(t.data_ptr()) == pool.id for t in (a, b, c, d)), [pool_of(t.data_ptr()) for t in (a, b, c, d)]
+assert pool.use_count() == other.use_count() == 1
+try:
+    with torch.cuda.use_mem_pool(pool, device=1):
+        pass
+except stepalloc.StepallocError as e:
+    assert "made on device 0" in str(e), e
+else:
+    raise AssertionError("a pool of device 0 entered for device 1")
 """,
     "torch.cuda.graph_pool_handle": """
 handle = torch.cuda.graph_pool_handle()
