@@ -20,7 +20,7 @@ Skipped when the stubs are not built (``testdrv/build.sh``) or torch is not inst
 from __future__ import annotations
 
 import pytest
-from test_real_torch import STUB_RUNTIME, run_torch, values
+from test_real_torch import POOL_HELPERS, STUB_RUNTIME, run_torch, values
 
 from conftest import torch_available
 
@@ -28,16 +28,6 @@ pytestmark = pytest.mark.skipif(
     not STUB_RUNTIME.exists() or not torch_available(),
     reason="needs torch and testdrv's stubs (testdrv/build.sh)",
 )
-
-PRELUDE = """
-import sys
-def u8(n):
-    return torch.empty(n, dtype=torch.uint8, device="cuda")
-def pool_of(ptr):
-    for s in torch.cuda.memory_snapshot():
-        if s["address"] <= ptr < s["address"] + s["total_size"]:
-            return tuple(s["segment_pool_id"])
-"""
 
 # On the 1 GiB device a 600 MiB segment holds two 300 MiB blocks and the rest of the device is
 # filled; one block is used on a side stream (record_stream) and freed, so its free waits on an
@@ -63,7 +53,7 @@ except torch.OutOfMemoryError as e:
 @pytest.mark.parametrize("allocator", ["pytorch", "stepalloc"])
 def test_a_block_freed_after_record_stream_serves_the_request_once_its_events_are_waited_for(allocator: str) -> None:
     install = 'stepalloc.install("backend:cuda")\n' if allocator == "stepalloc" else ""
-    out = run_torch(install + PRELUDE + RECORD_STREAM, delay_us=500_000)
+    out = run_torch(install + POOL_HELPERS + RECORD_STREAM, delay_us=500_000)
     expected = "oom" if allocator == "pytorch" else "served True"
     assert values(out)["result"] == expected, out
 
@@ -92,7 +82,7 @@ def test_out_of_memory_inside_use_mem_pool_releases_what_empty_cache_releases(al
     if allocator != "pytorch":
         conf = repr(allocator).replace("RECOMMENDED'", "' + stepalloc.RECOMMENDED")
         install = f"stepalloc.install({conf}, patch_torch=True)\n"
-    v = values(run_torch(install + PRELUDE + ACTIVE_POOL))
+    v = values(run_torch(install + POOL_HELPERS + ACTIVE_POOL))
     if allocator == "pytorch":
         # PyTorch 2.15 raises either way: its empty_cache() keeps a pool in use's free memory too.
         assert (v["result"], v["explicit"]) == ("oom", "oom"), v
@@ -118,12 +108,12 @@ print("use_counts=" + str((p1.use_count(), p2.use_count())))
 
 
 def test_a_pool_re_entered_on_one_thread_unwinds_as_a_stack() -> None:
-    native = values(run_torch(PRELUDE + REENTER))
+    native = values(run_torch(POOL_HELPERS + REENTER))
     # PyTorch 2.15 refuses the re-entry, after taking a reference it never gives back.
     assert "already recording to mempool_id" in native["inner"], native
     assert native["use_counts"] == "(2, 1)", native
     for conf in ["backend:cuda", "backend:cuda,' + stepalloc.RECOMMENDED + '"]:
-        ours = values(run_torch(f"stepalloc.install('{conf}', patch_torch=True)\n" + PRELUDE + REENTER))
+        ours = values(run_torch(f"stepalloc.install('{conf}', patch_torch=True)\n" + POOL_HELPERS + REENTER))
         assert ours["inner"] == "True", (conf, ours)
         assert ours["back_in_p2"] == ours["back_in_p1"] == "True", (conf, ours)
         assert ours["outside"] == "(0, 0)" and ours["use_counts"] == "(1, 1)", (conf, ours)
@@ -132,7 +122,7 @@ def test_a_pool_re_entered_on_one_thread_unwinds_as_a_stack() -> None:
 def test_without_install_a_re_entered_pool_is_refused_clearly_and_keeps_its_use_count() -> None:
     # PyTorch's allocator routes stepalloc.mempool()'s pools: PyTorch's refusal, made clear.
     code = REENTER.replace("torch.cuda.MemPool()", "stepalloc.mempool()")
-    v = values(run_torch(PRELUDE + code))
+    v = values(run_torch(POOL_HELPERS + code))
     assert v["inner"].startswith("refused StepallocError stepalloc: use_mem_pool of pool"), v
     assert "already inside" in v["inner"] and "install()" in v["inner"], v
     assert v["back_in_p2"] == v["back_in_p1"] == "True", v
@@ -161,7 +151,7 @@ print("own_device=" + str(pool_of(t.data_ptr()) == pool1.id))
 @pytest.mark.parametrize("install", ["", "backend:cuda"])
 def test_use_mem_pool_of_a_stepalloc_pool_on_another_device_names_both_devices(install: str) -> None:
     setup = f"stepalloc.install({install!r}, patch_torch=True)\n" if install else ""
-    v = values(run_torch(setup + PRELUDE + OTHER_DEVICE))
+    v = values(run_torch(setup + POOL_HELPERS + OTHER_DEVICE))
     for attempt in ("attempt0", "attempt1"):
         assert v[attempt].startswith("StepallocError stepalloc: use_mem_pool(pool, device=1)"), v
         assert "made on device 0" in v[attempt] and "Instead:" in v[attempt], v
@@ -172,6 +162,6 @@ def test_use_mem_pool_of_a_stepalloc_pool_on_another_device_names_both_devices(i
 def test_pytorchs_own_allocator_fails_an_internal_assert_on_the_second_entry_for_another_device() -> None:
     # What the check above replaces (PyTorch 2.15's own MemPool, no stepalloc).
     code = OTHER_DEVICE.replace("stepalloc.mempool()", "torch.cuda.MemPool()")
-    v = values(run_torch(PRELUDE + code))
+    v = values(run_torch(POOL_HELPERS + code))
     assert v["attempt0"] == "entered", v
     assert "use_count > 0 INTERNAL ASSERT FAILED" in v["attempt1"], v

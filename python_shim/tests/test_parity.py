@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from test_nccl import build_hostnccl, preload_env
-from test_real_torch import STUB_RUNTIME, run_torch, values
+from test_real_torch import POOL_HELPERS, STUB_RUNTIME, run_torch, values
 
 from conftest import SHIM, torch_available
 from stepalloc import parity
@@ -66,12 +66,7 @@ import ctypes, json, os, pickle, tempfile, warnings
 from stepalloc.parity import UnsupportedError
 EXT = os.environ["EXT_ALLOCATOR"]
 TMP = tempfile.mkdtemp()
-def u8(n):
-    return torch.empty(n, dtype=torch.uint8, device="cuda")
-def pool_of(ptr):
-    for s in torch.cuda.memory_snapshot():
-        if s["address"] <= ptr < s["address"] + s["total_size"]:
-            return tuple(s["segment_pool_id"])
+""" + POOL_HELPERS + """
 def nvml_or(f):
     try:
         return f()
@@ -694,12 +689,7 @@ def test_readme_table_is_the_generated_one() -> None:
 # and under process-wide stepalloc.
 MEMPOOL_SCRIPT = """
 import ctypes, gc
-def u8(n):
-    return torch.empty(n, dtype=torch.uint8, device="cuda")
-def pool_of(ptr):
-    for s in torch.cuda.memory_snapshot():
-        if s["address"] <= ptr < s["address"] + s["total_size"]:
-            return tuple(s["segment_pool_id"])
+""" + POOL_HELPERS + """
 pool = torch.cuda.MemPool()
 print("created=", pool.id, pool.use_count())
 with torch.cuda.use_mem_pool(pool):
