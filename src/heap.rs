@@ -12,7 +12,9 @@
 //!   512 B would; blocks at or above `max_split_size` are never split and serve only requests
 //!   less than `max_non_split_rounding` smaller;
 //! - on a failed device reserve: release cached oversize blocks and retry; then wait for pending
-//!   events, release every unsplit cached segment and retry; then report out of memory.
+//!   events, release every unsplit cached segment and retry; then report out of memory
+//!   (stepalloc, unless `exact_fit` keeps PyTorch's sequence: after the wait the cache is
+//!   searched again, and the release reaches pools in use as `empty_cache` does; `grow.rs`).
 //!
 //! This file holds the heap's state and the hot path (malloc, free, split, merge). The rest,
 //! one concern a file, all `impl Heap` under the same lock:

@@ -131,6 +131,40 @@ fn oom_path_then_releases_every_unsplit_cached_segment_and_retries() {
     a.free(0, q, 40 * MIB).unwrap();
 }
 
+/// A block freed after `record_stream` waits for its events. With the device otherwise full,
+/// the out-of-memory path waits for them, and the freed block then fits the request: it is
+/// served from it instead of failing. The rest of its segment is allocated, so no release can
+/// make room. Under `exact_fit` (the stress tool's PyTorch presets) the path stays PyTorch's:
+/// after the wait it only releases and retries the device, and raises, as PyTorch 2.15 does.
+#[test]
+fn oom_path_serves_a_request_from_the_block_its_wait_for_events_freed() {
+    for (conf, served) in [("", true), (",exact_fit:True", false)] {
+        let a = sim(&format!("sim_capacity_mb:100,sim_event_delay_us:1000000{conf}"));
+        let whole = a.malloc(0, 60 * MIB, S1).unwrap();
+        a.free(0, whole, 60 * MIB).unwrap();
+        let x = a.malloc(0, 30 * MIB, S1).unwrap();
+        let y = a.malloc(0, 30 * MIB, S1).unwrap();
+        assert_eq!(y, x + 30 * MIB, "both halves of the one 60 MiB segment");
+        let fill = a.malloc(0, 40 * MIB, S1).unwrap(); // the device is full
+        a.record_stream(0, x, S2).unwrap();
+        a.free(0, x, 30 * MIB).unwrap(); // pending on its events
+        let result = a.malloc(0, 30 * MIB, S1);
+        let s = stats(&a).heap;
+        assert_eq!(s.num_sync_all_streams, 1, "{conf}: the path waited for the events once");
+        if served {
+            assert_eq!(result.unwrap(), x, "served from the block the wait freed");
+            assert_eq!((s.num_ooms, s.num_alloc_retries, s.num_device_free), (0, 1, 0));
+            a.free(0, x, 30 * MIB).unwrap();
+        } else {
+            assert!(result.unwrap_err().is_out_of_memory(), "PyTorch's sequence raises");
+            assert_eq!(s.num_ooms, 1);
+        }
+        a.free(0, y, 30 * MIB).unwrap();
+        a.free(0, fill, 40 * MIB).unwrap();
+        a.check_invariants().unwrap();
+    }
+}
+
 #[test]
 fn oom_reports_what_a_person_needs_and_loses_nothing() {
     let a = sim("sim_capacity_mb:100");

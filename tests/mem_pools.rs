@@ -5,6 +5,7 @@
 
 use parking_lot::Mutex;
 use std::sync::Arc;
+use stepalloc::stats::ReleaseReason;
 use stepalloc::units::MIB;
 use stepalloc::{Allocator, Config, SegmentSource, Stream};
 
@@ -157,15 +158,72 @@ fn use_on_oom_lends_a_free_block_of_the_pool_to_a_general_allocation() {
         a.free(0, block, 60 * MIB).unwrap();
         let fill = a.malloc(0, 60 * MIB, S0).unwrap();
         let result = a.malloc(0, 50 * MIB, S0);
+        let heap = a.stats(0).unwrap().heap;
+        let released = heap.released_bytes[ReleaseReason::Oom as usize];
         if on {
-            assert_eq!(result.unwrap(), block, "served from the pool's free block");
-            assert_eq!(a.stats(0).unwrap().heap.num_ooms, 0);
+            assert_eq!(result.unwrap(), block, "served from the pool's free block, which stays the pool's");
+            assert_eq!((heap.num_ooms, released), (0, 0));
         } else {
-            assert!(result.unwrap_err().is_out_of_memory());
+            // Not a lender: the out-of-memory path gives its free segment back, as empty_cache
+            // would, and the request gets a segment of its own.
+            let p = result.unwrap();
+            assert_eq!((heap.num_ooms, released), (0, 60 * MIB));
+            a.free(0, p, 50 * MIB).unwrap();
         }
         a.free(0, fill, 60 * MIB).unwrap();
         a.check_invariants().unwrap();
     }
+}
+
+/// Out of memory inside an active pool (`use_mem_pool`, no capture): the out-of-memory path
+/// releases what `empty_cache` releases, the pool's own free segments included, and the
+/// request is served (768 MiB freed in the pool, then 896 MiB on a 1 GiB device). Under
+/// `exact_fit` (the stress tool's PyTorch presets) it stays PyTorch's: a pool in use keeps its
+/// free memory and the request fails, "768.00 MiB ... reserved ... but unallocated".
+#[test]
+fn oom_path_releases_an_active_pools_free_segments_as_empty_cache_does() {
+    for (conf, served) in [("", true), (",exact_fit:True", false)] {
+        let a = sim(&format!("sim_capacity_mb:1024{conf}"));
+        create(&a, POOL);
+        a.begin_route_to_pool(0, POOL).unwrap();
+        let first = a.malloc_in_pool(0, 768 * MIB, S0, Some(POOL)).unwrap();
+        a.free(0, first, 768 * MIB).unwrap();
+        let result = a.malloc_in_pool(0, 896 * MIB, S0, Some(POOL));
+        let heap = a.stats(0).unwrap().heap;
+        if served {
+            let p = result.unwrap();
+            assert_eq!(heap.released_bytes[ReleaseReason::Oom as usize], 768 * MIB);
+            assert_eq!((heap.num_ooms, heap.reserved_bytes.all.current), (0, 896 * MIB));
+            a.free(0, p, 896 * MIB).unwrap();
+        } else {
+            let err = result.unwrap_err();
+            assert!(err.to_string().contains("768.00 MiB is reserved by PyTorch but unallocated"), "{err}");
+        }
+        a.end_route_to_pool(0, POOL).unwrap();
+        a.release_pool(0, POOL).unwrap();
+        a.release_pool(0, POOL).unwrap();
+        assert_eq!(a.stats(0).unwrap().heap.reserved_bytes.all.current, 0);
+        a.check_invariants().unwrap();
+    }
+}
+
+/// A `use_on_oom` pool lends its free blocks first; when none fits, the out-of-memory path
+/// gives its free segments back too (what `empty_cache` would) and retries the device.
+#[test]
+fn a_lenders_free_segments_go_back_when_none_of_its_blocks_fits() {
+    let a = sim("sim_capacity_mb:128");
+    create(&a, POOL);
+    a.with_heap(0, |h| h.set_pool_use_on_oom(POOL, true)).unwrap().unwrap();
+    let block = a.malloc_in_pool(0, 40 * MIB, S0, Some(POOL)).unwrap();
+    a.free(0, block, 40 * MIB).unwrap();
+    let fill = a.malloc(0, 60 * MIB, S0).unwrap();
+    let p = a.malloc(0, 60 * MIB, S0).expect("the lender's 40 MiB segment released, 68 MiB free");
+    let heap = a.stats(0).unwrap().heap;
+    assert_eq!((heap.num_ooms, heap.released_bytes[ReleaseReason::Oom as usize]), (0, 40 * MIB));
+    assert_eq!(use_count(&a, POOL), 1, "the pool itself stays");
+    a.free(0, p, 60 * MIB).unwrap();
+    a.free(0, fill, 60 * MIB).unwrap();
+    a.check_invariants().unwrap();
 }
 
 #[test]

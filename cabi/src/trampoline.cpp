@@ -16,16 +16,21 @@
 // - A filter runs under the table's mutex; PyTorch's filters only query the stream's capture
 //   state (or the thread's id) and never call back into the allocator. The newest entry whose
 //   filter claims a stream wins, as in PyTorch.
-// - Reconciliation drops only the entries of graph captures (see `Claim`), never
-//   `use_mem_pool`'s, whose claimed stream is not capturing.
+// - The entries unwind as a stack: an end removes the newest entry of its pool that the
+//   calling thread began (else the pool's newest), so `use_mem_pool(P1)`, `use_mem_pool(P2)`,
+//   `use_mem_pool(P1)` again routes to P2 and then to the outer P1 as the inner two exit, and
+//   two threads in one pool may leave in either order. (PyTorch refuses the re-entry with
+//   "already recording to mempool_id", after taking a reference it never gives back.)
+// - Reconciliation drops only the entries of graph captures (see `Claim`), never routes
+//   (`use_mem_pool`'s), whose claimed stream is not capturing.
 // - A failed capture never calls end (PyTorch calls `cudaStreamEndCapture` first and stops when
 //   it fails), so its entry would stay forever and keep the core's out-of-memory path off.
-//   Entries are reconciled at begin and release: a begin of the same pool drops the pool's old
-//   entry (the core counts that capture as ended); a release drops the pool's capture entries
-//   (not its routes) when the core no longer counts a capture into it (its last reference went, so a capture that never
-//   ended failed); a begin drops entries of other pools whose claimed stream the device says
-//   is no longer capturing. The core is asked without the table's mutex held (it takes the
-//   device lock).
+//   Entries are reconciled at begin and release: a capture's begin drops the pool's older
+//   capture entry (the core counts that capture as ended), never its routes; a release drops
+//   the pool's capture entries (not its routes) when the core no longer counts a capture into
+//   it (its last reference went, so a capture that never ended failed); a begin drops entries
+//   of other pools whose claimed stream the device says is no longer capturing. The core is
+//   asked without the table's mutex held (it takes the device lock).
 
 #include "stepalloc.h"
 
@@ -33,6 +38,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 using MempoolId = std::pair<unsigned long long, unsigned long long>;
@@ -76,6 +82,8 @@ struct Capture {
     // capture can (`use_mem_pool`, `_cuda_beginAllocateToPool`). The core counts no capture
     // for it, so events, releases and `empty_cache` go on while it lasts.
     bool route;
+    // The thread that began it: an end from that thread removes it first.
+    std::thread::id owner;
 };
 
 std::atomic<int> &g_active = stepalloc_internal_captures;
@@ -108,14 +116,17 @@ void erase_entries(int device, Pred drop) {
     }
 }
 
-// Drops the entries of captures that ended without `end`: an entry of the same pool (PyTorch
-// never captures into one pool twice at once), and entries whose claimed stream the device no
-// longer reports as capturing; the core counts each as ended.
-void reconcile_at_begin(int device, MempoolId pool) {
+// Drops the entries of captures that ended without `end`: at a capture's begin, a capture
+// entry of the same pool (PyTorch never captures into one pool twice at once; a route's begin
+// leaves it, as the core does); and entries whose claimed stream the device no longer reports
+// as capturing. The core counts each as ended.
+void reconcile_at_begin(int device, MempoolId pool, bool route) {
     std::vector<std::pair<MempoolId, cudaStream_t>> claimed;
     {
         std::lock_guard<std::mutex> lock(table_mutex());
-        erase_entries(device, [&](const Capture &c) { return c.pool == pool; });
+        if (!route) {
+            erase_entries(device, [&](const Capture &c) { return c.pool == pool && !c.route; });
+        }
         for (const Capture &c : table()) {
             if (c.device == device && c.claim == Claim::Capture) {
                 claimed.emplace_back(c.pool, c.stream);
@@ -173,7 +184,6 @@ extern "C" void stepalloc_set_oom_thrower(void (*thrower)(const char *message)) 
 }
 
 extern "C" void stepalloc_begin_allocate_to_pool(int device, MempoolId mempool_id, StreamFilter filter) {
-    reconcile_at_begin(device, mempool_id);
     // Asked on the calling thread before any capture began (PyTorch begins before
     // cudaStreamBeginCapture): a capture's filter queries the stream's capture state, false
     // for the default stream; a thread's or the device's route says true.
@@ -183,11 +193,13 @@ extern "C" void stepalloc_begin_allocate_to_pool(int device, MempoolId mempool_i
     } catch (...) {
         route = false;  // treated as a capture: the cautious side
     }
+    reconcile_at_begin(device, mempool_id, route);
     if (stepalloc_internal_pool_begin(device, mempool_id.first, mempool_id.second, route ? 1 : 0) != STEPALLOC_OK) {
         throw std::runtime_error("stepalloc: beginAllocateToPool failed: " + last_error_text());
     }
     std::lock_guard<std::mutex> lock(table_mutex());
-    table().push_back(Capture{device, mempool_id, std::move(filter), nullptr, route ? Claim::Other : Claim::None, route});
+    table().push_back(Capture{device, mempool_id, std::move(filter), nullptr, route ? Claim::Other : Claim::None, route,
+                              std::this_thread::get_id()});
     g_active.fetch_add(1, std::memory_order_relaxed);
 }
 
@@ -197,14 +209,26 @@ extern "C" void stepalloc_end_allocate_to_pool(int device, MempoolId mempool_id)
     {
         std::lock_guard<std::mutex> lock(table_mutex());
         std::vector<Capture> &t = table();
-        for (auto it = t.begin(); it != t.end(); ++it) {
-            if (it->device == device && it->pool == mempool_id) {
-                route = it->route;
-                t.erase(it);
-                g_active.fetch_sub(1, std::memory_order_relaxed);
-                found = true;
+        // Newest first: the entry of the pool this thread began, else the pool's newest (an end
+        // from another thread, as stepalloc.follow ends autograd's thread's route).
+        auto newest = t.rend();
+        for (auto it = t.rbegin(); it != t.rend(); ++it) {
+            if (it->device != device || it->pool != mempool_id) {
+                continue;
+            }
+            if (newest == t.rend()) {
+                newest = it;
+            }
+            if (it->owner == std::this_thread::get_id()) {
+                newest = it;
                 break;
             }
+        }
+        if (newest != t.rend()) {
+            route = newest->route;
+            t.erase(std::next(newest).base());
+            g_active.fetch_sub(1, std::memory_order_relaxed);
+            found = true;
         }
     }
     // Only a capture that began is ended in the core; an unmatched end changes nothing.

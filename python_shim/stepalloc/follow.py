@@ -26,11 +26,19 @@ runs, the caller's own pool route is the device thread's: what the caller alloca
 device meanwhile (it runs the CPU nodes; final callbacks may run on either thread) is not
 routed; its tag stays.
 
+The routing wrappers also guard ``use_mem_pool`` where PyTorch's own code goes wrong: a
+stepalloc pool entered for another device than the one it was made on is refused, naming both
+(PyTorch's allocator would create an empty pool there, and assert ``use_count > 0`` the second
+time); and where PyTorch's allocator routes (``stepalloc.mempool()`` without ``install()``) a
+pool re-entered on one thread is refused clearly, the reference PyTorch took before refusing
+given back. Under ``install()`` stepalloc routes, and re-entered pools nest.
+
 Invariants:
 - Only ``Variable._execution_engine`` (every Python ``backward`` / ``grad`` goes through its
   ``run_backward``) and the two routing functions ``use_mem_pool`` calls (module globals of
-  ``torch.cuda.memory``) are wrapped; ``disable()`` restores them. The wrappers only record and
-  forward: outside a followed pool or region a backward costs one thread-local read more.
+  ``torch.cuda.memory``) are wrapped; ``disable()`` restores them. The wrappers record, check
+  the device of a stepalloc pool and forward: outside a followed pool or region a backward
+  costs one thread-local read more.
 - A hook never raises into the engine: a failure is recorded and warned about after the call.
 - Every reference the moves take on the pool (each begin) is given back (a release), so the
   pool's use count is what ``use_mem_pool`` alone leaves.
@@ -51,8 +59,9 @@ _lock = threading.RLock()
 _installed: dict[tuple[Any, str], Any] | None = None
 # False after disable(): nothing puts the wrappers back until enable().
 _wanted = True
-# Pools whose routes follow autograd: stepalloc.mempool() and stepalloc.MemPool ids.
-_pools: set[tuple[int, int]] = set()
+# Pools whose routes follow autograd: stepalloc.mempool() and stepalloc.MemPool ids, each with
+# the device it was made on (the one device it serves).
+_pools: dict[tuple[int, int], int] = {}
 # Per thread: the (device, pool id) of each use_mem_pool entered and not left, innermost last.
 _routes = threading.local()
 
@@ -64,10 +73,11 @@ def _stack() -> list[tuple[int, tuple[int, int]]]:
     return stack
 
 
-def follow_pool(pool_id: Any) -> None:
-    """Routes into pool ``pool_id`` follow autograd from now on (and the wrappers are in place)."""
+def follow_pool(pool_id: Any, device: int) -> None:
+    """Routes into pool ``pool_id``, made on ``device``, follow autograd from now on (and the
+    wrappers are in place)."""
     with _lock:
-        _pools.add(tuple(int(x) for x in pool_id))
+        _pools[tuple(int(x) for x in pool_id)] = int(device)
     if _wanted:
         _install()
 
@@ -131,10 +141,41 @@ def enabled() -> bool:
     return _installed is not None
 
 
+# PyTorch's refusal of a pool already routed to (its allocator allows one route per pool).
+_ALREADY_ROUTED = "already recording to mempool_id"
+
+
 def _recording_begin(original: Any) -> Any:
     def stepalloc_begin_allocate_current_thread_to_pool(device: int, pool_id: Any) -> Any:
-        result = original(device, pool_id)
-        _stack().append((int(device), tuple(int(x) for x in pool_id)))
+        key = (int(device), tuple(int(x) for x in pool_id))
+        made_on = _pools.get(key[1])
+        if made_on is not None and made_on != key[0]:
+            raise _lib.StepallocError(
+                f"stepalloc: use_mem_pool(pool, device={key[0]}) with pool {key[1]}, which was made on "
+                f"device {made_on}: a pool serves the device that was current when it was made (PyTorch's "
+                f"allocator would give device {key[0]} an empty pool without the pool's allocator, and "
+                f"fail its internal assert use_count > 0 the second time). Instead: make the pool with "
+                f"device {key[0]} current (with torch.cuda.device({key[0]}): pool = stepalloc.mempool()), "
+                f"or enter this one with device={made_on}.",
+                _lib.INVALID_ARGUMENT,
+            )
+        try:
+            result = original(device, pool_id)
+        except RuntimeError as e:
+            if _ALREADY_ROUTED not in str(e):
+                raise
+            import torch
+
+            # PyTorch took a reference to the pool before it refused; give it back.
+            torch._C._cuda_releasePool(device, pool_id)
+            raise _lib.StepallocError(
+                f"stepalloc: use_mem_pool of pool {key[1]} on device {key[0]}, which this thread is "
+                "already inside: PyTorch's allocator, which routes pools without install(), allows one "
+                "route per pool at a time. Instead: leave the outer use_mem_pool first, or use "
+                "stepalloc.install(), under which re-entered pools nest.",
+                _lib.INVALID_ARGUMENT,
+            ) from e
+        _stack().append(key)
         return result
 
     stepalloc_begin_allocate_current_thread_to_pool.__wrapped__ = original  # type: ignore[attr-defined]
@@ -288,6 +329,11 @@ def _plan() -> _Follow | None:
         return None
     stack = getattr(_routes, "stack", None)
     route = stack[-1] if stack and stack[-1][1] in _pools else None
+    if route is not None and stack.count(route) > 1:
+        # A pool this thread re-entered (stepalloc's routes nest): an end from this thread
+        # removes this thread's newest route of the pool, which after the move would be the
+        # outer one rather than the device thread's. Not moved: backward allocates unrouted.
+        route = None
     try:
         lease = _lend()
     except _lib.StepallocError as e:  # e.g. 64 leases open: backward runs, unfollowed

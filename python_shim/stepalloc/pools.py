@@ -72,6 +72,10 @@ class MemPool:
         use_on_oom: a general allocation that finds no memory may take a free block of this pool.
         no_split: each block takes a whole segment, never split from a larger one (as
             PyTorch's: a 4 MiB tensor holds a whole 20 MiB segment, and the next one another).
+
+    The pool serves the device current when it is made; ``use_mem_pool(pool, device=d)`` for
+    another device raises ``StepallocError`` naming both. ``use_mem_pool`` of a pool this thread
+    is inside already nests: the inner route ends first and the outer one routes again.
     """
 
     def __init__(self, allocator: Any = None, use_on_oom: bool = False, no_split: bool = False) -> None:
@@ -85,7 +89,7 @@ class MemPool:
         lib = _lib.lib()
         _lib.check(int(lib.stepalloc_pool_create(self._device, *self._id)))
         self._released = False
-        follow.follow_pool(self._id)  # backward() inside use_mem_pool allocates here too
+        follow.follow_pool(self._id, self._device)  # backward() inside use_mem_pool allocates here too
         try:
             if functions is not None:
                 _lib.check(int(lib.stepalloc_pool_set_segment_allocator(self._device, *self._id, *functions)))

@@ -274,6 +274,19 @@ def mempool(use_on_oom: bool = False) -> Any:
     stepalloc, so step release and stepalloc's statistics see segments, not tensors. Since
     PyTorch caches, stepalloc runs in MemPool mode from here on: a segment PyTorch frees goes
     back to the device, so ``torch.cuda.empty_cache()`` returns memory.
+
+    A pool serves the device that is current when it is made: make one per device (with
+    ``torch.cuda.device(d)`` current) and enter each with its own device.
+    ``torch.cuda.use_mem_pool(pool, device=d)`` for another device raises ``StepallocError``
+    naming both devices (PyTorch's allocator would give device ``d`` an empty pool without
+    stepalloc behind it, then fail its internal assert ``use_count > 0``); the check lives in
+    the routing wrappers of ``stepalloc.follow``, so after ``stepalloc.follow.disable()`` it is
+    PyTorch's behaviour again.
+
+    Without ``install()`` PyTorch's allocator routes the pool, so re-entering it on one thread
+    (``use_mem_pool(p1)``, ``use_mem_pool(p2)``, ``use_mem_pool(p1)``) is refused as PyTorch
+    refuses it, with ``StepallocError`` and without the use count PyTorch's refusal leaks; under
+    ``install()`` the routes nest and unwind as a stack.
     """
     global _mempool_allocator
     torch = _import_torch()
@@ -295,10 +308,11 @@ def mempool(use_on_oom: bool = False) -> Any:
         status = int(_lib.lib().stepalloc_set_mempool_mode(1))
         if status != _lib.OK:
             raise _lib.error_for(status)
+    device = int(torch.cuda.current_device())  # where PyTorch's MemPool creates the pool
     pool = torch.cuda.MemPool(_mempool_allocator.allocator(), use_on_oom=use_on_oom)
     from . import follow
 
-    follow.follow_pool(pool.id)  # backward() inside use_mem_pool allocates from the pool too
+    follow.follow_pool(pool.id, device)  # backward() inside use_mem_pool allocates from the pool too
     return pool
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from test_nccl import build_hostnccl, preload_env
-from test_real_torch import STUB_RUNTIME, run_torch, values
+from test_real_torch import POOL_HELPERS, STUB_RUNTIME, run_torch, values
 
 from conftest import SHIM, torch_available
 from stepalloc import parity
@@ -66,12 +66,7 @@ import ctypes, json, os, pickle, tempfile, warnings
 from stepalloc.parity import UnsupportedError
 EXT = os.environ["EXT_ALLOCATOR"]
 TMP = tempfile.mkdtemp()
-def u8(n):
-    return torch.empty(n, dtype=torch.uint8, device="cuda")
-def pool_of(ptr):
-    for s in torch.cuda.memory_snapshot():
-        if s["address"] <= ptr < s["address"] + s["total_size"]:
-            return tuple(s["segment_pool_id"])
+""" + POOL_HELPERS + """
 def nvml_or(f):
     try:
         return f()
@@ -411,12 +406,24 @@ assert [b["state"] for b in snap[0]["blocks"]] == ["active_allocated", "inactive
 """,
     "torch.cuda.use_mem_pool": """
 pool = torch.cuda.MemPool()
+other = torch.cuda.MemPool()
 with torch.cuda.use_mem_pool(pool):
     a = u8(MIB)
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         b = u8(MIB)
-assert pool_of(a.data_ptr()) == pool.id and pool_of(b.data_ptr()) == pool.id
+    with torch.cuda.use_mem_pool(other), torch.cuda.use_mem_pool(pool):
+        c = u8(MIB)
+    d = u8(MIB)
+assert all(pool_of(t.data_ptr()) == pool.id for t in (a, b, c, d)), [pool_of(t.data_ptr()) for t in (a, b, c, d)]
+assert pool.use_count() == other.use_count() == 1
+try:
+    with torch.cuda.use_mem_pool(pool, device=1):
+        pass
+except stepalloc.StepallocError as e:
+    assert "made on device 0" in str(e), e
+else:
+    raise AssertionError("a pool of device 0 entered for device 1")
 """,
     "torch.cuda.graph_pool_handle": """
 handle = torch.cuda.graph_pool_handle()
@@ -682,12 +689,7 @@ def test_readme_table_is_the_generated_one() -> None:
 # and under process-wide stepalloc.
 MEMPOOL_SCRIPT = """
 import ctypes, gc
-def u8(n):
-    return torch.empty(n, dtype=torch.uint8, device="cuda")
-def pool_of(ptr):
-    for s in torch.cuda.memory_snapshot():
-        if s["address"] <= ptr < s["address"] + s["total_size"]:
-            return tuple(s["segment_pool_id"])
+""" + POOL_HELPERS + """
 pool = torch.cuda.MemPool()
 print("created=", pool.id, pool.use_count())
 with torch.cuda.use_mem_pool(pool):

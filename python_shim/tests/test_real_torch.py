@@ -50,6 +50,18 @@ def run_torch(code: str, delay_us: int = 0, extra_env: dict[str, str] | None = N
     return check_child(run_python(prelude + textwrap.dedent(code), env=env, timeout=180))
 
 
+# For a child's script: ``u8(n)``, a tensor of n bytes on the current device, and
+# ``pool_of(ptr)``, the pool id of the segment that holds ``ptr`` (from torch's snapshot).
+POOL_HELPERS = """
+def u8(n):
+    return torch.empty(n, dtype=torch.uint8, device="cuda")
+def pool_of(ptr):
+    for s in torch.cuda.memory_snapshot():
+        if s["address"] <= ptr < s["address"] + s["total_size"]:
+            return tuple(s["segment_pool_id"])
+"""
+
+
 def values(out: str) -> dict[str, str]:
     """The child's ``key=value`` lines."""
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)

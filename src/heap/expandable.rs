@@ -170,6 +170,11 @@ impl Heap {
         if let Some(id) = self.last_resort_block(small, stream, rounded) {
             return Ok(id); // a free block of a `use_on_oom` pool (heap/pools.rs)
         }
+        if self.release_lenders()? {
+            if let Some(id) = self.try_expand(small, stream, rounded, lane)? {
+                return Ok(id);
+            }
+        }
         let page = self.page_size(small);
         let mut e = self.out_of_memory(requested, rounded, rounded.div_ceil(page).saturating_mul(page));
         if let crate::Error::OutOfMemory(report) = &mut e {

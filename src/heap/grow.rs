@@ -1,7 +1,19 @@
 //! Growing the heap: a new segment or range when no cached block serves a request, and the
-//! out-of-memory path with its report (PyTorch's sequence: free oversize cached blocks and retry,
-//! wait for pending events and release every unsplit cached segment, retry, report). Layer: the
-//! heap, under the device lock.
+//! out-of-memory path with its report. Layer: the heap, under the device lock.
+//!
+//! The out-of-memory path of plain segments, step by step (PyTorch's, with stepalloc's steps
+//! marked; `pytorch_oom_path` leaves those out, for the stress tool's PyTorch presets):
+//! 1. release cached oversize blocks and retry the device;
+//! 2. wait for pending events (frees after `record_stream`) and let free blocks of different
+//!    streams merge; (stepalloc) search the cache again: a block those frees completed may fit;
+//! 3. release every unsplit free segment — (stepalloc) those of pools in use too, as
+//!    `empty_cache` does, but not yet those of `use_on_oom` pools — and retry the device;
+//! 4. a general request takes a free block of a `use_on_oom` pool (PyTorch's last resort);
+//! 5. (stepalloc) release the `use_on_oom` pools' free segments and retry the device;
+//! 6. report out of memory.
+//!
+//! Expandable segments (`expandable.rs`) take the same steps, with step 2's search done by
+//! their page search.
 
 use super::Heap;
 use crate::backend::Stream;
@@ -36,16 +48,47 @@ impl Heap {
         }
         if attempt.is_none() && !capturing {
             self.stats.num_alloc_retries += 1;
-            self.release_all_cached(ReleaseReason::Oom)?;
+            self.complete_pending_frees()?;
+            if let Some(id) = self.reuse_after_waiting(pool, small, stream, rounded) {
+                return Ok(id);
+            }
+            self.release_free_cache(ReleaseReason::Oom)?;
             attempt = self.reserve_for(pool, seg_size, stream)?;
         }
-        let Some(addr) = attempt else {
+        if attempt.is_none() {
             if let Some(id) = (pool == 0).then(|| self.last_resort_block(small, stream, rounded)).flatten() {
                 return Ok(id);
             }
+            if self.release_lenders()? {
+                attempt = self.reserve_for(pool, seg_size, stream)?;
+            }
+        }
+        let Some(addr) = attempt else {
             return Err(self.out_of_memory(requested, rounded, seg_size));
         };
         Ok(self.new_segment(addr, seg_size, small, pool, stream))
+    }
+
+    /// Whether the out-of-memory path is exactly PyTorch's, without stepalloc's steps (the
+    /// module's list). `exact_fit` is what the stress tool's PyTorch presets set to reproduce
+    /// PyTorch's allocator byte for byte (`scripts/torch_replay.py` checks it against PyTorch's
+    /// own), so it keeps PyTorch's sequence too, shortcomings included: PyTorch 2.15 raises when
+    /// the block a wait for events freed would fit, and keeps a pool in use's free memory.
+    pub(super) fn pytorch_oom_path(&self) -> bool {
+        self.config.exact_fit
+    }
+
+    /// Step 2's search (stepalloc's): after the frees waiting on events completed, a cached
+    /// block of the request's pool and stream may fit (out of its list, as `find_free` gives
+    /// it). None under PyTorch's path, and for requests that skip the cache
+    /// (`caching_allocator_enable(False)`).
+    fn reuse_after_waiting(&mut self, pool: u32, small: bool, stream: Stream, rounded: u64) -> Option<BlockId> {
+        if self.pytorch_oom_path() || (self.caching_disabled && pool == 0) {
+            return None;
+        }
+        let id = self.find_free(pool, small, stream, rounded, false, 0)?;
+        self.stats.num_cache_hits = self.stats.num_cache_hits.wrapping_add(1);
+        Some(id)
     }
 
     /// One device reserve within the allowed limit: `Ok(None)` when out of memory.

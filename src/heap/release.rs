@@ -9,6 +9,21 @@ use crate::segment::{BlockId, BlockState, SegmentId, ANY_STREAM, NIL};
 use crate::stats::ReleaseReason;
 use crate::trace::TraceAction;
 
+/// Which free segments of pools still referenced (a `MemPool`, a `use_mem_pool` underway) a
+/// release reaches. The general pool's and those of pools nobody references always go; those
+/// of a pool a CUDA graph captured into never do while it is referenced (a replay may use its
+/// free blocks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PoolsInUse {
+    /// None: PyTorch's out-of-memory path (`exact_fit`, see `Heap::pytorch_oom_path`).
+    Kept,
+    /// All but those of `use_on_oom` pools, whose free blocks the out-of-memory path lends
+    /// first (`last_resort_block`); it releases them after that (`release_lenders`).
+    AllButLenders,
+    /// All: `empty_cache`, the step and limit policies.
+    All,
+}
+
 impl Heap {
     // ----- releasing cached memory ---------------------------------------------------------
 
@@ -71,27 +86,43 @@ impl Heap {
 
     /// Free segments that may be released (not held by an active graph pool).
     pub(crate) fn releasable_segments(&self) -> Vec<SegmentId> {
-        self.releasable_segments_of(true)
+        self.releasable_segments_of(PoolsInUse::All)
     }
 
     /// The free segments that may go back: the general pool's, those of pools nobody
-    /// references, and — with `active_pools` — those of referenced pools no CUDA graph captured
-    /// into (a captured graph may replay into its pool's free blocks). `empty_cache` and the
-    /// step and limit policies pass true, so a pool in use does not strand its free memory
-    /// (PyTorch's `empty_cache` frees nothing while a pool is in use); the out-of-memory path
-    /// passes false and, as PyTorch's, leaves a live pool to `use_on_oom`.
-    pub(crate) fn releasable_segments_of(&self, active_pools: bool) -> Vec<SegmentId> {
+    /// references, and those of referenced pools no CUDA graph captured into that `in_use`
+    /// reaches (a captured graph may replay into its pool's free blocks). `empty_cache` and the
+    /// step and limit policies reach them all, so a pool in use does not strand its free memory
+    /// (PyTorch's `empty_cache` frees nothing while a pool is in use); so does the
+    /// out-of-memory path, its lenders last (`Heap::oom_pools`).
+    pub(crate) fn releasable_segments_of(&self, in_use: PoolsInUse) -> Vec<SegmentId> {
         self.arena
             .live_segment_ids()
             .filter(|&s| self.segment_is_free(s))
             .filter(|&s| {
                 let pool = self.arena.segment(s).pool;
                 pool == 0
-                    || self.private_pools[pool as usize - 1]
-                        .as_ref()
-                        .is_none_or(|p| p.use_count == 0 || (active_pools && !p.captured))
+                    || self.private_pools[pool as usize - 1].as_ref().is_none_or(|p| {
+                        p.use_count == 0
+                            || match in_use {
+                                PoolsInUse::Kept => false,
+                                PoolsInUse::AllButLenders => !p.captured && !p.use_on_oom,
+                                PoolsInUse::All => !p.captured,
+                            }
+                    })
             })
             .collect()
+    }
+
+    /// The pools in use whose free segments the out-of-memory path releases: PyTorch's keeps
+    /// them all (`pytorch_oom_path`); stepalloc's releases what `empty_cache` releases, the
+    /// `use_on_oom` pools' after their blocks were offered (`release_lenders`).
+    pub(super) fn oom_pools(&self) -> PoolsInUse {
+        if self.pytorch_oom_path() {
+            PoolsInUse::Kept
+        } else {
+            PoolsInUse::AllButLenders
+        }
     }
 
     /// First OOM step: release cached oversize blocks (whole segments) — the smallest one that
@@ -101,7 +132,7 @@ impl Heap {
             return Ok(false);
         }
         let mut candidates: Vec<(u64, SegmentId)> = self
-            .releasable_segments_of(false)
+            .releasable_segments_of(self.oom_pools())
             .into_iter()
             .filter(|&s| self.arena.segment(s).oversize)
             .map(|s| (self.arena.segment(s).size, s))
@@ -129,13 +160,42 @@ impl Heap {
             self.deferred_work = true;
             return Ok(0);
         }
+        self.complete_pending_frees()?;
+        self.release_free_cache(reason)
+    }
+
+    /// Waits for every pending event, so that the frees waiting on them complete, and lets free
+    /// blocks of different streams merge. Not during a capture (the caller checks).
+    pub(super) fn complete_pending_frees(&mut self) -> Result<()> {
         self.synchronize_pending()?;
         if self.has_stranded_free_blocks() {
             self.settle_free_streams()?;
         }
+        Ok(())
+    }
+
+    /// Releases the free pages of expandable segments and every free unsplit segment
+    /// (`releasable_segments_of`: on the out-of-memory path, `oom_pools`). Returns the bytes.
+    pub(super) fn release_free_cache(&mut self, reason: ReleaseReason) -> Result<u64> {
         let mut released = self.release_free_pages(reason, |_| true)?;
-        for seg in self.releasable_segments_of(!matches!(reason, ReleaseReason::Oom)) {
+        let in_use = if reason == ReleaseReason::Oom { self.oom_pools() } else { PoolsInUse::All };
+        for seg in self.releasable_segments_of(in_use) {
             released += self.release_segment(seg, reason)?;
+        }
+        Ok(released)
+    }
+
+    /// The out-of-memory path's last release (stepalloc's): the free segments of `use_on_oom`
+    /// pools in use, once none of their blocks served the request, as `empty_cache` would
+    /// release them. Returns whether any went. Nothing under PyTorch's path or during a capture.
+    pub(super) fn release_lenders(&mut self) -> Result<bool> {
+        if self.pytorch_oom_path() || self.captures_underway > 0 {
+            return Ok(false);
+        }
+        let mut released = false;
+        for seg in self.releasable_segments_of(PoolsInUse::All) {
+            self.release_segment(seg, ReleaseReason::Oom)?;
+            released = true;
         }
         Ok(released)
     }
@@ -282,10 +342,10 @@ impl Heap {
 
     /// A route into pool `id` begins (`use_mem_pool`, `beginAllocateToPool` with a filter that
     /// claims the default stream: no capture): creates the pool or takes another reference. No
-    /// capture is counted, so events, releases and `empty_cache` go on while it lasts.
+    /// capture is counted, so events, releases and `empty_cache` go on while it lasts. Routes
+    /// nest: one of a pool already routed to, or captured into, adds to it and ends first (the C
+    /// ABI's table unwinds them as a stack); nothing underway counts as ended.
     pub fn begin_route(&mut self, id: PoolId) {
-        // The C ABI drops an older entry of the pool at a begin; a capture's counts as ended.
-        self.abandon_capture(id);
         self.add_pool_reference(id);
         if let Some(p) = self.private_pools.iter_mut().flatten().find(|p| p.id == id) {
             p.routes += 1;

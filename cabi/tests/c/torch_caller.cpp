@@ -1,10 +1,13 @@
 // Calls libstepalloc.so the way PyTorch's CUDAPluggableAllocator does: symbols looked up by
 // name with dlsym, cast to PyTorch's function types and called through std::function.
 // Usage: torch_caller LIBRARY. Prints "ok torch" and exits 0 when every check holds.
+#include <condition_variable>
 #include <cstdint>
 #include <functional>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <utility>
 
 #include "common.h"
@@ -290,6 +293,83 @@ int main(int argc, char **argv) {
         release(x, 3 * MIB, 0, other);
         release_pool(0, np);
         release_pool(0, np);
+        check_stats(0, 0, 0);
+    }
+    // use_mem_pool re-entered on one thread (PyTorch's filter: the calling thread's streams):
+    // P1, P2, P1 again. The routes unwind as a stack: after the inner P1 the thread allocates
+    // to P2, after P2 to the outer P1 again, after that to the general pool; each pool's use
+    // count is back to its MemPool's one reference.
+    {
+        const MempoolId_t p1{0, 91}, p2{0, 92};
+        CHECK(p_stepalloc_pool_create(0, p1.first, p1.second) == STEPALLOC_OK, "%s", last_error());
+        CHECK(p_stepalloc_pool_create(0, p2.first, p2.second) == STEPALLOC_OK, "%s", last_error());
+        const std::thread::id me = std::this_thread::get_id();
+        auto mine = [me](cudaStream_t) { return std::this_thread::get_id() == me; };
+        auto segment = [&](void *p) { return p_stepalloc_base_alloc(p, &seg); };
+        begin_pool(0, p1, mine);
+        void *a1 = alloc(4096, 0, other);
+        begin_pool(0, p2, mine);
+        void *b1 = alloc(4096, 0, other);
+        begin_pool(0, p1, mine);
+        void *a2 = alloc(4096, 0, other);
+        CHECK(p_stepalloc_pool_use_count(0, p1.first, p1.second) == 3, "P1 entered twice");
+        end_pool(0, p1);
+        release_pool(0, p1);
+        void *b2 = alloc(4096, 0, other);
+        end_pool(0, p2);
+        release_pool(0, p2);
+        void *a3 = alloc(4096, 0, other);
+        end_pool(0, p1);
+        release_pool(0, p1);
+        void *g = alloc(4096, 0, other);
+        CHECK(segment(a2) == segment(a1), "the inner P1 did not allocate to P1");
+        CHECK(segment(b2) == segment(b1), "after the inner P1 the thread left P2");
+        CHECK(segment(a3) == segment(a1), "after P2 the outer P1 no longer routes");
+        CHECK(segment(g) != segment(a1) && segment(g) != segment(b1), "a route outlived its use_mem_pool");
+        CHECK(p_stepalloc_pool_use_count(0, p1.first, p1.second) == 1 &&
+                  p_stepalloc_pool_use_count(0, p2.first, p2.second) == 1,
+              "use counts %d %d", p_stepalloc_pool_use_count(0, p1.first, p1.second),
+              p_stepalloc_pool_use_count(0, p2.first, p2.second));
+        for (void *p : {a1, a2, a3, b1, b2, g}) release(p, 4096, 0, other);
+
+        // Two threads in one pool; the first to enter leaves first: each end removes its own
+        // thread's route, so the other thread still allocates to the pool and this one no longer.
+        std::mutex m;
+        std::condition_variable cv;
+        int stage = 0;
+        void *from_other = nullptr;
+        auto wait_for = [&](int s) {
+            std::unique_lock<std::mutex> lock(m);
+            cv.wait(lock, [&] { return stage >= s; });
+        };
+        auto advance = [&](int s) {
+            std::lock_guard<std::mutex> lock(m);
+            stage = s;
+            cv.notify_all();
+        };
+        begin_pool(0, p1, mine);
+        void *c1 = alloc(4096, 0, other);
+        std::thread second([&] {
+            const std::thread::id id = std::this_thread::get_id();
+            begin_pool(0, p1, [id](cudaStream_t) { return std::this_thread::get_id() == id; });
+            advance(1);
+            wait_for(2);
+            from_other = alloc(4096, 0, other);
+            end_pool(0, p1);
+            release_pool(0, p1);
+        });
+        wait_for(1);
+        end_pool(0, p1);
+        release_pool(0, p1);
+        void *c2 = alloc(4096, 0, other);
+        advance(2);
+        second.join();
+        CHECK(segment(from_other) == segment(c1), "the second thread lost its route when the first left");
+        CHECK(segment(c2) != segment(c1), "the first thread's route outlived its end");
+        CHECK(p_stepalloc_pool_use_count(0, p1.first, p1.second) == 1, "use count after the threads");
+        for (void *p : {c1, c2, from_other}) release(p, 4096, 0, other);
+        release_pool(0, p1);
+        release_pool(0, p2);
         check_stats(0, 0, 0);
     }
     printf("ok torch\n");

@@ -81,12 +81,17 @@ def main() -> None:
             test_id = f"{cls.__name__}.{name}"
             if wanted and test_id not in wanted:
                 continue
+            fraction = torch.cuda.get_per_process_memory_fraction()
             result = unittest.TestResult()
             cls(name).run(result)
             # A failure's traceback holds the test's tensors in a reference cycle: collect it so
             # the next test starts with the memory the failed one held given back.
             gc.collect()
             problems = result.failures + result.errors
+            if problems and torch.cuda.get_per_process_memory_fraction() != fraction:
+                # The limited-memory tests set a fraction and restore it at their end, which a
+                # failure skips: restored here, so that one failure does not fail the tests after it.
+                torch.cuda.set_per_process_memory_fraction(fraction)
             if problems:  # an assertion or an exception: the test fails either way
                 outcome = "fails"
                 detail = problems[0][1].strip().splitlines()[-1]
