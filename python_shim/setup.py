@@ -54,26 +54,25 @@ STRESS = "stepalloc-stress"
 STRESS_TARGET = {STRESS: f"stepalloc.bin.{STRESS}"}
 
 
-def given_library() -> Path | None:
-    """``$STEPALLOC_LIBRARY`` when set at build time (it must name a file)."""
-    explicit = os.environ.get("STEPALLOC_LIBRARY")
+def given(variable: str) -> Path | None:
+    """The file ``$variable`` names when set at build time (it must name a file)."""
+    explicit = os.environ.get(variable)
     if not explicit:
         return None
     p = Path(explicit).expanduser()
     if not p.is_file():
-        raise SystemExit(f"stepalloc: STEPALLOC_LIBRARY={explicit!r} (build environment) does not name a file")
+        raise SystemExit(f"stepalloc: {variable}={explicit!r} (build environment) does not name a file")
     return p
+
+
+def given_library() -> Path | None:
+    """``$STEPALLOC_LIBRARY`` when set at build time."""
+    return given("STEPALLOC_LIBRARY")
 
 
 def given_stress() -> Path | None:
-    """``$STEPALLOC_STRESS`` when set at build time (it must name a file)."""
-    explicit = os.environ.get("STEPALLOC_STRESS")
-    if not explicit:
-        return None
-    p = Path(explicit).expanduser()
-    if not p.is_file():
-        raise SystemExit(f"stepalloc: STEPALLOC_STRESS={explicit!r} (build environment) does not name a file")
-    return p
+    """``$STEPALLOC_STRESS`` when set at build time."""
+    return given("STEPALLOC_STRESS")
 
 
 def prebuilt(name: str) -> Path:
