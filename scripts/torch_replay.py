@@ -149,7 +149,9 @@ def stress_peaks(binary: str, trace: str) -> dict[str, int]:
 
 def torch_ooms(conf: str, capacities: dict[str, int]) -> dict[str, dict]:
     args = [str(a) for trace, mb in capacities.items() for a in (trace, mb)]
-    result = subprocess.run([sys.executable, "-c", CHILD_OOM, *args], env=torch_env(conf), capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-c", CHILD_OOM, *args], env=torch_env(conf), capture_output=True, text=True
+    )
     if result.returncode != 0:
         sys.exit(f"PyTorch out-of-memory replay under {conf!r} failed:\n{result.stderr[-3000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -209,8 +211,10 @@ def main() -> int:
     for r in rows:
         print(f"{r['trace']:<{width}}  {r['pytorch_conf']:<26} {r['pytorch_peak_reserved']:>14,} "
               f"{r['stress_peak_reserved']:>14,} {r['diff_pct']:>+7.3f}%")
-    defaults = {t: next(r["pytorch_peak_reserved"] for r in rows if r["preset"] == "pytorch" and r["trace"] == Path(t).name)
-                for t in args.traces}
+    defaults = {
+        t: next(r["pytorch_peak_reserved"] for r in rows if r["preset"] == "pytorch" and r["trace"] == Path(t).name)
+        for t in args.traces
+    }
     oom = oom_check(args.binary, args.traces, args.oom_share, defaults)
     print(f"\nout of memory at {args.oom_share:.0%} of each trace's PyTorch peak (first failing allocation, "
           "failures, retries, peak reserved MiB):")

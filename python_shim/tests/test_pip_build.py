@@ -44,7 +44,8 @@ binary = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(binary)
 tool = binary.stress_binary()
 assert str(tool).startswith(sys.prefix), f"stepalloc-stress {tool} is not the installed copy under {sys.prefix}"
-assert "--capacity-gb" in subprocess.run([str(tool), "fit", "--help"], capture_output=True, text=True, check=True).stdout
+help = subprocess.run([str(tool), "fit", "--help"], capture_output=True, text=True, check=True).stdout
+assert "--capacity-gb" in help, help
 print("ok", stepalloc.version(), path)
 """
 
