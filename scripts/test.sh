@@ -36,8 +36,10 @@ if [ "$TORCH" = True ]; then
     python3 testdrv/torch_drift.py target/hostcuda
     python3 testdrv/standins.py target/hostcuda/standins
     # PyTorch's own allocator (libc10_cuda.so, default / max_split_size_mb:128 / expandable
-    # segments) replays the real-model traces; the stress tool's PyTorch presets must match it.
-    python3 scripts/torch_replay.py target/debug/stepalloc-stress stress/tests/data/model_*.jsonl | tail -n 1
+    # segments) replays the real-model traces; the stress tool's PyTorch presets must match it,
+    # and on a device of 85% of each trace's peak `fit` must fail at the same allocations.
+    python3 scripts/torch_replay.py target/debug/stepalloc-stress stress/tests/data/model_*.jsonl \
+        stress/tests/data/fit_small.jsonl | tail -n 1
     # `advise` on a real _dump_snapshot with Python frames from PyTorch's own allocator (it
     # skipped in `cargo test --workspace` above, before the stand-in was built).
     cargo test -p stepalloc-stress --test advise -- --exact real_torch_snapshot_with_frames

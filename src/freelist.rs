@@ -214,6 +214,23 @@ impl FreeList {
         best_in(bin_down(size)).or_else(|| self.first_from(bin_up(size)).and_then(best_in))
     }
 
+    /// The block that follows `(size, addr)` in PyTorch's order of free blocks below
+    /// `max_split_size` (size, then address): the smallest `(size, address)` above it. Scans
+    /// the bin of `size`, else the first non-empty bin above (all of whose blocks are larger).
+    pub fn next_exact(&self, blocks: &[Block], size: u64, addr: u64) -> Option<BlockId> {
+        let after_in = |bin: usize| {
+            let mut best: Option<(u64, u64, BlockId)> = None;
+            for (id, b) in self.bin_blocks(blocks, bin) {
+                if (b.size, b.addr) > (size, addr) && best.is_none_or(|x| (b.size, b.addr) < (x.0, x.1)) {
+                    best = Some((b.size, b.addr, id));
+                }
+            }
+            best.map(|x| x.2)
+        };
+        let bin = bin_down(size);
+        after_in(bin).or_else(|| (bin + 1 < BIN_COUNT).then(|| self.first_from(bin + 1)).flatten().and_then(after_in))
+    }
+
     /// The smallest oversize block of at least `size` bytes and below `size + max_extra`.
     pub fn find_oversize(&self, size: u64, max_extra: u64) -> Option<BlockId> {
         let &(found, _, id) = self.oversize.range((size, 0, 0)..).next()?;
@@ -278,6 +295,9 @@ mod tests {
         assert_eq!(list.find(&blocks, 4096), Some(1));
         assert_eq!(list.find(&blocks, 8192), Some(2), "only the top is in the larger bin");
         assert_eq!(list.find_exact(&blocks, 4096), Some(0), "lowest address among equal sizes");
+        assert_eq!(list.next_exact(&blocks, 4096, 0), Some(1), "then the next address of that size");
+        assert_eq!(list.next_exact(&blocks, 4096, 1 << 24), Some(2), "then the next size up");
+        assert_eq!(list.next_exact(&blocks, 65536, 2 << 24), None);
         assert_eq!(list.largest(&blocks), 65536);
         list.remove(&mut blocks, 2, false);
         assert_eq!(list.find(&blocks, 8192), None);

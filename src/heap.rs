@@ -374,8 +374,12 @@ impl Heap {
         }
     }
 
-    /// Expandable segments, as PyTorch: a free block followed by unmapped space (the free tail,
-    /// which can grow in place) is taken only when no other free block fits.
+    /// Expandable segments: a free block followed by unmapped space (the free tail, which can
+    /// grow in place) is passed over for another. Under `exact_fit` (PyTorch's rules) as
+    /// PyTorch's `get_free_block` does: from the best fit, move to the next free block in (size,
+    /// address) order while that one's expandable size (its size plus the unmapped block after
+    /// it) is smaller. Otherwise (stepalloc's own choice) the tail is taken only when no other
+    /// free block fits.
     #[inline]
     fn prefer_not_tail(&mut self, li: usize, id: BlockId, rounded: u64) -> BlockId {
         if !self.config.expandable_segments {
@@ -388,7 +392,11 @@ impl Heap {
     fn prefer_not_tail_expandable(&mut self, li: usize, id: BlockId, rounded: u64) -> BlockId {
         let next = self.arena.block(id).next;
         if next == NIL || self.arena.state(next) != BlockState::Unmapped || rounded >= self.config.max_split_size {
+            // Only a tail can have a larger expandable size than a block after it in order.
             return id;
+        }
+        if self.config.exact_fit {
+            return self.pytorch_expandable_choice(li, id);
         }
         match self.find_in(li, rounded) {
             Some(other) => {
@@ -398,6 +406,37 @@ impl Heap {
             }
             None => id,
         }
+    }
+
+    /// PyTorch's walk from the best fit `id` (out of its list) of list `li`; see
+    /// `prefer_not_tail`. The blocks walked over are all below `max_split_size` (the list's
+    /// bins; PyTorch would walk into an oversize block and then find none, which is not
+    /// followed here).
+    fn pytorch_expandable_choice(&mut self, li: usize, id: BlockId) -> BlockId {
+        let expandable_size = |h: &Heap, b: BlockId| {
+            let block = h.arena.block(b);
+            let after = block.next;
+            let unmapped = if after != NIL && h.arena.state(after) == BlockState::Unmapped {
+                h.arena.block(after).size
+            } else {
+                0
+            };
+            block.size.saturating_add(unmapped)
+        };
+        let mut chosen = id;
+        loop {
+            let (size, addr) = (self.arena.block(chosen).size, self.arena.block(chosen).addr);
+            let Some(next) = self.lists[li].next_exact(&self.arena.blocks, size, addr) else { break };
+            if expandable_size(self, next) >= expandable_size(self, chosen) {
+                break;
+            }
+            chosen = next;
+        }
+        if chosen != id {
+            self.unlist(chosen);
+            self.enlist(id);
+        }
+        chosen
     }
 
     /// Marks a free block (already out of its list) allocated, splitting off the rest.

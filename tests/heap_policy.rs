@@ -116,6 +116,27 @@ fn oom_path_releases_oversize_blocks_first() {
     a.free(0, p, 30 * MIB).unwrap();
 }
 
+/// PyTorch's first step (`release_available_cached_blocks`) looks for oversize blocks in the
+/// request's pool and on its stream only: a small request, or a request on another stream,
+/// goes straight to the second step, which releases every unsplit cached segment (the 12 MiB
+/// one too) and counts a retry. (PyTorch 2.15 over testdrv/ agrees: `scripts/torch_replay.py`.)
+#[test]
+fn oom_first_step_looks_only_in_the_requests_pool_and_stream() {
+    for (size, stream) in [(512 * 1024, S0), (30 * MIB, S1)] {
+        let a = sim("sim_capacity_mb:73,max_split_size_mb:32");
+        let big = a.malloc(0, 60 * MIB, S0).unwrap(); // oversize: a segment of its own
+        let mid = a.malloc(0, 12 * MIB, S0).unwrap();
+        a.free(0, big, 60 * MIB).unwrap();
+        a.free(0, mid, 12 * MIB).unwrap();
+        // 1 MiB of the device is free: the request needs a new segment.
+        let p = a.malloc(0, size, stream).unwrap();
+        let s = stats(&a).heap;
+        assert_eq!(s.num_alloc_retries, 1, "{size}: the second step ran");
+        assert_eq!(s.num_device_free, 2, "{size}: both cached segments went back");
+        a.free(0, p, size).unwrap();
+    }
+}
+
 #[test]
 fn oom_path_then_releases_every_unsplit_cached_segment_and_retries() {
     let a = sim("sim_capacity_mb:64");

@@ -56,6 +56,31 @@ fn expandable_segments_map_pages_on_demand() {
     assert_eq!(s.mapped_bytes, 0);
 }
 
+/// Under PyTorch's rules (`exact_fit`, the stress tool's PyTorch presets) the choice is
+/// PyTorch's `get_free_block`: from the best fit, the next free block in (size, address) order
+/// is taken only while its expandable size (size plus the unmapped room after it) is smaller.
+/// The 4 MiB tail can grow by the segment's last 20 MiB page (80 MiB of address space for a
+/// 64 MiB device): 24 MiB, no more than the 24 MiB hole, so it serves the 3 MiB request (as
+/// PyTorch 2.15 does over testdrv/: offset 56 MiB).
+#[test]
+fn pytorchs_rules_keep_the_tail_unless_a_hole_has_less_room() {
+    let a = sim("sim_capacity_mb:64,expandable_segments:True,exact_fit:True");
+    let first = a.malloc(0, 16 * MIB, S0).unwrap();
+    let hole = a.malloc(0, 24 * MIB, S0).unwrap();
+    let _last = a.malloc(0, 16 * MIB, S0).unwrap();
+    a.free(0, hole, 24 * MIB).unwrap();
+    let p = a.malloc(0, 3 * MIB, S0).unwrap();
+    assert_eq!(p, first + 56 * MIB, "the tail, as PyTorch");
+    a.check_invariants().unwrap();
+    // stepalloc's own choice (without exact_fit) takes the hole: see the next test.
+    let b = sim("sim_capacity_mb:64,expandable_segments:True");
+    let first = b.malloc(0, 16 * MIB, S0).unwrap();
+    let hole = b.malloc(0, 24 * MIB, S0).unwrap();
+    let _last = b.malloc(0, 16 * MIB, S0).unwrap();
+    b.free(0, hole, 24 * MIB).unwrap();
+    assert_eq!(b.malloc(0, 3 * MIB, S0).unwrap(), first + 16 * MIB);
+}
+
 #[test]
 fn expandable_segments_take_the_free_tail_last() {
     let a = sim("sim_capacity_mb:1024,expandable_segments:True");

@@ -46,9 +46,22 @@ def test_wheel_bundles_the_library(tmp_path: Path) -> None:
     wheels = list(tmp_path.glob("stepalloc-*.whl"))
     assert len(wheels) == 1, wheels
     assert wheels[0].name.startswith("stepalloc-0.1.0-py3-none-linux_"), wheels[0].name
-    names = set(zipfile.ZipFile(wheels[0]).namelist())
-    expected = {"stepalloc/lib/libstepalloc.so", "stepalloc/py.typed", "stepalloc/_lib.py", "stepalloc/oom_error.cpp"}
+    wheel = zipfile.ZipFile(wheels[0])
+    names = set(wheel.namelist())
+    expected = {
+        "stepalloc/lib/libstepalloc.so",
+        "stepalloc/py.typed",
+        "stepalloc/_lib.py",
+        "stepalloc/oom_error.cpp",
+        "stepalloc/bin/stepalloc-stress",
+        "stepalloc/fit/_binary.py",
+    }
     assert expected <= names, names
+    # The replay tool: executable once installed, stripped (its debug information is ~40 MB).
+    tool = wheel.getinfo("stepalloc/bin/stepalloc-stress")
+    assert (tool.external_attr >> 16) & 0o111, oct(tool.external_attr >> 16)
+    assert tool.file_size < 12 << 20, tool.file_size
+    assert wheel.read("stepalloc/bin/stepalloc-stress")[:4] == b"\x7fELF"
 
 
 def _wheel_without_cargo(out: Path, **env: str) -> subprocess.CompletedProcess:
@@ -101,6 +114,17 @@ def test_without_cargo_the_build_fails_saying_how_unless_given_a_library(tmp_pat
     assert reused.returncode == 0, reused.stdout + reused.stderr
     (wheel,) = tmp_path.glob("stepalloc-*.whl")
     assert zipfile.ZipFile(wheel).read("stepalloc/lib/libstepalloc.so") == Path(given).read_bytes()
+
+    # The replay tool likewise: no cargo and no prebuilt one, the wheel goes without it (setup.py
+    # notes it; pip shows the note with -v), and no copy left by an earlier build sneaks in; a
+    # prebuilt one in the target folder is bundled.
+    assert "stepalloc/bin/stepalloc-stress" not in zipfile.ZipFile(wheel).namelist()
+    (target / "release" / "stepalloc-stress").write_bytes(b"\x7fELF stand-in")
+    wheel.unlink()
+    with_tool = _wheel_without_cargo(tmp_path, CARGO_TARGET_DIR=str(target))
+    assert with_tool.returncode == 0, with_tool.stdout + with_tool.stderr
+    (wheel,) = tmp_path.glob("stepalloc-*.whl")
+    assert zipfile.ZipFile(wheel).read("stepalloc/bin/stepalloc-stress") == b"\x7fELF stand-in"
 
     # A STEPALLOC_LIBRARY that names no file fails, naming it.
     bad = _wheel_without_cargo(tmp_path, STEPALLOC_LIBRARY=str(tmp_path / "missing.so"))

@@ -38,6 +38,14 @@ assert p != 0
 assert stepalloc.memory_allocated() == 1 << 20, stepalloc.memory_allocated()
 stepalloc.raw_free(p, 1 << 20)
 assert stepalloc.memory_allocated() == 0
+import importlib.util, pathlib, subprocess
+spec = importlib.util.spec_from_file_location("_binary", pathlib.Path(stepalloc.__file__).parent / "fit" / "_binary.py")
+binary = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(binary)
+tool = binary.stress_binary()
+assert str(tool).startswith(sys.prefix), f"stepalloc-stress {tool} is not the installed copy under {sys.prefix}"
+help = subprocess.run([str(tool), "fit", "--help"], capture_output=True, text=True, check=True).stdout
+assert "--capacity-gb" in help, help
 print("ok", stepalloc.version(), path)
 """
 
@@ -118,7 +126,13 @@ def test_pip_install_builds_the_library_and_the_wheel_needs_no_rust(tmp_path: Pa
     (wheel,) = wheels.glob("stepalloc-*.whl")
     assert wheel.name.startswith("stepalloc-0.1.0-py3-none-linux_"), wheel.name
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {"stepalloc/lib/libstepalloc.so", "stepalloc/oom_error.cpp", "stepalloc/py.typed"} <= names, names
+    assert {
+        "stepalloc/lib/libstepalloc.so",
+        "stepalloc/oom_error.cpp",
+        "stepalloc/py.typed",
+        "stepalloc/bin/stepalloc-stress",
+        "stepalloc/fit/_binary.py",
+    } <= names, names
 
     # 3. A machine without Rust: a second fresh environment, no cargo or rustc on PATH, no index.
     no_rust = _clean_env(PATH=_path_without_rust())

@@ -43,7 +43,10 @@ impl Heap {
         // the capture: only a plain reserve is tried.
         let capturing = self.captures_underway > 0;
         let mut attempt = self.reserve_for(pool, seg_size, stream)?;
-        if attempt.is_none() && !capturing && self.release_oversize(seg_size)? {
+        // PyTorch's `release_available_cached_blocks` looks for the rounded request, at least
+        // `max_split_size` (its search key), not for the segment it would reserve.
+        let key = rounded.max(self.config.max_split_size);
+        if attempt.is_none() && !capturing && self.release_oversize(pool, small, stream, key)? {
             attempt = self.reserve_for(pool, seg_size, stream)?;
         }
         if attempt.is_none() && !capturing {

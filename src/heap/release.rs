@@ -4,6 +4,7 @@
 //! until released. Part of the heap: runs under the device lock, `&mut self` throughout.
 
 use super::{merged_stream, Heap, PoolId, PrivatePool};
+use crate::backend::Stream;
 use crate::error::{Error, Result};
 use crate::segment::{BlockId, BlockState, SegmentId, ANY_STREAM, NIL};
 use crate::stats::ReleaseReason;
@@ -125,25 +126,31 @@ impl Heap {
         }
     }
 
-    /// First OOM step: release cached oversize blocks (whole segments) — the smallest one that
-    /// covers `needed`, else the largest ones until `needed` bytes are released.
-    pub(super) fn release_oversize(&mut self, needed: u64) -> Result<bool> {
-        if self.config.max_split_size == u64::MAX {
+    /// First OOM step, PyTorch's `release_available_cached_blocks`: release cached oversize
+    /// blocks (whole segments) of the request's pool and stream — the smallest one that covers
+    /// `needed` (its search key: the rounded request, at least `max_split_size`), else the
+    /// largest ones until `needed` bytes are released. The small pool holds no oversize block.
+    pub(super) fn release_oversize(&mut self, pool: u32, small: bool, stream: Stream, needed: u64) -> Result<bool> {
+        if self.config.max_split_size == u64::MAX || small {
             return Ok(false);
         }
-        let mut candidates: Vec<(u64, SegmentId)> = self
+        // In PyTorch's order of free blocks: size, then address.
+        let mut candidates: Vec<(u64, u64, SegmentId)> = self
             .releasable_segments_of(self.oom_pools())
             .into_iter()
-            .filter(|&s| self.arena.segment(s).oversize)
-            .map(|s| (self.arena.segment(s).size, s))
+            .filter(|&s| {
+                let seg = self.arena.segment(s);
+                seg.oversize && !seg.small && seg.pool == pool && seg.stream == stream
+            })
+            .map(|s| (self.arena.segment(s).size, self.arena.segment(s).addr, s))
             .collect();
         candidates.sort_unstable();
-        if let Some(&(_, seg)) = candidates.iter().find(|(size, _)| *size >= needed) {
+        if let Some(&(_, _, seg)) = candidates.iter().find(|(size, _, _)| *size >= needed) {
             self.release_segment(seg, ReleaseReason::Oom)?;
             return Ok(true);
         }
         let mut released = 0;
-        for &(_, seg) in candidates.iter().rev() {
+        for &(_, _, seg) in candidates.iter().rev() {
             if released >= needed {
                 break;
             }

@@ -240,7 +240,7 @@ fn best(runs: &[(usize, &RunReport)]) -> Option<usize> {
 }
 
 /// Replays every configuration on `threads` threads (results in the order given).
-fn run_all(
+pub fn run_all(
     program: &Program,
     configs: &[RunConfig],
     threads: usize,
@@ -376,7 +376,7 @@ pub fn advise(
         let r = &runs[i];
         let c = &candidates[i];
         let peak = r.peak_moment.clone();
-        let attribution = peak.as_ref().map(|p| attribute(program, p.op, p.device, TOP_GROUPS));
+        let attribution = peak.as_ref().map(|p| attribute(program, p.op, p.device, TOP_GROUPS, &r.failed_allocs));
         Choice {
             family: c.family,
             setting: c.setting.clone(),
@@ -563,9 +563,10 @@ fn size_class(size: u64) -> String {
 }
 
 /// The allocations on `device` live just after event `op` (the peak is one device's), grouped
-/// by call site (size class when the trace has no frames); the `top` largest groups by bytes.
-/// Liveness is the trace's own: an allocation that ran out of memory in a replay still counts.
-pub fn attribute(program: &Program, op: u64, device: usize, top: usize) -> Attribution {
+/// by site (size class when the trace has no sites); the `top` largest groups by bytes.
+/// Liveness is the trace's own, less `failed`: the ordinals (0-based, in trace order, sorted)
+/// of the allocations that ran out of memory in the replay, which it skipped.
+pub fn attribute(program: &Program, op: u64, device: usize, top: usize, failed: &[u64]) -> Attribution {
     let mut live: Vec<Option<(u64, u32)>> = vec![None; program.ids as usize];
     let mut allocs = 0usize;
     let end = usize::try_from(op).unwrap_or(usize::MAX).saturating_add(1).min(program.ops.len());
@@ -573,8 +574,9 @@ pub fn attribute(program: &Program, op: u64, device: usize, top: usize) -> Attri
         match *o {
             Op::Alloc { id, size, device: d, .. } => {
                 let site = program.site_of(allocs);
+                let skipped = failed.binary_search(&(allocs as u64)).is_ok();
                 allocs += 1;
-                if usize::from(d) != device {
+                if usize::from(d) != device || skipped {
                     continue;
                 }
                 if let Some(slot) = live.get_mut(id as usize) {
@@ -604,7 +606,14 @@ pub fn attribute(program: &Program, op: u64, device: usize, top: usize) -> Attri
         groups.into_iter().map(|(site, (bytes, count))| AttributionGroup { site, bytes, count }).collect();
     groups.sort_by(|a, b| b.bytes.cmp(&a.bytes).then_with(|| a.site.cmp(&b.site)));
     groups.truncate(top);
-    Attribution { frames_recorded: frames, live_bytes: bytes, live_count: count, groups }
+    let grouping = if frames { program.notes.sites.kind.grouping() } else { "by size class" };
+    Attribution {
+        frames_recorded: frames,
+        grouping: grouping.to_string(),
+        live_bytes: bytes,
+        live_count: count,
+        groups,
+    }
 }
 
 /// The text report.

@@ -64,6 +64,13 @@ impl Base {
     }
 }
 
+/// A resolved configuration (`RunConfig::conf`) without the base keys `resolve_one` put first:
+/// the preset's or the user's own keys.
+pub fn without_base<'a>(conf: &'a str, base: &Base) -> &'a str {
+    let keys = base.keys();
+    conf.strip_prefix(keys.as_str()).map_or(conf, |rest| rest.trim_start_matches(','))
+}
+
 /// The configuration of a preset, if `name` is one.
 pub fn preset(name: &str) -> Option<&'static str> {
     PRESETS.iter().find(|(n, _)| *n == name).map(|(_, conf)| *conf)

@@ -2,6 +2,8 @@
 //! default, a trace with `replay`), runs it under every compared configuration and prints the
 //! side-by-side report; `random` hammers one allocator from many threads with integrity checks;
 //! `advise` searches the allocator settings that give a trace the lowest peak (`advise.rs`);
+//! `fit` says whether a recorded step fits a device of a given size under each allocator
+//! (`fit.rs`, drawn by `fit_chart.rs`);
 //! `colocated` compares ways of sharing one device between a rollout engine and a trainer.
 //! Exit status: 0 on success, 1 when an integrity check failed, 2 on bad input or a failed
 //! write (a full disk). When stdout's reader goes away (`| head -3`), the command stops writing
@@ -17,6 +19,8 @@ use std::time::Instant;
 use stepalloc_stress::advise::{self, AdviseOptions, Capacity};
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::export::{self, ExportFormat};
+use stepalloc_stress::fit::{self, FitOptions};
+use stepalloc_stress::fit_chart;
 use stepalloc_stress::headroom::{self, HeadroomArgs};
 use stepalloc_stress::note;
 use stepalloc_stress::ops::{Program, SourceNotes};
@@ -111,6 +115,34 @@ enum Command {
         #[arg(long, allow_hyphen_values = true, value_name = "GIB", conflicts_with_all = ["capacity_mb", "h200"])]
         capacity_gb: Option<String>,
     },
+    /// Will this training step fit on a device of this size? Replays a trace (recorded without a
+    /// GPU by `python -m stepalloc.fit`, or any trace `replay` reads) under PyTorch's allocator
+    /// (default, expandable_segments:True, max_split_size_mb:128, your PYTORCH_CUDA_ALLOC_CONF)
+    /// and stepalloc's recommended configuration, at the device's usable memory: peaks, the first
+    /// out-of-memory with its module and operator, and the modules live at the peak.
+    Fit {
+        /// The trace: stepalloc JSON lines (with `module` / `torch_op`), PyTorch snapshot
+        /// (pickle or JSON) or RMM log CSV.
+        file: PathBuf,
+        /// The device's total memory in GiB, (0, 16384] (an "80 GB" H100 reports 79.6).
+        #[arg(long, required = true, allow_hyphen_values = true, value_name = "GIB")]
+        capacity_gb: String,
+        /// Device memory that is not PyTorch's (CUDA context, NCCL, other processes), in MiB.
+        #[arg(long, value_name = "MIB", default_value_t = fit::DEFAULT_OUTSIDE_MB)]
+        outside_mb: u64,
+        /// Your PYTORCH_CUDA_ALLOC_CONF: adds a column `yours`, PyTorch's allocator read as
+        /// PyTorch reads the string.
+        #[arg(long, value_name = "STRING", allow_hyphen_values = true)]
+        pytorch_conf: Option<String>,
+        /// Write a self-contained page (no network): the chart, the table and the first
+        /// out-of-memory of each configuration.
+        #[arg(long, value_name = "FILE.html")]
+        html: Option<PathBuf>,
+        /// Write the chart alone: memory over the trace for each configuration against the
+        /// usable memory, peaks marked, the modules at the peak named.
+        #[arg(long, value_name = "FILE.svg")]
+        svg: Option<PathBuf>,
+    },
     /// A rollout engine and a trainer taking turns on one device: both resident, PyTorch with
     /// empty_cache, vLLM's sleep mode and stepalloc's pause/resume side by side (peak device
     /// use, bytes copied and modelled switch time per iteration, whether each fits).
@@ -172,6 +204,10 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         Command::Random(args) => return run_random(g, &args, capacity_mb),
         Command::Colocated { spec, capacity_gb, link_gbps } => return run_colocated(g, &spec, capacity_gb, link_gbps),
         Command::Advise { file, capacity_gb } => return run_advise(g, &file, capacity_gb.as_deref(), capacity_mb),
+        Command::Fit { file, capacity_gb, outside_mb, pytorch_conf, html, svg } => {
+            let args = FitArgs { file, capacity_gb, outside_mb, pytorch_conf, html, svg };
+            return run_fit(g, &args);
+        }
         Command::Headroom { agent, search } => return run_headroom(g, &agent, &search, capacity_mb),
         Command::GenTrace { agent, format, out } => {
             let program = agent::generate(&agent.spec()?)?;
@@ -216,7 +252,8 @@ fn run(cli: Cli) -> Result<i32, Failure> {
                 finish(pb);
                 let mut run = run?;
                 if let Some(m) = &run.peak_moment {
-                    run.peak_attribution = Some(advise::attribute(program, m.op, m.device, advise::TOP_GROUPS));
+                    run.peak_attribution =
+                        Some(advise::attribute(program, m.op, m.device, advise::TOP_GROUPS, &run.failed_allocs));
                 }
                 run
             }
@@ -252,6 +289,9 @@ fn refuse_unused(g: &Global, command: &Command) -> Result<(), String> {
         Command::Random(_) => ("random", &["--per-step", "--plot", "--metrics-addr", "--explain"]),
         Command::Headroom { .. } => ("headroom", &["--per-step", "--plot", "--metrics-addr", "--explain", "--gpu"]),
         Command::Advise { .. } => ("advise", &["--compare", "--backend", "--per-step", "--metrics-addr", "--explain"]),
+        Command::Fit { .. } => {
+            ("fit", &["--backend", "--capacity-mb", "--h200", "--per-step", "--plot", "--metrics-addr", "--explain"])
+        }
         Command::Colocated { .. } => {
             ("colocated", &["--compare", "--backend", "--per-step", "--plot", "--metrics-addr", "--explain"])
         }
@@ -306,6 +346,11 @@ fn why(command: &str, flag: &str) -> &'static str {
         (_, "--gpu") => "the GPU sets the modelled step times, which this command does not report",
         ("colocated", "--compare" | "--backend") => "it runs its own four columns on the simulated device",
         ("advise", "--compare" | "--backend") => "it searches its own configurations on the simulated device",
+        ("fit", "--backend") => "it replays on the simulated device of --capacity-gb",
+        ("fit", "--capacity-mb" | "--h200") => "the device's size is --capacity-gb (and --outside-mb)",
+        ("fit", "--plot") => "its picture is --svg FILE (the chart) or --html FILE (a page)",
+        ("fit", "--per-step") => "it reports the whole trace and the step of its peaks and first out-of-memory",
+        ("fit", "--explain") => "it attributes each peak by module already",
         (_, "--per-step") => "it reports no steps",
         (_, "--plot") => "it draws no plot",
         (_, "--metrics-addr") => "it serves no live metrics",
@@ -406,6 +451,58 @@ fn run_advise(g: &Global, file: &std::path::Path, capacity_gb: Option<&str>, cap
     if let Some(path) = &g.plot {
         let report = advise::plot_report(&advice, runs);
         write_plot(path, &report)?;
+    }
+    printed?;
+    Ok(0)
+}
+
+/// `fit`'s own arguments.
+struct FitArgs {
+    file: PathBuf,
+    capacity_gb: String,
+    outside_mb: u64,
+    pytorch_conf: Option<String>,
+    html: Option<PathBuf>,
+    svg: Option<PathBuf>,
+}
+
+fn run_fit(g: &Global, a: &FitArgs) -> Result<i32, Failure> {
+    // The flags first: a bad capacity or setting is refused before a large trace is read.
+    let capacity = advise::capacity_from_gb(&a.capacity_gb)?;
+    let usable = fit::usable_mb(&capacity, a.outside_mb)?;
+    if let Some(text) = &a.pytorch_conf {
+        stepalloc_stress::torch_conf::translate(text, capacity.mb, usable)?;
+    }
+    let started = Instant::now();
+    let program = trace::load(&a.file).map_err(|e| format!("{}: {e}", a.file.display()))?;
+    if g.timing {
+        note!("timing: {} ops built in {:.3} s", program.ops.len(), started.elapsed().as_secs_f64());
+    }
+    let threads = std::thread::available_parallelism().map_or(2, |n| n.get());
+    let opts = FitOptions {
+        trace_name: a.file.display().to_string(),
+        capacity,
+        outside_mb: a.outside_mb,
+        pytorch_conf: a.pytorch_conf.clone(),
+        compare: g.compare.clone(),
+        threads,
+    };
+    let replayed = Instant::now();
+    let result = fit::fit(&program, &opts)?;
+    if g.timing {
+        note!(
+            "timing: {} configurations replayed in {:.3} s on {threads} threads",
+            result.runs.len(),
+            replayed.elapsed().as_secs_f64()
+        );
+    }
+    // The pictures are written even when stdout's reader has gone.
+    let printed = if g.json { out_json(&result.report) } else { out(&fit::text(&result.report)) };
+    for (path, text) in [(&a.svg, fit_chart::svg as fn(&fit::Fit) -> String), (&a.html, fit_chart::html)] {
+        if let Some(path) = path {
+            std::fs::write(path, text(&result)).map_err(|e| format!("{}: {e}", path.display()))?;
+            note!("wrote {}", path.display());
+        }
     }
     printed?;
     Ok(0)

@@ -73,15 +73,56 @@ pub struct SourceNotes {
     pub sites: Sites,
 }
 
-/// Allocation sites (PyTorch snapshots with frames): one per `Alloc`, in order, indexing
-/// `names`. Kept beside the events so the replay loop does not carry them.
+/// Allocation sites: one per `Alloc`, in order, indexing `names` and `ops`. Kept beside the
+/// events so the replay loop does not carry them. A PyTorch snapshot with frames gives each
+/// allocation its top user frame; a recorded trace (JSON lines with `module` / `torch_op`) its
+/// module path and operator.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct Sites {
     /// Empty when the trace recorded no sites.
     pub per_alloc: Vec<u32>,
-    /// Interned `file:line name` of each site's top user frame; entry 0 is "(no frame)".
+    /// Interned name of each site, what attribution groups by: `file:line name` of the top user
+    /// frame, or the module path. Entry 0 is the site of an allocation that has none
+    /// (`SiteKind::none`); so is a recorded allocation outside every module.
     pub names: Vec<String>,
+    /// The operator of each site (a recorded trace's `torch_op`), parallel to `names`; empty
+    /// where not recorded.
+    pub ops: Vec<String>,
+    pub kind: SiteKind,
 }
+
+/// What a trace's sites are.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SiteKind {
+    /// The top user frame of a PyTorch snapshot's call stack.
+    #[default]
+    Frames,
+    /// The module path and operator a recorder wrote (`module`, `torch_op`).
+    Modules,
+}
+
+impl SiteKind {
+    /// The name of site 0: an allocation with no site.
+    pub fn none(self) -> &'static str {
+        match self {
+            SiteKind::Frames => "(no frame)",
+            SiteKind::Modules => "(none)",
+        }
+    }
+
+    /// How attribution groups by these sites, for reports.
+    pub fn grouping(self) -> &'static str {
+        match self {
+            SiteKind::Frames => "by call site (top user frame)",
+            SiteKind::Modules => "by module",
+        }
+    }
+}
+
+/// Distinct sites a program may have (module and operator pairs, or frames): a 7B model's
+/// recorded step has a few thousand.
+pub const MAX_SITES: usize = 1 << 16;
 
 /// The recording allocator's reserved bytes, from a snapshot's segment events and segments.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
@@ -128,6 +169,11 @@ impl Program {
     pub fn site_name(&self, site: u32) -> &str {
         self.notes.sites.names.get(site as usize).map_or("", String::as_str)
     }
+
+    /// The operator of a site ("" when not recorded).
+    pub fn site_op(&self, site: u32) -> &str {
+        self.notes.sites.ops.get(site as usize).map_or("", String::as_str)
+    }
 }
 
 /// Builds a `Program`, handing out ids and interning phase names.
@@ -145,11 +191,15 @@ pub struct ProgramBuilder {
     /// By id: whether it is allocated now (only such an id is recycled at its free, so a
     /// producer's double free never hands one id to two live blocks).
     live_ids: Vec<bool>,
+    /// Allocations recorded so far.
+    allocs: usize,
     /// Whether allocations carry sites (`enable_sites`), the site of the next allocation, and
-    /// the index of each interned name.
+    /// the index of each interned site by its key (`site_key`).
     track_sites: bool,
     next_site: u32,
     site_index: std::collections::HashMap<String, u32>,
+    /// A reused buffer for `site_key`.
+    key: String,
 }
 
 impl Default for ProgramBuilder {
@@ -170,36 +220,61 @@ impl ProgramBuilder {
             max_ops: MAX_OPS,
             free_ids: Vec::new(),
             live_ids: Vec::new(),
+            allocs: 0,
             track_sites: false,
             next_site: 0,
             site_index: std::collections::HashMap::new(),
+            key: String::new(),
         }
     }
 
-    /// Records a site for every allocation from here on (`SourceNotes::sites`); call before the
-    /// first allocation.
-    pub fn enable_sites(&mut self) {
+    /// Records a site for every allocation (`SourceNotes::sites`): the allocations made before
+    /// this call get site 0 (none).
+    pub fn enable_sites(&mut self, kind: SiteKind) {
         if !self.track_sites {
             self.track_sites = true;
-            self.program.notes.sites.names = vec!["(no frame)".to_string()];
+            let sites = &mut self.program.notes.sites;
+            sites.kind = kind;
+            sites.names = vec![kind.none().to_string()];
+            sites.ops = vec![String::new()];
+            sites.per_alloc = vec![0; self.allocs];
         }
     }
 
     /// Sets the site of the next allocation (interned); ignored unless `enable_sites` was called.
     pub fn set_next_site(&mut self, name: &str) {
+        self.set_next_site_with_op(name, "");
+    }
+
+    /// Sets the site of the next allocation to `name` and operator `op` (interned); ignored
+    /// unless `enable_sites` was called. More than `MAX_SITES` distinct sites is a bound crossed.
+    pub fn set_next_site_with_op(&mut self, name: &str, op: &str) {
         if !self.track_sites {
             return;
         }
-        self.next_site = match self.site_index.get(name) {
-            Some(&i) => i,
-            None => {
-                // Sites are at most one per allocation, so their count stays below MAX_OPS (u32).
-                let i = self.program.notes.sites.names.len() as u32;
-                self.program.notes.sites.names.push(name.to_string());
-                self.site_index.insert(name.to_string(), i);
-                i
-            }
-        };
+        // The key: the name, a NUL, the operator (a name never holds a NUL where ops exist:
+        // the JSON-lines reader refuses control characters).
+        self.key.clear();
+        self.key.push_str(name);
+        self.key.push('\0');
+        self.key.push_str(op);
+        if let Some(&i) = self.site_index.get(self.key.as_str()) {
+            self.next_site = i;
+            return;
+        }
+        let sites = &mut self.program.notes.sites;
+        if sites.names.len() >= MAX_SITES {
+            return self.fail(format!(
+                "more than {MAX_SITES} distinct allocation sites (module and operator pairs, or frames): over the \
+                 limit of one trace"
+            ));
+        }
+        // Below MAX_SITES: fits u32.
+        let i = sites.names.len() as u32;
+        sites.names.push(name.to_string());
+        sites.ops.push(op.to_string());
+        self.site_index.insert(self.key.clone(), i);
+        self.next_site = i;
     }
 
     /// Lowers the bound on events below `MAX_OPS` (tests, callers with less memory).
@@ -255,6 +330,7 @@ impl ProgramBuilder {
         self.live_ids[id as usize] = true;
         self.program.devices = self.program.devices.max(device + 1);
         self.program.ops.push(Op::Alloc { id, size, stream, device });
+        self.allocs += 1;
         if self.track_sites {
             self.program.notes.sites.per_alloc.push(std::mem::take(&mut self.next_site));
         }

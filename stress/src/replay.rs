@@ -11,7 +11,9 @@
 
 use crate::fragmentation;
 use crate::ops::{Op, Program};
-use crate::report::{worst_device, DeviceFigures, DeviceReport, PeakExplanation, RunReport, Sample, StepReport};
+use crate::report::{
+    worst_device, DeviceFigures, DeviceReport, OomMoment, PeakExplanation, RunReport, Sample, StepReport,
+};
 use indicatif::ProgressBar;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -38,7 +40,8 @@ pub struct RunConfig {
     /// whether one does).
     pub stop_at_first_oom: bool,
     /// Find the moment of peak device memory (`RunReport::peak_moment`): reads the simulated
-    /// device's memory in use after every allocation (no effect on `backend:cuda`).
+    /// device's memory in use after every allocation (no effect on `backend:cuda`); the
+    /// timeline's samples then carry the highest value between them (`Sample::reserved_max`).
     #[serde(skip)]
     pub track_peak: bool,
 }
@@ -191,6 +194,13 @@ struct Live {
 
 struct Runner<'a> {
     allocator: &'a Allocator,
+    /// Allocation events seen so far (the next one's 0-based ordinal), failed ones included.
+    allocs: u64,
+    /// Ordinals of the allocations that ran out of memory (ascending), and the first's moment.
+    failed_allocs: Vec<u64>,
+    first_oom: Option<OomMoment>,
+    /// With `track_peak`: the highest device memory in use since the last sample.
+    window_max: u64,
     devices: usize,
     /// Devices the events use (reported one by one): at most `devices`.
     used: usize,
@@ -232,6 +242,10 @@ impl<'a> Runner<'a> {
         let devices = allocator.device_count();
         Runner {
             allocator,
+            allocs: 0,
+            failed_allocs: Vec::new(),
+            first_oom: None,
+            window_max: 0,
             devices,
             used: usize::from(used).clamp(1, devices.max(1)),
             live: Vec::new(),
@@ -273,6 +287,8 @@ impl<'a> Runner<'a> {
     fn apply(&mut self, op: Op, index: usize, phases: &[String], empty_cache_every_step: bool) -> Result<(), String> {
         match op {
             Op::Alloc { id, size, stream, device } => {
+                let ordinal = self.allocs;
+                self.allocs += 1;
                 match self.allocator.malloc(device as usize, size, Stream(stream)) {
                     Ok(ptr) => {
                         // Ids are dense: the table grows as new ones appear.
@@ -294,7 +310,23 @@ impl<'a> Runner<'a> {
                             self.note_peak(device as usize, index, phases);
                         }
                     }
-                    Err(Error::OutOfMemory(_)) => {
+                    Err(Error::OutOfMemory(report)) => {
+                        if self.first_oom.is_none() {
+                            self.first_oom = Some(OomMoment {
+                                op: index as u64,
+                                alloc: ordinal,
+                                size,
+                                stream,
+                                device: device as usize,
+                                step: self.phase.map(|_| self.steps.len() as u64 + 1),
+                                phase: self.phase_name(phases),
+                                allocated: report.allocated,
+                                reserved: report.reserved,
+                                device_free: report.device_free,
+                                largest_free_block: report.largest_free_block,
+                            });
+                        }
+                        self.failed_allocs.push(ordinal);
                         self.ooms += 1;
                         self.step_ooms += 1;
                         if let Some(n) = self.device_ooms.get_mut(device as usize) {
@@ -409,6 +441,11 @@ impl<'a> Runner<'a> {
         self.explanation = Some(PeakExplanation::of(device, &stats, self.requested, segments, &live));
     }
 
+    /// The name of the phase in progress, if any.
+    fn phase_name(&self, phases: &[String]) -> Option<String> {
+        self.phase.map(|p| phases.get(p as usize).map_or("step", String::as_str).to_string())
+    }
+
     /// Records the moment one device's memory in use passes the highest any device reached so far:
     /// the event, the step and phase in progress, and the pools of the device that grew (read
     /// at each new peak only: device memory grows in whole segments or pages).
@@ -417,6 +454,7 @@ impl<'a> Runner<'a> {
         // device's capacity is what a configuration must fit in).
         let Ok(Ok((free, total))) = self.allocator.with_heap(device, |h| h.device_mem_info()) else { return };
         let used = total.saturating_sub(free);
+        self.window_max = self.window_max.max(used);
         let peak_so_far = self.peak.as_ref().map_or(0, |p| p.device_used);
         if used <= peak_so_far {
             return;
@@ -426,7 +464,7 @@ impl<'a> Runner<'a> {
         moment.device_used = used;
         moment.device = device;
         moment.step = self.phase.map(|_| self.steps.len() as u64);
-        moment.phase = self.phase.map(|p| phases.get(p as usize).map_or("step", String::as_str).to_string());
+        moment.phase = self.phase_name(phases);
         if let Ok(s) = self.allocator.stats(device) {
             let h = &s.heap;
             let pool = |p: &stepalloc::stats::PoolStat, small: bool| -> u64 {
@@ -473,7 +511,8 @@ impl<'a> Runner<'a> {
         if allocated > 0 {
             self.int_frag_samples.push(1.0 - requested as f64 / allocated as f64);
         }
-        self.timeline.push(Sample { op, requested: self.requested, allocated, reserved });
+        let reserved_max = std::mem::take(&mut self.window_max).max(reserved);
+        self.timeline.push(Sample { op, requested: self.requested, allocated, reserved, reserved_max });
     }
 
     /// One device's figures from its statistics and the runner's own counts.
@@ -538,6 +577,8 @@ impl<'a> Runner<'a> {
         r.timeline = self.timeline;
         r.peak_explanation = self.explanation;
         r.peak_moment = self.peak;
+        r.first_oom = self.first_oom;
+        r.failed_allocs = self.failed_allocs;
         r
     }
 }

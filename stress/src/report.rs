@@ -14,6 +14,10 @@ pub struct Sample {
     pub requested: u64,
     pub allocated: u64,
     pub reserved: u64,
+    /// The highest device memory in use since the previous sample (`RunConfig::track_peak`;
+    /// else `reserved`), so a drawn line reaches the peaks between samples.
+    #[serde(skip)]
+    pub reserved_max: u64,
 }
 
 #[derive(Clone, Debug, Default, Serialize)]
@@ -99,6 +103,13 @@ pub struct RunReport {
     /// What was live at that moment, grouped by call site or size class (trace replays).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_attribution: Option<Attribution>,
+    /// The first allocation that ran out of memory, if any.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub first_oom: Option<OomMoment>,
+    /// Ordinals (0-based, ascending) of the allocations that ran out of memory: the replay
+    /// skipped them, so they are not live in its attribution.
+    #[serde(skip)]
+    pub failed_allocs: Vec<u64>,
     /// With `--explain`: what held the reserved bytes at (within 1% of) their peak.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub peak_explanation: Option<PeakExplanation>,
@@ -622,6 +633,28 @@ pub struct PeakMoment {
     pub large: PoolFigures,
 }
 
+/// The first allocation that ran out of memory in a run, and the device's state when the
+/// allocator gave up: after its out-of-memory path (free cached blocks, retry), the moment
+/// PyTorch's own error message describes.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+pub struct OomMoment {
+    /// Index of the event in the stream, and the allocation's ordinal among allocations
+    /// (0-based, failed ones counted).
+    pub op: u64,
+    pub alloc: u64,
+    pub size: u64,
+    pub stream: u64,
+    pub device: usize,
+    /// The step in progress (1-based, counting steps of every phase) and its phase, if any.
+    pub step: Option<u64>,
+    pub phase: Option<String>,
+    pub allocated: u64,
+    pub reserved: u64,
+    /// The device's free memory as the allocator read it.
+    pub device_free: u64,
+    pub largest_free_block: u64,
+}
+
 /// Current reserved / allocated / requested bytes of one pool.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PoolFigures {
@@ -638,11 +671,15 @@ impl PoolFigures {
 }
 
 /// Live allocations at the peak, grouped by where they were made: the top user frame when the
-/// trace recorded call stacks, else the size class (a power-of-two range).
+/// trace recorded call stacks, the module when it recorded modules, else the size class (a
+/// power-of-two range).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Attribution {
-    /// Whether the trace recorded call stacks (false: groups are size classes).
+    /// Whether the trace recorded sites, call stacks or modules (false: groups are size
+    /// classes).
     pub frames_recorded: bool,
+    /// How the groups are made: "by call site (top user frame)", "by module" or "by size class".
+    pub grouping: String,
     pub live_bytes: u64,
     pub live_count: u64,
     /// The largest groups by bytes, largest first.
@@ -661,7 +698,7 @@ impl Attribution {
     /// One line per group, `  bytes in count allocations: site`.
     pub fn describe(&self, name: &str) -> String {
         let what = if self.frames_recorded {
-            "by call site (top user frame)"
+            self.grouping.as_str()
         } else {
             "by size class (frames were not recorded in the trace)"
         };

@@ -154,7 +154,7 @@ fn frames_give_the_call_site_that_holds_the_peak() {
     );
     assert_eq!(program.notes.allocator_conf.as_deref(), Some("max_split_size_mb:256"));
     let last = program.ops.len() as u64 - 1;
-    let a = advise::attribute(&program, last, 0, 8);
+    let a = advise::attribute(&program, last, 0, 8, &[]);
     assert!(a.frames_recorded);
     assert_eq!((a.live_bytes, a.live_count), (450 * MIB, 3));
     assert_eq!(
@@ -206,7 +206,7 @@ fn traces_without_frames_group_by_size_class_and_say_so() {
     let program = trace::load(&path).unwrap();
     assert!(!program.has_sites());
     let last = program.ops.len() as u64 - 1;
-    let a = advise::attribute(&program, last, 0, 8);
+    let a = advise::attribute(&program, last, 0, 8, &[]);
     assert!(!a.frames_recorded);
     assert!(a.groups.iter().all(|g| g.site.starts_with('[') && g.site.contains(", ")), "{a:?}");
     assert!(a.describe("x").contains("frames were not recorded"));
@@ -304,7 +304,7 @@ pickle.dump({"segments": [], "device_traces": [trace]}, open(sys.argv[1], "wb"),
         names,
         ["model.py:10 mlp", "model.py:20 attention", "model.py:20 attention", "model.py:10 mlp", "model.py:10 mlp"]
     );
-    let a = advise::attribute(&program, program.ops.len() as u64 - 1, 0, 8);
+    let a = advise::attribute(&program, program.ops.len() as u64 - 1, 0, 8, &[]);
     assert_eq!((a.groups[0].site.as_str(), a.groups[0].bytes), ("model.py:20 attention", 60 * MIB));
     assert_eq!((a.groups[1].site.as_str(), a.groups[1].bytes), ("model.py:10 mlp", 6 * MIB));
 }

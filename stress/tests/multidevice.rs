@@ -151,8 +151,8 @@ fn two_device_snapshot_replays_each_device_as_alone() {
                 replay::run(&alone_program, &RunConfig { track_peak: true, ..configs(1)[0].clone() }, None, None);
             let (m, a) = (run.peak_moment.unwrap(), alone.unwrap().peak_moment.unwrap());
             assert_eq!(m.device, worst, "{}", rc.name);
-            let merged = advise::attribute(&program, m.op, m.device, 8);
-            let single = advise::attribute(&alone_program, a.op, 0, 8);
+            let merged = advise::attribute(&program, m.op, m.device, 8, &[]);
+            let single = advise::attribute(&alone_program, a.op, 0, 8, &[]);
             assert_eq!((merged.live_bytes, merged.live_count), (single.live_bytes, single.live_count), "{}", rc.name);
         }
     }

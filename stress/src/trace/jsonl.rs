@@ -1,17 +1,28 @@
-//! stepalloc's own trace (what `Allocator::trace_jsonl` writes): one JSON object per line,
-//! `{"op":"alloc"|"free","device","addr","size","stream","t_us"}`, `{"op":"step_begin","phase"}`
-//! and `{"op":"step_end"}`. Blank lines are allowed; a line is at most `MAX_LINE` bytes.
+//! stepalloc's own trace (what `Allocator::trace_jsonl` writes, and what `stepalloc.fit` records
+//! without a GPU): one JSON object per line, `{"op":"alloc"|"free","device","addr","size",
+//! "stream","t_us"}`, `{"op":"step_begin","phase"}` and `{"op":"step_end"}`. Blank lines are
+//! allowed; a line is at most `MAX_LINE` bytes.
 //!
-//! Read line by line: memory is the program plus one line. Every error names its line (and its
-//! column when the JSON parser knows it).
+//! An `alloc` line may name where it was made: `module` (the dotted path of the innermost
+//! `nn.Module` running, "" outside every module) and `torch_op` (the ATen operator, or a source
+//! such as "cublas_workspace"). Both are strings of at most `MAX_SITE_FIELD` bytes without control
+//! characters, kept as the allocation's site (`ops::Sites`, `SiteKind::Modules`: attribution
+//! groups by module); a trace with neither field has no sites, as before. At most
+//! `ops::MAX_SITES` distinct (module, operator) pairs.
+//!
+//! Read line by line: memory is the program plus one line and the interned sites. Every error
+//! names its line (and its column when the JSON parser knows it).
 
 use super::{json_column, json_message, TraceError};
-use crate::ops::{AddressMap, Program, ProgramBuilder};
+use crate::ops::{AddressMap, Program, ProgramBuilder, SiteKind};
 use serde::Deserialize;
 use std::io::{BufRead, Read};
 
 /// The longest line accepted (stepalloc writes lines of about 100 bytes).
 pub const MAX_LINE: usize = 1 << 20;
+/// The longest `module` or `torch_op` accepted, in bytes (a 7B model's deepest module path,
+/// with " (backward)", is under 100).
+pub const MAX_SITE_FIELD: usize = 512;
 
 #[derive(Deserialize)]
 #[serde(tag = "op", rename_all = "snake_case")]
@@ -25,6 +36,12 @@ enum Line {
         stream: u64,
         #[serde(default)]
         t_us: Option<u64>,
+        /// Kept as `Value` so that a wrong type is reported by the field's name
+        /// (`site_field`).
+        #[serde(default)]
+        module: Option<serde_json::Value>,
+        #[serde(default)]
+        torch_op: Option<serde_json::Value>,
     },
     Free {
         #[serde(default)]
@@ -84,8 +101,16 @@ pub fn read<R: BufRead>(mut reader: R) -> Result<Program, TraceError> {
             }
         };
         match line {
-            Line::Alloc { device, addr, size, stream, t_us } => {
+            Line::Alloc { device, addr, size, stream, t_us, module, torch_op } => {
                 advance(&mut b, t_us);
+                let module = site_field("module", module).map_err(|e| TraceError::at_line(line_no, e))?;
+                let op = site_field("torch_op", torch_op).map_err(|e| TraceError::at_line(line_no, e))?;
+                if module.is_some() || op.is_some() {
+                    b.enable_sites(SiteKind::Modules);
+                }
+                let module = module.unwrap_or_default();
+                let name = if module.is_empty() { SiteKind::Modules.none() } else { module.as_str() };
+                b.set_next_site_with_op(name, op.as_deref().unwrap_or(""));
                 map.alloc(&mut b, device, addr, size, stream);
             }
             Line::Free { device, addr, t_us } => {
@@ -110,4 +135,35 @@ pub fn read<R: BufRead>(mut reader: R) -> Result<Program, TraceError> {
         }
     }
     b.finish().map_err(|e| TraceError::at_line(line_no, e))
+}
+
+/// An alloc line's `module` or `torch_op`: absent or null is `None`; otherwise a string of at
+/// most `MAX_SITE_FIELD` bytes with no control character, else an error naming the field.
+fn site_field(name: &str, value: Option<serde_json::Value>) -> Result<Option<String>, String> {
+    let text = match value {
+        None | Some(serde_json::Value::Null) => return Ok(None),
+        Some(serde_json::Value::String(s)) => s,
+        Some(other) => {
+            let kind = match other {
+                serde_json::Value::Bool(_) => "a boolean",
+                serde_json::Value::Number(_) => "a number",
+                serde_json::Value::Array(_) => "an array",
+                _ => "an object",
+            };
+            return Err(format!(
+                "`{name}` is {kind}; expected a string ({}) or null",
+                if name == "module" { "the module's dotted path" } else { "the operator's name" }
+            ));
+        }
+    };
+    if text.len() > MAX_SITE_FIELD {
+        return Err(format!(
+            "`{name}` is {} bytes long; at most {MAX_SITE_FIELD} are accepted (shorten the name the recorder writes)",
+            text.len()
+        ));
+    }
+    if let Some(c) = text.chars().find(|c| c.is_control()) {
+        return Err(format!("`{name}` holds the control character {:?}; a name is printable text", c));
+    }
+    Ok(Some(text))
 }

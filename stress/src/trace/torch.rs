@@ -23,7 +23,7 @@
 
 use super::pickle_vm::{self, V};
 use super::{json_column, json_message, pickle_depth, TraceError};
-use crate::ops::{AddressMap, NativeFigures, Program, ProgramBuilder, MAX_DEVICES};
+use crate::ops::{AddressMap, NativeFigures, Program, ProgramBuilder, SiteKind, MAX_DEVICES};
 use serde::Deserialize;
 use std::collections::HashMap;
 use std::io::Read;
@@ -525,7 +525,7 @@ fn replay<F: Site>(snapshot: Snapshot<F>, format: &str) -> Result<Program, Trace
     let mut b = ProgramBuilder::new(&format);
     let frames = snapshot.device_traces.iter().flatten().any(|e| e.action == "alloc" && e.frames.site().is_some());
     if frames {
-        b.enable_sites();
+        b.enable_sites(SiteKind::Frames);
     }
     b.notes_mut().allocator_conf = snapshot.allocator_settings.as_ref().map(allocator_conf);
     let mut map = AddressMap::default();
