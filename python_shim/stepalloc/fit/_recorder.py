@@ -1,0 +1,394 @@
+"""The recorder: a training step's allocation stream, taken under ``FakeTensorMode``.
+
+Layer: the core of ``stepalloc.fit`` (imports torch). ``Recording`` enters three things, in
+this order: the fake mode (CUDA fake tensors: shapes, no memory), ``_Sdpa`` (a function mode that
+runs ``scaled_dot_product_attention`` with the backend the target GPU would pick) and
+``_Recorder`` (a dispatch mode above the fake mode that sees every ATen operator, serves
+data-dependent ones from real values (``_values.py``), and writes the trace (``_trace.py``)).
+
+What counts as an allocation (PyTorch's own tracker, ``torch/distributed/_tools/mem_tracker.py``,
+does the same): a storage an operator returns that no tensor had before, of ``nbytes`` > 0 on
+the recorded device; it is freed when the storage object dies (a ``weakref`` callback, so at the
+moment CPython frees it, as the caching allocator is called). Views and in-place operators return
+known storages, so they allocate nothing. ``UntypedStorage.resize_`` does not go through dispatch,
+so it is patched (as MemTracker does); ``aten::resize_`` and ``out=`` kernels that grow a storage
+are seen after the operator. Module paths come from PyTorch's ``ModTracker`` (forward and
+backward); the optimizer's step is marked by the global optimizer hooks. What real kernels
+allocate that dispatch cannot see is added from ``_kernels.py``: cuBLAS / cuBLASLt workspaces per
+(thread's handle, stream) and attention backward scratch; what fake kernels allocate that real
+ones do not (flash / memory-efficient attention's host-side RNG state) is left out.
+
+Invariants: every allocation the trace holds is freed at most once, at the moment its storage
+dies; the recorder never keeps a tensor alive (weak references only); errors name the operator
+and the module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import weakref
+from collections import Counter
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
+from torch.distributed._tools.mod_tracker import ModTracker
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import _kernels
+from ._trace import BACKWARD, Trace
+from ._values import DataDependentError, RealValues
+
+OPTIMIZER = "optimizer"
+
+
+class UnsupportedOpError(RuntimeError):
+    """An operator that cannot run under fake tensors."""
+
+
+def _op_name(func) -> str:
+    try:
+        return func._schema.name
+    except AttributeError:
+        return str(func)
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, rec: Recording) -> None:
+        super().__init__()
+        self.rec = rec
+        self.storages = WeakIdKeyDictionary()  # storage -> [addr, nbytes, weakref]
+        self.host_storages = WeakIdKeyDictionary()  # fake outputs a real run keeps on the host
+        self.workspaces: set[tuple[int, str]] = set()  # (thread, "cublas" | "cublaslt")
+        self.lock = threading.RLock()
+
+    # ---- storages ----
+
+    def _counts(self, t: torch.Tensor) -> bool:
+        return t.device.type == self.rec.device_type
+
+    def _track(self, st, op: str, module: str, prefix: bool = False) -> None:
+        """A new storage: an allocation now (or before everything, for one made before recording)."""
+        nbytes = st.nbytes()
+        addr = 0
+        if nbytes > 0:
+            trace = self.rec.trace
+            addr = trace.alloc_before(nbytes, module, op) if prefix else trace.alloc(nbytes, module, op)
+        entry = [addr, nbytes, None]
+        entry[2] = weakref.ref(st, functools.partial(self._died, entry))
+        self.storages[st] = entry
+
+    def _died(self, entry: list, _ref) -> None:
+        with self.lock:
+            if entry[0]:
+                self.rec.trace.free(entry[0])
+                entry[0] = 0
+
+    def _resized(self, st, op: str, module: str) -> None:
+        """A storage whose size changed: a real resize allocates the new buffer, copies, then
+        frees the old one (zero bytes: only the free)."""
+        entry = self.storages[st]
+        nbytes = st.nbytes()
+        if nbytes == entry[1]:
+            return
+        old = entry[0]
+        entry[0] = self.rec.trace.alloc(nbytes, module, op) if nbytes > 0 else 0
+        entry[1] = nbytes
+        if old:
+            self.rec.trace.free(old)
+
+    def known(self, t: torch.Tensor) -> None:
+        """Registers a tensor made before recording (a weight built outside): an allocation
+        at the start of the trace."""
+        if isinstance(t, torch.Tensor) and self._counts(t):
+            st = t.untyped_storage()
+            if st not in self.storages:
+                self._track(st, "", "", prefix=True)
+
+    # ---- the dispatch hook ----
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        op = _op_name(func)
+        module = self.rec.module()
+        with self.lock:
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    self.known(t)
+            if op in _kernels.BLAS_OPS:
+                self._blas(op, args)
+        scratch = []
+        if self.rec.device_type == "cuda" and op.endswith("_attention_backward"):
+            with self.lock:
+                for label, nbytes in _kernels.attention_workspaces(op, args):
+                    if nbytes > 0:
+                        scratch.append(self.rec.trace.alloc(nbytes, module, f"{op} ({label})"))
+        try:
+            out = self.rec.values.run(func, args, kwargs, module, _fake_call)
+        except UnsupportedOperatorException as exc:
+            raise UnsupportedOpError(
+                f"{op} cannot run under fake tensors (it has no fake/meta kernel); it was called in "
+                f"{module or 'code outside any module'}. What to do: record on a PyTorch that has one, replace the "
+                "call in your function with operators that do, or register a fake kernel for it "
+                "(torch.library.register_fake)."
+            ) from exc
+        with self.lock:
+            for addr in scratch:
+                self.rec.trace.free(addr)
+            host = _kernels.HOST_OUTPUTS.get(op, ()) if self.rec.device_type == "cuda" else ()
+            flat = tree_flatten(out)[0]
+            for i, t in enumerate(flat):
+                if not isinstance(t, torch.Tensor) or not self._counts(t):
+                    continue
+                st = t.untyped_storage()
+                if i in host and isinstance(out, tuple):
+                    self.host_storages[st] = True
+                    self.storages[st] = [0, 0, None]
+                    continue
+                if st not in self.storages:
+                    self._track(st, op, module)
+                elif st not in self.host_storages:
+                    self._resized(st, op, module)
+            self.rec.ops[op] += 1
+        return out
+
+    def _blas(self, op: str, args: tuple) -> None:
+        thread = threading.get_ident()
+        rec = self.rec
+        if rec.device_type != "cuda":
+            return
+        if (thread, "cublas") not in self.workspaces:
+            self.workspaces.add((thread, "cublas"))
+            size = _kernels.cublas_workspace_bytes(rec.target.capability)
+            rec.trace.alloc(size, rec.module(), "cublas_workspace")
+        if _kernels.uses_cublaslt(op, args, rec.preferred_lt) and (thread, "cublaslt") not in self.workspaces:
+            self.workspaces.add((thread, "cublaslt"))
+            size = _kernels.cublaslt_workspace_bytes(rec.target.capability)
+            rec.trace.alloc(size, rec.module(), "cublaslt_workspace")
+
+
+def _fake_call(func, args, kwargs):
+    return func(*args, **kwargs)
+
+
+class _Sdpa(TorchFunctionMode):
+    """Runs ``F.scaled_dot_product_attention`` with the target's backend: the first of
+    ``_kernels.attention_order`` whose constraints the call meets."""
+
+    def __init__(self, rec: Recording) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.nn.functional.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+        errors = []
+        for backend in self.rec.attention_order:
+            if backend == "cudnn":
+                out = _cudnn_attention(*args, **kwargs)
+                if out is not None:
+                    self.rec.attention_used["cudnn"] += 1
+                    return out
+                errors.append("cudnn: constraints not met")
+                continue
+            try:
+                with sdpa_kernel([names[backend]]), _quiet():
+                    out = func(*args, **kwargs)
+            except RuntimeError as exc:
+                errors.append(f"{backend}: {str(exc).splitlines()[0]}")
+                continue
+            self.rec.attention_used[backend] += 1
+            return out
+        raise UnsupportedOpError(
+            f"scaled_dot_product_attention in {self.rec.module() or 'code outside any module'}: no backend of "
+            f"{self.rec.attention_order} takes this call ({'; '.join(errors)}). What to do: pick another with "
+            "attention='math' (or flash / efficient / cudnn)."
+        )
+
+
+@contextlib.contextmanager
+def _quiet():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _cudnn_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """cuDNN attention as ``sdp_utils.cpp`` admits it (fp16/bf16, head dim <= 128 and a multiple
+    of 8, as many K/V heads as query heads, 4-D inputs), called through its own ATen operator
+    (its fake kernel and autograd formula); None when the call does not qualify."""
+    if query.dim() != 4 or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    d = query.shape[-1]
+    if d > 128 or d % 8 or key.shape[1] != query.shape[1] or value.shape[-1] != d:
+        return None
+    if attn_mask is not None and attn_mask.dtype == torch.bool:
+        attn_mask = torch.zeros_like(attn_mask, dtype=query.dtype).masked_fill_(~attn_mask, float("-inf"))
+    need_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    out = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        query, key, value, attn_mask, need_grad, dropout_p, is_causal, False, scale=scale
+    )
+    return out[0]
+
+
+class Recording:
+    """Records what a block of code asks the caching allocator for.
+
+    Usage::
+
+        rec = Recording(target="h100")
+        with rec:
+            model = build()               # fake CUDA tensors: no memory, no GPU
+            with rec.step("train"):
+                loss = model(**batch).loss
+                loss.backward()
+                opt.step(); opt.zero_grad()
+        rec.trace.write("step.jsonl")
+    """
+
+    def __init__(
+        self,
+        target: str | float | _kernels.Target = "h100",
+        attention: str = "auto",
+        device: str = "cuda",
+        preferred_blas: str | None = None,
+    ) -> None:
+        self.target = _kernels.target(target)
+        self.device_type = device
+        self.attention_order = _kernels.attention_order(self.target.capability, attention)
+        self.preferred_lt = (preferred_blas or "cublas").lower() == "cublaslt"
+        self.trace = Trace()
+        self.values = RealValues()
+        self.ops: Counter = Counter()
+        self.attention_used: Counter = Counter()
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if device == "cuda" else None
+        self._tracker = ModTracker()
+        self._recorder = _Recorder(self)
+        self._in_optimizer = 0
+        self._stack = contextlib.ExitStack()
+        self._optimizers: list = []
+
+    # ---- context ----
+
+    def __enter__(self) -> Recording:
+        stack = self._stack
+        if self.fake_mode is not None:
+            stack.enter_context(self.fake_mode)
+            stack.enter_context(_Sdpa(self))
+        stack.enter_context(self._recorder)
+        stack.enter_context(self._tracker)
+        stack.enter_context(_patched_resize(self._recorder))
+        stack.enter_context(_transformers_as_real_run())
+        pre = register_optimizer_step_pre_hook(self._opt_pre)
+        post = register_optimizer_step_post_hook(self._opt_post)
+        stack.callback(pre.remove)
+        stack.callback(post.remove)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.trace.step_end()
+        self._stack.close()
+
+    @contextlib.contextmanager
+    def step(self, phase: str):
+        """Marks a step (one phase of one iteration: 'rollout', 'train', ...)."""
+        self.trace.step_begin(phase)
+        try:
+            yield
+        finally:
+            self.trace.step_end()
+
+    def real(self, fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+        """Gives a fake tensor its real value (for data-dependent code)."""
+        return self.values.attach(fake, real)
+
+    def tensor(self, real: torch.Tensor, device: str | None = None) -> torch.Tensor:
+        """A device tensor of ``real``'s contents (recorded as an allocation), carrying its value."""
+        fake = real.to(device or self.device_type)
+        return self.values.attach(fake, real)
+
+    # ---- module and optimizer ----
+
+    def module(self) -> str:
+        if self._in_optimizer:
+            return OPTIMIZER
+        parents = [p for p in self._tracker.parents if p != "Global"]
+        if not parents:
+            return ""
+        inner = max(parents, key=lambda p: (p.count("."), len(p)))
+        return inner + BACKWARD if self._tracker.is_bw else inner
+
+    def _opt_pre(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer += 1
+
+    def _opt_post(self, optimizer, args, kwargs) -> None:
+        self._in_optimizer -= 1
+        # What the optimizer keeps between steps is its state.
+        for state in optimizer.state.values():
+            for t in state.values():
+                if isinstance(t, torch.Tensor):
+                    entry = self._recorder.storages.get(t.untyped_storage())
+                    alloc = self.trace.allocs.get(entry[0]) if entry else None
+                    if alloc is not None and alloc.module == OPTIMIZER:
+                        alloc.torch_op = "optimizer_state"
+
+    def summary(self) -> dict:
+        counts = self.trace.counts()
+        counts["attention"] = dict(self.attention_used)
+        counts["attention_order"] = list(self.attention_order)
+        counts["served_data_dependent"] = self.values.served
+        return counts
+
+
+@contextlib.contextmanager
+def _patched_resize(recorder: _Recorder):
+    """``UntypedStorage.resize_`` bypasses dispatch (MemTracker patches it the same way)."""
+    original = torch.UntypedStorage.resize_
+
+    @functools.wraps(original)
+    def resize_(st, size):
+        result = original(st, size)
+        with recorder.lock:
+            if st in recorder.storages:
+                recorder._resized(st, "UntypedStorage.resize_", recorder.rec.module())
+            elif st.device.type == recorder.rec.device_type:
+                recorder._track(st, "UntypedStorage.resize_", recorder.rec.module())
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original
+
+
+@contextlib.contextmanager
+def _transformers_as_real_run():
+    """transformers asks ``is_fake_tensor`` to decide whether it is tracing; a real run is not,
+    so its mask code takes the real run's path (no 4-D mask for an unpadded causal batch;
+    ``is_causal`` and native GQA in SDPA), with the data-dependent checks served from values."""
+    try:
+        from transformers.utils import import_utils
+    except ImportError:
+        yield
+        return
+    original = import_utils.is_fake_tensor
+    import_utils.is_fake_tensor = lambda x: False
+    try:
+        yield
+    finally:
+        import_utils.is_fake_tensor = original
+
+
+__all__ = ["DataDependentError", "Recording", "UnsupportedOpError"]
