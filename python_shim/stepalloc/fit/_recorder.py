@@ -1,8 +1,8 @@
 """The recorder: a training step's allocation stream, taken under ``FakeTensorMode``.
 
 Layer: the core of ``stepalloc.fit`` (imports torch). ``Recording`` enters three things, in
-this order: the fake mode (CUDA fake tensors: shapes, no memory), ``_Sdpa`` (a function mode that
-runs ``scaled_dot_product_attention`` with the backend the target GPU would pick) and
+this order: the fake mode (CUDA fake tensors: shapes, no memory), ``_target_attention`` (a patch of
+``scaled_dot_product_attention``: the backend the target GPU would pick) and
 ``_Recorder`` (a dispatch mode above the fake mode that sees every ATen operator, serves
 data-dependent ones from real values (``_values.py``), and writes the trace (``_trace.py``)).
 
@@ -35,14 +35,13 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorException
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _kernels
 from ._trace import BACKWARD, Trace
-from ._values import DataDependentError, RealValues
+from ._values import DataDependentError, RealValues, serving
 
 OPTIMIZER = "optimizer"
 
@@ -176,43 +175,47 @@ def _fake_call(func, args, kwargs):
     return func(*args, **kwargs)
 
 
-class _Sdpa(TorchFunctionMode):
-    """Runs ``F.scaled_dot_product_attention`` with the target's backend: the first of
-    ``_kernels.attention_order`` whose constraints the call meets."""
+@contextlib.contextmanager
+def _target_attention(rec: Recording):
+    """``F.scaled_dot_product_attention`` runs with the target's backend: the first of
+    ``rec.attention_order`` whose constraints the call meets. A patch of the function (not a
+    function mode): autograd's thread, where checkpointed layers run again, sees it too."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    def __init__(self, rec: Recording) -> None:
-        super().__init__()
-        self.rec = rec
+    original = F.scaled_dot_product_attention
+    names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not torch.nn.functional.scaled_dot_product_attention:
-            return func(*args, **kwargs)
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-
-        names = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
+    @functools.wraps(original)
+    def sdpa(*args, **kwargs):
         errors = []
-        for backend in self.rec.attention_order:
+        for backend in rec.attention_order:
             if backend == "cudnn":
                 out = _cudnn_attention(*args, **kwargs)
                 if out is not None:
-                    self.rec.attention_used["cudnn"] += 1
+                    rec.attention_used["cudnn"] += 1
                     return out
                 errors.append("cudnn: constraints not met")
                 continue
             try:
                 with sdpa_kernel([names[backend]]), _quiet():
-                    out = func(*args, **kwargs)
+                    out = original(*args, **kwargs)
             except RuntimeError as exc:
                 errors.append(f"{backend}: {str(exc).splitlines()[0]}")
                 continue
-            self.rec.attention_used[backend] += 1
+            rec.attention_used[backend] += 1
             return out
         raise UnsupportedOpError(
-            f"scaled_dot_product_attention in {self.rec.module() or 'code outside any module'}: no backend of "
-            f"{self.rec.attention_order} takes this call ({'; '.join(errors)}). What to do: pick another with "
+            f"scaled_dot_product_attention in {rec.module() or 'code outside any module'}: no backend of "
+            f"{rec.attention_order} takes this call ({'; '.join(errors)}). What to do: pick another with "
             "attention='math' (or flash / efficient / cudnn)."
         )
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager
@@ -240,6 +243,16 @@ def _cudnn_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
         query, key, value, attn_mask, need_grad, dropout_p, is_causal, False, scale=scale
     )
     return out[0]
+
+
+class _FakeMode(FakeTensorMode):
+    """A fake mode that never puts a real tensor on the device: as on a machine without CUDA,
+    ``torch.tensor(..., device="cuda")`` stays fake and constants are not computed on the device
+    (over a stand-in driver with no kernels, they could not be)."""
+
+    @property
+    def avoid_device_init(self) -> bool:
+        return True
 
 
 class Recording:
@@ -272,7 +285,7 @@ class Recording:
         self.values = RealValues()
         self.ops: Counter = Counter()
         self.attention_used: Counter = Counter()
-        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if device == "cuda" else None
+        self.fake_mode = _FakeMode(allow_non_fake_inputs=True) if device == "cuda" else None
         self._tracker = ModTracker()
         self._recorder = _Recorder(self)
         self._in_optimizer = 0
@@ -285,11 +298,13 @@ class Recording:
         stack = self._stack
         if self.fake_mode is not None:
             stack.enter_context(self.fake_mode)
-            stack.enter_context(_Sdpa(self))
+            stack.enter_context(_target_attention(self))
         stack.enter_context(self._recorder)
         stack.enter_context(self._tracker)
+        stack.enter_context(_quiet_tracker())
         stack.enter_context(_patched_resize(self._recorder))
         stack.enter_context(_transformers_as_real_run())
+        stack.enter_context(serving(self.values, self.module))
         pre = register_optimizer_step_pre_hook(self._opt_pre)
         post = register_optimizer_step_post_hook(self._opt_post)
         stack.callback(pre.remove)
@@ -309,6 +324,15 @@ class Recording:
         finally:
             self.trace.step_end()
 
+    @contextlib.contextmanager
+    def host(self):
+        """Real tensors inside the recording: code in this block runs without the fake mode and
+        the recorder (building a batch's token ids on the CPU)."""
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        with _disable_current_modes():
+            yield
+
     def real(self, fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Gives a fake tensor its real value (for data-dependent code)."""
         return self.values.attach(fake, real)
@@ -319,6 +343,17 @@ class Recording:
         return self.values.attach(fake, real)
 
     # ---- module and optimizer ----
+
+    def name_parameters(self, model: torch.nn.Module) -> None:
+        """Names each parameter's allocation after the module that holds it (torch_op
+        "parameter"), so that weights show by module in the peak's attribution."""
+        root = type(model).__name__
+        for name, p in model.named_parameters():
+            entry = self._recorder.storages.get(p.untyped_storage())
+            alloc = self.trace.allocs.get(entry[0]) if entry else None
+            if alloc is not None and alloc.torch_op != "parameter":
+                alloc.module = f"{root}.{name.rsplit('.', 1)[0]}" if "." in name else root
+                alloc.torch_op = "parameter"
 
     def module(self) -> str:
         if self._in_optimizer:
@@ -349,6 +384,18 @@ class Recording:
         counts["attention_order"] = list(self.attention_order)
         counts["served_data_dependent"] = self.values.served
         return counts
+
+
+@contextlib.contextmanager
+def _quiet_tracker():
+    """ModTracker warns when a checkpointed layer runs its forward again inside the backward;
+    that is expected here (the recomputation is part of the backward)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The module hierarchy tracking")
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*")
+        yield
 
 
 @contextlib.contextmanager

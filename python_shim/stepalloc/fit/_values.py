@@ -19,6 +19,8 @@ that have none), so this costs little: the recorder computes only index arithmet
 
 from __future__ import annotations
 
+import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -27,6 +29,7 @@ from torch._subclasses.fake_tensor import (
     DynamicOutputShapeException,
     FakeTensor,
 )
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -52,7 +55,10 @@ class RealValues:
 
     def attach(self, fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Gives ``fake`` its real value (a CPU tensor of the same shape and dtype)."""
-        self.values[fake] = real.detach().to("cpu")
+        if isinstance(real, FakeTensor):
+            raise TypeError("a real value must be a real (CPU) tensor, not a fake one")
+        with _disable_current_modes():
+            self.values[fake] = real.detach().to("cpu")
         return fake
 
     def value(self, t: Any) -> torch.Tensor | None:
@@ -72,7 +78,8 @@ class RealValues:
             if real is None:
                 raise self._error(func, where, "reads a tensor's contents (.item(), .tolist(), bool(), int())")
             self.served += 1
-            return real.item()
+            with _disable_current_modes():
+                return real.item()
         try:
             out = fake_call(func, args, kwargs)
         except (DynamicOutputShapeException, DataDependentOutputException) as exc:
@@ -110,7 +117,8 @@ class RealValues:
                 if "pin_memory" in kw:
                     kw["pin_memory"] = False
                 try:
-                    real_out = func(*real[0], **kw)
+                    with _disable_current_modes():
+                        real_out = func(*real[0], **kw)
                     failed = False
                 except Exception:  # noqa: BLE001 - a CPU kernel may be missing; then no value
                     failed = True
@@ -144,14 +152,16 @@ class RealValues:
                     if not x.dtype.is_floating_point and not x.dtype.is_complex:
                         raise self._error(func, where, "has an output shape that depends on a tensor's contents") from exc
                     complete = False
-                    v = torch.empty(x.shape, dtype=x.dtype)
+                    with _disable_current_modes():
+                        v = torch.empty(x.shape, dtype=x.dtype)
                 stand_in.append(v)
             elif isinstance(x, torch.device):
                 stand_in.append(torch.device("cpu"))
             else:
                 stand_in.append(x)
         real_args, real_kwargs = tree_unflatten(stand_in, spec)
-        real_out = func(*real_args, **real_kwargs)
+        with _disable_current_modes():
+            real_out = func(*real_args, **real_kwargs)
         self.served += 1
         device = next(x.device for x in flat if isinstance(x, FakeTensor))
 
@@ -186,3 +196,42 @@ def _mutated_args(func, args: tuple, kwargs: dict) -> list:
                 v = kwargs.get(arg.name)
             out.extend(t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
     return out
+
+
+def _has_fake(data: Any) -> bool:
+    if isinstance(data, FakeTensor):
+        return True
+    if isinstance(data, (list, tuple)):
+        return any(_has_fake(x) for x in data)
+    return False
+
+
+@contextlib.contextmanager
+def serving(values: RealValues, where):
+    """``torch.tensor([t0, t1, ...])`` of fake tensors reads their memory directly (no operator
+    in between): give it their real values instead (Qwen2-VL's ``get_rope_index`` builds its
+    position deltas so). ``where()`` names the running module for errors."""
+    original = torch.tensor
+
+    def plain(x):
+        if isinstance(x, FakeTensor):
+            real = values.values.get(x)
+            if real is None:
+                raise values._error("torch.tensor", where(), "copies a fake tensor's contents")
+            with _disable_current_modes():
+                return real.tolist()
+        if isinstance(x, (list, tuple)):
+            return type(x)(plain(y) for y in x)
+        return x
+
+    @functools.wraps(original)
+    def tensor(data, *args, **kwargs):
+        if _has_fake(data):
+            data = plain(data)
+        return original(data, *args, **kwargs)
+
+    torch.tensor = tensor
+    try:
+        yield
+    finally:
+        torch.tensor = original
