@@ -303,6 +303,7 @@ class Recording:
         stack.enter_context(self._tracker)
         stack.enter_context(_quiet_tracker())
         stack.enter_context(_patched_resize(self._recorder))
+        stack.enter_context(_module_conversion())
         stack.enter_context(_transformers_as_real_run())
         stack.enter_context(serving(self.values, self.module))
         pre = register_optimizer_step_pre_hook(self._opt_pre)
@@ -348,6 +349,10 @@ class Recording:
         """Names each parameter's allocation after the module that holds it (torch_op
         "parameter"), so that weights show by module in the peak's attribution."""
         root = type(model).__name__
+        # ModTracker names a module by the first forward it sees: a submodule called on its own
+        # first (generate computing image features, say) would keep its class name as a root.
+        # Name the whole tree from this model now (ModTracker's own naming, with its root).
+        self._tracker._get_mod_name(model)
         for name, p in model.named_parameters():
             entry = self._recorder.storages.get(p.untyped_storage())
             alloc = self.trace.allocs.get(entry[0]) if entry else None
@@ -396,6 +401,32 @@ def _quiet_tracker():
         warnings.filterwarnings("ignore", message="The module hierarchy tracking")
         warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*")
         yield
+
+
+@contextlib.contextmanager
+def _module_conversion():
+    """``Module.cuda()`` / ``.to()`` swap a fake parameter with the converted one
+    (``torch.utils.swap_tensors``), which refuses every fake tensor (each has a weak reference);
+    for fakes, take the converted tensor's data and device instead, as a real ``.to()`` on the
+    same device does with ``param.data = ...``."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    original = torch.utils.swap_tensors
+
+    @functools.wraps(original)
+    def swap(t1, t2):
+        if isinstance(t1, FakeTensor) and isinstance(t2, FakeTensor):
+            with torch.no_grad():
+                t1.data = t2.data if isinstance(t2, torch.nn.Parameter) else t2
+            t1.fake_device = t2.fake_device
+            return None
+        return original(t1, t2)
+
+    torch.utils.swap_tensors = swap
+    try:
+        yield
+    finally:
+        torch.utils.swap_tensors = original
 
 
 @contextlib.contextmanager

@@ -31,7 +31,6 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
-from torch.utils.weak import WeakIdKeyDictionary
 
 # Results larger than this (elements) get no real value (activations, weights, big masks).
 MAX_REAL_NUMEL = 1 << 22
@@ -47,9 +46,30 @@ class DataDependentError(RuntimeError):
     """A data-dependent operator on a tensor whose contents the recorder cannot know."""
 
 
+ATTR = "_stepalloc_fit_value"
+
+
+class _Table:
+    """Fake tensor -> its real value, kept as an attribute of the tensor object (no weak
+    reference: ``Module.cuda()`` / ``.to()`` swap a fake parameter with ``swap_tensors``, which
+    refuses tensors that have one; the swap carries the attribute with the data)."""
+
+    def get(self, t: Any) -> torch.Tensor | None:
+        return getattr(t, ATTR, None)
+
+    def __setitem__(self, t: Any, value: torch.Tensor) -> None:
+        setattr(t, ATTR, value)
+
+    def pop(self, t: Any, default: Any = None) -> Any:
+        value = getattr(t, ATTR, default)
+        if hasattr(t, ATTR):
+            delattr(t, ATTR)
+        return value
+
+
 class RealValues:
     def __init__(self) -> None:
-        self.values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # fake tensor -> CPU tensor
+        self.values = _Table()  # fake tensor -> CPU tensor
         self.served = 0  # data-dependent operators answered
         self.computed = 0  # operators computed on the CPU
 
