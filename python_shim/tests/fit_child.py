@@ -8,7 +8,6 @@ Skipped when torch or the stubs are missing (``testdrv/build.sh``).
 from __future__ import annotations
 
 import json
-import os
 import textwrap
 from pathlib import Path
 
@@ -26,17 +25,15 @@ needs_torch = pytest.mark.skipif(
 
 
 def child_env() -> dict[str, str]:
-    library_path = [str(HOSTCUDA / "runtime"), str(HOSTCUDA), str(HOSTCUDA / "standins"), os.environ.get("LD_LIBRARY_PATH", "")]
-    return {
-        "LD_PRELOAD": str(STUB_RUNTIME),
-        "LD_LIBRARY_PATH": os.pathsep.join(p for p in library_path if p),
-        "HOSTCUDA_DEVICES": "1",
-        "HOSTCUDA_CAPACITY_MB": "1024",
-        "PYTORCH_CUDA_ALLOC_CONF": "",
-        "TORCH_CUDNN_SDPA_DEPRIORITIZED": "",
-        "CUBLAS_WORKSPACE_CONFIG": "",
-        "CUBLASLT_WORKSPACE_SIZE": "",
-    }
+    """The environment stepalloc.fit itself gives a child over the stand-in (``_host.child_env``),
+    with the settings that would change the recorded figures cleared."""
+    from stepalloc.fit import _host
+
+    env = _host.child_env(HOSTCUDA)
+    env.update(
+        PYTORCH_CUDA_ALLOC_CONF="", TORCH_CUDNN_SDPA_DEPRIORITIZED="", CUBLAS_WORKSPACE_CONFIG="", CUBLASLT_WORKSPACE_SIZE=""
+    )
+    return env
 
 
 def run_fit(code: str, timeout: float = 300) -> dict:

@@ -276,6 +276,7 @@ class Recording:
         attention: str = "auto",
         device: str = "cuda",
         preferred_blas: str | None = None,
+        fake: bool = True,
     ) -> None:
         self.target = _kernels.target(target)
         self.device_type = device
@@ -285,7 +286,9 @@ class Recording:
         self.values = RealValues()
         self.ops: Counter = Counter()
         self.attention_used: Counter = Counter()
-        self.fake_mode = _FakeMode(allow_non_fake_inputs=True) if device == "cuda" else None
+        # device="cpu" records CPU storages (the fidelity benchmark compares them with a real CPU
+        # run's); fake=False records a real execution (what dispatch sees of it).
+        self.fake_mode = _FakeMode(allow_non_fake_inputs=True) if fake else None
         self._tracker = ModTracker()
         self._recorder = _Recorder(self)
         self._in_optimizer = 0
@@ -298,6 +301,7 @@ class Recording:
         stack = self._stack
         if self.fake_mode is not None:
             stack.enter_context(self.fake_mode)
+        if self.device_type == "cuda":
             stack.enter_context(_target_attention(self))
         stack.enter_context(self._recorder)
         stack.enter_context(self._tracker)

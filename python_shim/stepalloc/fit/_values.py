@@ -38,6 +38,11 @@ MAX_REAL_NUMEL = 1 << 22
 aten = torch.ops.aten
 # Operators answered from values: their result depends on the contents, not only the shapes.
 SCALAR_OPS = {aten._local_scalar_dense.default}
+# Operators that pick token ids from logits (sampling, greedy decoding): when the logits have no
+# value (they never do: they come from weights), the ids are drawn uniformly from the valid range
+# by a seeded generator. Only which tokens come out depends on it, never a shape, except where a
+# loop stops at an end-of-sequence token (then at a drawn one, like a sampled run).
+PICKERS = {aten.multinomial.default, aten.argmax.default}
 # Operators that never get a real value computed (their cost or meaning is device-side only).
 NO_REAL = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default, aten.new_empty_strided.default}
 
@@ -72,6 +77,8 @@ class RealValues:
         self.values = _Table()  # fake tensor -> CPU tensor
         self.served = 0  # data-dependent operators answered
         self.computed = 0  # operators computed on the CPU
+        self.picked = 0  # token ids drawn for pickers
+        self._picks = torch.Generator().manual_seed(0)
 
     def attach(self, fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
         """Gives ``fake`` its real value (a CPU tensor of the same shape and dtype)."""
@@ -107,56 +114,55 @@ class RealValues:
         self._propagate(func, args, kwargs, out)
         return out
 
-    def _real_args(self, args: tuple, kwargs: dict):
-        """(args, kwargs) with every tensor replaced by its value, or None if one has none."""
+    def _propagate(self, func, args: tuple, kwargs: dict, out: Any) -> None:
+        if func in NO_REAL:
+            return
         flat, spec = tree_flatten((args, kwargs))
+        mutated = _mutated_args(func, args, kwargs)
         real = []
         for x in flat:
             if isinstance(x, torch.Tensor):
                 v = self.value(x)
                 if v is None:
-                    return None
+                    break
                 real.append(v)
-            elif isinstance(x, torch.device):
-                real.append(torch.device("cpu"))
             else:
-                real.append(x)
-        return tree_unflatten(real, spec)
-
-    def _propagate(self, func, args: tuple, kwargs: dict, out: Any) -> None:
-        if func in NO_REAL:
-            return
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
-        mutated = _mutated_args(func, args, kwargs)
-        if (outs or mutated) and all(t.numel() <= MAX_REAL_NUMEL for t in outs + mutated):
-            real = self._real_args(args, kwargs)
-            if real is not None:
-                kw = dict(real[1])
-                if "device" in kw:
-                    kw["device"] = torch.device("cpu")
-                if "pin_memory" in kw:
-                    kw["pin_memory"] = False
+                real.append(torch.device("cpu") if isinstance(x, torch.device) else x)
+        else:
+            fakes = tree_flatten(out)[0]
+            outs = [t for t in fakes if isinstance(t, torch.Tensor)]
+            if (outs or mutated) and all(t.numel() <= MAX_REAL_NUMEL for t in outs + mutated):
+                real_args, real_kwargs = tree_unflatten(real, spec)
+                if "pin_memory" in real_kwargs:
+                    real_kwargs["pin_memory"] = False
                 try:
                     with _disable_current_modes():
-                        real_out = func(*real[0], **kw)
-                    failed = False
+                        real_out = func(*real_args, **real_kwargs)
                 except Exception:  # noqa: BLE001 - a CPU kernel may be missing; then no value
-                    failed = True
-                if not failed:
+                    pass
+                else:
                     self.computed += 1
-                    fakes, reals = tree_flatten(out)[0], tree_flatten(real_out)[0]
+                    reals = tree_flatten(real_out)[0]
                     if len(fakes) == len(reals):
                         for f, r in zip(fakes, reals):
                             if isinstance(f, FakeTensor) and isinstance(r, torch.Tensor) and f.shape == r.shape:
                                 self.values[f] = r
                     return
-        # Not computed: a mutated argument's value is stale now.
+        if func in PICKERS and isinstance(out, FakeTensor) and out.numel() <= MAX_REAL_NUMEL:
+            self._pick(func, args, out)
+            return
+        # Not computed: a mutated argument's value is stale now (a fresh output has none).
         for t in mutated:
             if isinstance(t, FakeTensor):
                 self.values.pop(t, None)
-        for t in outs:
-            if isinstance(t, FakeTensor) and t not in mutated:
-                self.values.pop(t, None)
+
+    def _pick(self, func, args: tuple, out: FakeTensor) -> None:
+        logits = args[0]
+        dim = args[1] if func is aten.argmax.default and len(args) > 1 and args[1] is not None else -1
+        high = int(logits.shape[dim]) if logits.dim() else 1
+        with _disable_current_modes():
+            self.values[out] = torch.randint(0, max(high, 1), tuple(out.shape), generator=self._picks, dtype=out.dtype)
+        self.picked += 1
 
     def _dynamic(self, func, args, kwargs, where: str, exc: Exception, fake_call) -> Any:
         """An operator whose output shape depends on contents (nonzero, boolean indexing, ...):
@@ -205,16 +211,21 @@ class RealValues:
         )
 
 
+_WRITES: dict = {}  # operator -> [(position, name)] of the arguments it writes
+
+
 def _mutated_args(func, args: tuple, kwargs: dict) -> list:
+    writes = _WRITES.get(func)
+    if writes is None:
+        writes = _WRITES[func] = [
+            (i, arg.name)
+            for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        ]
     out = []
-    schema = func._schema
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            if i < len(args):
-                v = args[i]
-            else:
-                v = kwargs.get(arg.name)
-            out.extend(t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
+    for i, name in writes:
+        v = args[i] if i < len(args) else kwargs.get(name)
+        out.extend(t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
     return out
 
 
