@@ -245,6 +245,42 @@ def _cudnn_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal
     return out[0]
 
 
+class _Parents(dict):
+    """ModTracker's set of running modules, remembering the order they were entered."""
+
+    def add(self, name: str) -> None:
+        self[name] = None
+
+    def remove(self, name: str) -> None:
+        del self[name]
+
+
+class _Tracker(ModTracker):
+    """PyTorch's ModTracker whose running modules keep their order: the innermost module is the
+    one entered last (in the backward, a module whose gradient hooks never fire, e.g. a frozen
+    one, stays in the set; the deepest name would pick it)."""
+
+    @property
+    def parents(self) -> _Parents:
+        return self._ordered
+
+    @parents.setter
+    def parents(self, value) -> None:
+        self._ordered = _Parents.fromkeys(value)
+
+    def innermost(self) -> str:
+        """The module entered last; a module that is no model's child (transformers' kernelized
+        functions, e.g. ``apply_rotary_pos_emb`` as a ``Func`` module) is named inside the module
+        that called it."""
+        names = [n for n in self._ordered if n != "Global"]
+        if not names:
+            return ""
+        inner = names[-1]
+        if "." not in inner and len(names) > 1:
+            return f"{names[-2]}.{inner}"
+        return inner
+
+
 class _FakeMode(FakeTensorMode):
     """A fake mode that never puts a real tensor on the device: as on a machine without CUDA,
     ``torch.tensor(..., device="cuda")`` stays fake and constants are not computed on the device
@@ -289,7 +325,7 @@ class Recording:
         # device="cpu" records CPU storages (the fidelity benchmark compares them with a real CPU
         # run's); fake=False records a real execution (what dispatch sees of it).
         self.fake_mode = _FakeMode(allow_non_fake_inputs=True) if fake else None
-        self._tracker = ModTracker()
+        self._tracker = _Tracker()
         self._recorder = _Recorder(self)
         self._in_optimizer = 0
         self._stack = contextlib.ExitStack()
@@ -367,10 +403,9 @@ class Recording:
     def module(self) -> str:
         if self._in_optimizer:
             return OPTIMIZER
-        parents = [p for p in self._tracker.parents if p != "Global"]
-        if not parents:
+        inner = self._tracker.innermost()
+        if not inner:
             return ""
-        inner = max(parents, key=lambda p: (p.count("."), len(p)))
         return inner + BACKWARD if self._tracker.is_bw else inner
 
     def _opt_pre(self, optimizer, args, kwargs) -> None:

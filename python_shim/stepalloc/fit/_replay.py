@@ -49,7 +49,8 @@ def _stress_binary() -> Path:
         if not p.is_file():
             raise ReplayError(f"STEPALLOC_STRESS={explicit!r} does not name a file")
         return p
-    for candidate in (REPO / "target" / "release" / "stepalloc-stress", REPO / "target-fitreplay" / "release" / "stepalloc-stress"):
+    # target-fitreplay: a developer's build of a branch's stress tool beside this checkout.
+    for candidate in (REPO / "target-fitreplay" / "release" / "stepalloc-stress", REPO / "target" / "release" / "stepalloc-stress"):
         if candidate.is_file():
             return candidate
     raise ReplayError(
