@@ -48,6 +48,8 @@ def test_wheel_bundles_the_library(tmp_path: Path) -> None:
     assert wheels[0].name.startswith("stepalloc-0.1.0-py3-none-linux_"), wheels[0].name
     names = set(zipfile.ZipFile(wheels[0]).namelist())
     expected = {"stepalloc/lib/libstepalloc.so", "stepalloc/py.typed", "stepalloc/_lib.py", "stepalloc/oom_error.cpp"}
+    # stepalloc.fit and the model configurations it ships.
+    expected |= {"stepalloc/fit/__main__.py", "stepalloc/fit/configs/llava-1.5-7b.json", "stepalloc/fit/configs/qwen2-vl-7b.json"}
     assert expected <= names, names
 
 
