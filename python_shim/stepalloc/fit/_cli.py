@@ -84,51 +84,47 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     recipe = recipe_of(args)
     targets = [_kernels.target(d) for d in (args.device or ["h100"])]
-    traces: dict[tuple[int, int], tuple[Path, dict]] = {}  # capability -> (trace, summary)
-    for t in targets:
-        if t.capability in traces:
-            continue
-        rec = record_recipe(recipe, target=t, attention=args.attention)
-        if args.trace:
-            path = args.trace if len({x.capability for x in targets}) == 1 else args.trace.with_suffix(f".sm{t.capability[0]}{t.capability[1]}.jsonl")
-        else:
-            path = _replay.temporary_trace()
-        rec.trace.write(path)
-        traces[t.capability] = (path, rec.summary())
+    several = len({t.capability for t in targets}) > 1
+    # One recording per (capability, batch), shared by every device of that capability.
+    recordings: dict[tuple[tuple[int, int], int], tuple[Path, dict]] = {}
+    kept: set[Path] = set()
+
+    def recording(t: _kernels.Target, batch: int) -> tuple[Path, dict]:
+        key = (t.capability, batch)
+        if key not in recordings:
+            rec = record_recipe(recipe.with_batch(batch), target=t, attention=args.attention)
+            if args.trace and batch == recipe.batch:
+                path = args.trace.with_suffix(f".sm{t.capability[0]}{t.capability[1]}.jsonl") if several else args.trace
+                kept.add(path)
+            else:
+                path = _replay.temporary_trace()
+            rec.trace.write(path)
+            recordings[key] = (path, rec.summary())
+        return recordings[key]
+
+    def fit(t: _kernels.Target, batch: int, picture: bool = False) -> dict[str, Any]:
+        return _replay.fit(recording(t, batch)[0], device=t, outside_mb=args.outside_mb, pytorch_conf=args.pytorch_conf,
+                           html=args.html if picture else None, svg=args.svg if picture else None)
+
     report: dict[str, Any] = {"recipe": _recipe_dict(recipe), "recordings": {}, "devices": []}
-    for cap, (path, summary) in traces.items():
-        report["recordings"][f"sm{cap[0]}{cap[1]}"] = dict(summary, trace=str(path) if args.trace else None)
     try:
+        for t in targets:
+            path, summary = recording(t, recipe.batch)
+            report["recordings"][f"sm{t.capability[0]}{t.capability[1]}"] = dict(summary, trace=str(path) if path in kept else None)
         if args.record_only:
             return report
         for i, t in enumerate(targets):
-            fit = _replay.fit(traces[t.capability][0], device=t, outside_mb=args.outside_mb, pytorch_conf=args.pytorch_conf,
-                              html=args.html if i == 0 else None, svg=args.svg if i == 0 else None)
-            entry: dict[str, Any] = {"device": t.name, "capacity_bytes": t.memory_bytes, "fit": fit}
+            entry: dict[str, Any] = {"device": t.name, "capacity_bytes": t.memory_bytes, "fit": fit(t, recipe.batch, picture=i == 0)}
             if args.largest_batch:
-                entry["largest_batch"] = _largest(recipe, t, args)
+                search = _replay.largest_batch(lambda b, t=t: _replay.fits_by_config(fit(t, b)))
+                entry["largest_batch"] = {"largest": search.largest, "capped": search.capped,
+                                          "tried": {str(b): r for b, r in sorted(search.tried.items())}}
             report["devices"].append(entry)
     finally:
-        if not args.trace:
-            for path, _ in traces.values():
+        for path, _ in recordings.values():
+            if path not in kept:
                 path.unlink(missing_ok=True)
     return report
-
-
-def _largest(recipe, t: _kernels.Target, args: argparse.Namespace) -> dict[str, Any]:
-    from ._recipes import record_recipe
-
-    def fits_at(batch: int) -> dict[str, bool]:
-        rec = record_recipe(recipe.with_batch(batch), target=t, attention=args.attention)
-        path = _replay.temporary_trace()
-        try:
-            rec.trace.write(path)
-            return _replay.fits_by_config(_replay.fit(path, device=t, outside_mb=args.outside_mb, pytorch_conf=args.pytorch_conf))
-        finally:
-            path.unlink(missing_ok=True)
-
-    search = _replay.largest_batch(fits_at)
-    return {"largest": search.largest, "tried": {str(b): r for b, r in sorted(search.tried.items())}, "capped": search.capped}
 
 
 def _recipe_dict(recipe) -> dict[str, Any]:
