@@ -51,6 +51,10 @@ class DataDependentError(RuntimeError):
     """A data-dependent operator on a tensor whose contents the recorder cannot know."""
 
 
+class UnsupportedOpError(RuntimeError):
+    """An operator that cannot run under fake tensors (no fake kernel, no attention backend)."""
+
+
 ATTR = "_stepalloc_fit_value"
 
 
