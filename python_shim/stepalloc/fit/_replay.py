@@ -36,13 +36,16 @@ class ReplayError(RuntimeError):
 
 def _stress_binary() -> Path:
     """The ``stepalloc-stress`` binary: the package's own (``stepalloc.fit._binary``, shipped in
-    the wheel), else ``$STEPALLOC_STRESS``, else this repository's release build."""
+    the wheel), else ``$STEPALLOC_STRESS``, else a build in this repository."""
     try:
         from ._binary import stress_binary  # type: ignore[import-not-found]
-
-        return Path(stress_binary())
     except ImportError:
-        pass
+        stress_binary = None
+    if stress_binary is not None:
+        try:
+            return Path(stress_binary())
+        except Exception as exc:  # noqa: BLE001 - its own clear error, as ours
+            raise ReplayError(str(exc)) from exc
     explicit = os.environ.get("STEPALLOC_STRESS")
     if explicit:
         p = Path(explicit).expanduser()
@@ -50,7 +53,12 @@ def _stress_binary() -> Path:
             raise ReplayError(f"STEPALLOC_STRESS={explicit!r} does not name a file")
         return p
     # target-fitreplay: a developer's build of a branch's stress tool beside this checkout.
-    for candidate in (REPO / "target-fitreplay" / "release" / "stepalloc-stress", REPO / "target" / "release" / "stepalloc-stress"):
+    # target/debug: what scripts/test.sh builds (fast enough for the tests' small traces).
+    for candidate in (
+        REPO / "target-fitreplay" / "release" / "stepalloc-stress",
+        REPO / "target" / "release" / "stepalloc-stress",
+        REPO / "target" / "debug" / "stepalloc-stress",
+    ):
         if candidate.is_file():
             return candidate
     raise ReplayError(
