@@ -40,7 +40,6 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _kernels
-from ._trace import BACKWARD, Trace
 from ._patches import (
     module_conversion,
     patched_resize,
@@ -48,6 +47,7 @@ from ._patches import (
     target_attention,
     transformers_as_real_run,
 )
+from ._trace import BACKWARD, Trace
 from ._values import DataDependentError, RealValues, UnsupportedOpError, serving
 
 OPTIMIZER = "optimizer"
