@@ -383,3 +383,27 @@ def test_unservable_and_unsupported_ops_are_clear_errors(recorded) -> None:
 def test_json_dumps_of_kernels_targets() -> None:
     # The CLI's --json carries device names; targets stay plain data.
     assert json.loads(json.dumps({k: v.memory_bytes for k, v in _kernels.TARGETS.items()}))["h200"] == 143771 * MIB
+
+
+def test_terminal_table_states_fits_and_the_first_oom() -> None:
+    from stepalloc.fit import _cli
+
+    oom = {"allocation": 81233, "size": 256 << 20, "step": 2, "phase": "train", "module": "model.layers.17.mlp (backward)",
+           "torch_op": "aten::mm", "cached_free_bytes": 2 << 30, "external_fragmentation": 0.89}
+    configs = [
+        {"name": "pytorch", "fits": False, "peak_reserved_bytes": 23 << 30, "peak_allocated_bytes": 21 << 30, "headroom_bytes": 0,
+         "alloc_retries": 3, "first_oom": oom},
+        {"name": "stepalloc", "fits": True, "peak_reserved_bytes": 20 << 30, "peak_allocated_bytes": 19 << 30,
+         "headroom_bytes": 3 << 30, "alloc_retries": 0, "first_oom": None},
+    ]
+    report = {
+        "recipe": {"model": "llava-1.5-7b", "batch": 2, "images": [0, 3], "tokens": [128, 1024], "finetune": "lora",
+                   "checkpointing": True, "optimizer": "adamw", "iterations": 3, "rollout": 0},
+        "recordings": {"sm90": {"allocations": 1234, "steps": 3, "peak_live_bytes": 19 << 30, "attention": {"cudnn": 9}}},
+        "devices": [{"device": "24GB", "capacity_bytes": 24 << 30, "fit": {"device": {"usable_bytes": 23 << 30}, "configs": configs},
+                     "largest_batch": {"largest": {"pytorch": 1, "stepalloc": 2}, "capped": False, "tried": {}}}],
+    }
+    text = _cli.table(report)
+    assert "pytorch              NO" in text and "stepalloc            yes" in text
+    assert "out of memory at allocation 81,233 (256.00 MiB, aten::mm in model.layers.17.mlp (backward), train step 2)" in text
+    assert "89% fragmented" in text and "largest batch: pytorch 1, stepalloc 2" in text
