@@ -99,7 +99,7 @@ def quiet_tracker():
 
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="The module hierarchy tracking")
-        warnings.filterwarnings("ignore", message=".*gradient_checkpointing_enable.*")
+        warnings.filterwarnings("ignore", message=".*gradient_checkpointing.*is deprecated")
         yield
 
 
