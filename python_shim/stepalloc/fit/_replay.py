@@ -37,6 +37,7 @@ class ReplayError(RuntimeError):
 def _stress_binary() -> Path:
     """The ``stepalloc-stress`` binary: the package's own (``stepalloc.fit._binary``, shipped in
     the wheel), else ``$STEPALLOC_STRESS``, else a build in this repository."""
+    packaged_error = None
     try:
         from ._binary import stress_binary  # type: ignore[import-not-found]
     except ImportError:
@@ -44,8 +45,8 @@ def _stress_binary() -> Path:
     if stress_binary is not None:
         try:
             return Path(stress_binary())
-        except Exception as exc:  # noqa: BLE001 - its own clear error, as ours
-            raise ReplayError(str(exc)) from exc
+        except Exception as exc:  # noqa: BLE001 - its own clear error; a build here may still do
+            packaged_error = str(exc)
     explicit = os.environ.get("STEPALLOC_STRESS")
     if explicit:
         p = Path(explicit).expanduser()
@@ -62,7 +63,8 @@ def _stress_binary() -> Path:
         if candidate.is_file():
             return candidate
     raise ReplayError(
-        "no stepalloc-stress binary: install stepalloc's wheel (it ships one), set STEPALLOC_STRESS=/path/to/"
+        packaged_error
+        or "no stepalloc-stress binary: install stepalloc's wheel (it ships one), set STEPALLOC_STRESS=/path/to/"
         "stepalloc-stress, or build it (cargo build --release -p stepalloc-stress)"
     )
 
