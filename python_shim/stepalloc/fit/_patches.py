@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
 from ._values import UnsupportedOpError
 
-if TYPE_CHECKING:
-    from ._recorder import Recording, _Recorder
-
 
 @contextlib.contextmanager
-def target_attention(rec: Recording):
-    """``F.scaled_dot_product_attention`` runs with the target's backend: the first of
+def target_attention(rec: Any):
+    """``F.scaled_dot_product_attention`` runs with the target's backend (``rec``: the
+    ``Recording``): the first of
     ``rec.attention_order`` whose constraints the call meets. A patch of the function (not a
     function mode): autograd's thread, where checkpointed layers run again, sees it too."""
     import torch.nn.functional as F
@@ -130,7 +128,7 @@ def module_conversion():
 
 
 @contextlib.contextmanager
-def patched_resize(recorder: _Recorder):
+def patched_resize(recorder: Any):
     """``UntypedStorage.resize_`` bypasses dispatch (MemTracker patches it the same way)."""
     original = torch.UntypedStorage.resize_
 
