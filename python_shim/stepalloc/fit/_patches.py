@@ -20,10 +20,10 @@ from ._values import UnsupportedOpError
 
 @contextlib.contextmanager
 def target_attention(rec: Any):
-    """``F.scaled_dot_product_attention`` runs with the target's backend (``rec``: the
-    ``Recording``): the first of
-    ``rec.attention_order`` whose constraints the call meets. A patch of the function (not a
-    function mode): autograd's thread, where checkpointed layers run again, sees it too."""
+    """``F.scaled_dot_product_attention`` runs with the target's backend: the first of
+    ``rec.attention_order`` (``rec``: the ``Recording``) whose constraints the call meets. A
+    patch of the function (not a function mode): autograd's thread, where checkpointed layers
+    run again, sees it too."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
