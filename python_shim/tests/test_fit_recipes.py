@@ -27,6 +27,16 @@ for name, kw in {
     R[name] = dict(rec.summary(), modules=sorted({a.module.split(".")[0] for a in allocs if a.module}),
                    lora=sum(1 for a in allocs if "lora_" in a.module and a.torch_op == "parameter"),
                    phases=[p for kind, p in rec.trace.events if kind == "begin"])
+
+# transformers' mask path as a real run takes it: an unpadded causal batch without images gives
+# SDPA no mask (is_causal); under fake tensors left as they are, transformers believes it is
+# tracing and builds a 4-D mask.
+import contextlib
+from stepalloc.fit import _recorder
+unpadded = Recipe(model="llava-1.5-7b", tiny=True, images=(0, 0), tokens=(64, 64), iterations=1)
+R["mask_real_path"] = dict(record_recipe(unpadded).attention_used)
+_recorder.transformers_as_real_run = contextlib.nullcontext
+R["mask_tracing_path"] = dict(record_recipe(unpadded).attention_used)
 RESULT = R
 """
 
@@ -54,6 +64,12 @@ def test_tiny_qwen2_vl_lora_runs_unchanged(recipes) -> None:
     # get_rope_index (argwhere, tolist, torch.tensor of fakes) and the vision tower's grid.
     assert r["served_data_dependent"] > 10
     assert r["lora"] > 0
+
+
+@needs_torch
+def test_transformers_mask_path_is_the_real_runs(recipes) -> None:
+    assert recipes["mask_real_path"] == {"cudnn": 4}  # 2 layers, forward and recomputation
+    assert recipes["mask_tracing_path"] == {"cudnn+mask": 4}
 
 
 @needs_torch

@@ -32,12 +32,15 @@ def target_attention(rec: Any):
 
     @functools.wraps(original)
     def sdpa(*args, **kwargs):
+        # Counted per backend, "+mask" when the call carries an attention mask (padding, or a
+        # 4-D mask that a real run would not build).
+        masked = (args[3] if len(args) > 3 else kwargs.get("attn_mask")) is not None
         errors = []
         for backend in rec.attention_order:
             if backend == "cudnn":
                 out = _cudnn_attention(*args, **kwargs)
                 if out is not None:
-                    rec.attention_used["cudnn"] += 1
+                    rec.attention_used["cudnn+mask" if masked else "cudnn"] += 1
                     return out
                 errors.append("cudnn: constraints not met")
                 continue
@@ -47,7 +50,7 @@ def target_attention(rec: Any):
             except RuntimeError as exc:
                 errors.append(f"{backend}: {str(exc).splitlines()[0]}")
                 continue
-            rec.attention_used[backend] += 1
+            rec.attention_used[f"{backend}+mask" if masked else backend] += 1
             return out
         raise UnsupportedOpError(
             f"scaled_dot_product_attention in {rec.module() or 'code outside any module'}: no backend of "
