@@ -56,6 +56,8 @@ def test_wheel_bundles_the_library(tmp_path: Path) -> None:
         "stepalloc/bin/stepalloc-stress",
         "stepalloc/fit/_binary.py",
     }
+    # stepalloc.fit and the model configurations it ships.
+    expected |= {"stepalloc/fit/__main__.py", "stepalloc/fit/configs/llava-1.5-7b.json", "stepalloc/fit/configs/qwen2-vl-7b.json"}
     assert expected <= names, names
     # The replay tool: executable once installed, stripped (its debug information is ~40 MB).
     tool = wheel.getinfo("stepalloc/bin/stepalloc-stress")

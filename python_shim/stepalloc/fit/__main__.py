@@ -1,0 +1,7 @@
+"""``python -m stepalloc.fit --help``: see ``_cli.py``."""
+
+import sys
+
+from ._cli import main
+
+sys.exit(main())

@@ -1,0 +1,159 @@
+"""Replaying a recorded trace at a device's capacity: the stress tool's ``fit`` subcommand, and the
+search for the largest batch that fits under each allocator.
+
+Layer: runs the ``stepalloc-stress`` binary (``stepalloc-stress fit TRACE --json``, the contract
+in the stress tool's ``fit``); the recorder's side never imports this module. The binary is
+found in one place, ``_stress_binary``.
+
+Invariants: a failing binary is a ``ReplayError`` with its message; the search records each
+candidate batch at most once and assumes that memory grows with the batch (it reports the
+batches it tried, so a user can see the evidence).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from . import _kernels
+
+# Device memory that is not PyTorch's: the CUDA context, cuBLAS / cuDNN handles, kernel images
+# loaded (lazily: CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7). A stated constant, not a
+# measurement: about 0.5 GiB is what a PyTorch training process on an H100 shows in nvidia-smi
+# beyond torch.cuda.memory_reserved(); the GPU kit measures it (--outside-mb overrides).
+DEFAULT_OUTSIDE_MB = 512
+REPO = Path(__file__).resolve().parents[3]
+
+
+class ReplayError(RuntimeError):
+    """The stress tool could not replay the trace."""
+
+
+def _stress_binary() -> Path:
+    """The ``stepalloc-stress`` binary: the package's own (``stepalloc.fit._binary``, shipped in
+    the wheel), else ``$STEPALLOC_STRESS``, else a build in this repository."""
+    packaged_error = None
+    try:
+        from ._binary import stress_binary  # type: ignore[import-not-found]
+    except ImportError:
+        stress_binary = None
+    if stress_binary is not None:
+        try:
+            return Path(stress_binary())
+        except Exception as exc:  # noqa: BLE001 - its own clear error; a build here may still do
+            packaged_error = str(exc)
+    explicit = os.environ.get("STEPALLOC_STRESS")
+    if explicit:
+        p = Path(explicit).expanduser()
+        if not p.is_file():
+            raise ReplayError(f"STEPALLOC_STRESS={explicit!r} does not name a file")
+        return p
+    # target-fitreplay: a developer's build of a branch's stress tool beside this checkout.
+    # target/debug: what scripts/test.sh builds (fast enough for the tests' small traces).
+    for candidate in (
+        REPO / "target-fitreplay" / "release" / "stepalloc-stress",
+        REPO / "target" / "release" / "stepalloc-stress",
+        REPO / "target" / "debug" / "stepalloc-stress",
+    ):
+        if candidate.is_file():
+            return candidate
+    raise ReplayError(
+        packaged_error
+        or "no stepalloc-stress binary: install stepalloc's wheel (it ships one), set STEPALLOC_STRESS=/path/to/"
+        "stepalloc-stress, or build it (cargo build --release -p stepalloc-stress)"
+    )
+
+
+def fit(
+    trace: str | Path,
+    device: Any = "h100",
+    outside_mb: float = DEFAULT_OUTSIDE_MB,
+    pytorch_conf: str | None = None,
+    compare: list[str] | None = None,
+    html: str | Path | None = None,
+    svg: str | Path | None = None,
+) -> dict[str, Any]:
+    """``stepalloc-stress fit`` of ``trace`` on ``device``: its JSON report (per allocator: fits,
+    peak reserved and allocated, headroom, the first out-of-memory). ``pytorch_conf`` defaults to
+    the user's ``PYTORCH_CUDA_ALLOC_CONF`` (a 'yours' column) when that is set."""
+    t = _kernels.target(device)
+    if outside_mb < 0:
+        raise ValueError(f"outside_mb {outside_mb}: at least 0")
+    if pytorch_conf is None:
+        pytorch_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None
+    cmd = [str(_stress_binary()), "fit", str(trace), "--capacity-gb", f"{t.capacity_gib:.6f}", "--outside-mb", f"{outside_mb:g}", "--json"]
+    if pytorch_conf:
+        cmd += ["--pytorch-conf", pytorch_conf]
+    if compare:
+        cmd += ["--compare", *compare]
+    if html:
+        cmd += ["--html", str(html)]
+    if svg:
+        cmd += ["--svg", str(svg)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise ReplayError(f"{' '.join(cmd[:3])} ... failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}")
+    try:
+        report = json.loads(done.stdout)
+    except json.JSONDecodeError as exc:
+        raise ReplayError(f"stepalloc-stress fit printed no JSON report: {done.stdout[:300]!r}") from exc
+    report.setdefault("device", {})["name"] = t.name
+    return report
+
+
+def fits_by_config(report: dict[str, Any]) -> dict[str, bool]:
+    return {c["name"]: bool(c.get("fits")) for c in report.get("configs", [])}
+
+
+@dataclass
+class BatchSearch:
+    """The largest batch that fits under each allocator, and every batch tried."""
+
+    largest: dict[str, int] = field(default_factory=dict)  # config -> batch (0: not even 1)
+    tried: dict[int, dict[str, bool]] = field(default_factory=dict)  # batch -> config -> fits
+    capped: bool = False  # the search stopped at its limit with some allocator still fitting
+
+
+def largest_batch(fits_at: Callable[[int], dict[str, bool]], limit: int = 256) -> BatchSearch:
+    """Doubling (1, 2, 4, ...) until no allocator fits (or ``limit``), then bisection between the
+    last batch that fit and the first that did not, per allocator. ``fits_at(batch)`` records and
+    replays once per batch (each call is a recording, so the search keeps them few: about
+    2 log2(answer) recordings)."""
+    search = BatchSearch()
+
+    def at(batch: int) -> dict[str, bool]:
+        if batch not in search.tried:
+            search.tried[batch] = fits_at(batch)
+        return search.tried[batch]
+
+    batch = 1
+    while True:
+        result = at(batch)
+        if not any(result.values()) or batch >= limit:
+            break
+        batch = min(batch * 2, limit)
+    search.capped = batch >= limit and any(at(batch).values())
+    for name in at(1):
+        fitting = [b for b, r in search.tried.items() if r.get(name)]
+        lo = max(fitting, default=0)
+        failing = [b for b, r in search.tried.items() if not r.get(name) and b > lo]
+        hi = min(failing, default=None)
+        while hi is not None and hi - lo > 1:
+            mid = (lo + hi) // 2
+            if at(mid).get(name):
+                lo = mid
+            else:
+                hi = mid
+        search.largest[name] = lo
+    return search
+
+
+def temporary_trace() -> Path:
+    fd, path = tempfile.mkstemp(prefix="stepalloc-fit-", suffix=".jsonl")
+    os.close(fd)
+    return Path(path)
