@@ -19,8 +19,9 @@ if git rev-parse --is-inside-work-tree > /dev/null 2>&1; then
     stray=$(git ls-files | grep -E '\.(orig|rej|bak|swp|swo)$|~$|(^|/)\.#' || true)
     [ -z "$stray" ] || { printf 'tracked leftovers of a merge or an editor:\n%s\n' "$stray"; exit 1; }
 fi
-# The C ABI and Python tests load the release library.
-cargo build --release -p stepalloc-cabi
+# The C ABI and Python tests load the release library; stepalloc.fit's tests run the release
+# stress tool (the GPU bundle below needs both anyway).
+cargo build --release -p stepalloc-cabi -p stepalloc-stress
 cargo test --workspace
 # The CUDA backend on the host-memory CUDA driver (testdrv/, no GPU needed): the Rust CUDA
 # backend tests (one thread: they change the driver's settings); gpu/validate.sh (capture probe,

@@ -9,7 +9,8 @@ Looked for in this order, the first that is a file wins:
 2. the copy the package carries, ``stepalloc/bin/stepalloc-stress`` (``python_shim/setup.py``
    builds it into the wheel);
 3. in a checkout of the repository, its release build ``target/release/stepalloc-stress``
-   (``$CARGO_TARGET_DIR`` replaces ``target``).
+   (``$CARGO_TARGET_DIR`` replaces ``target``), else its debug build (what ``scripts/test.sh``
+   builds; slower, fine for small traces).
 
 Nothing is run and nothing is imported but the standard library.
 """
@@ -35,12 +36,12 @@ def _executable(path: pathlib.Path) -> bool:
 
 
 def _candidates() -> list[pathlib.Path]:
-    """The packaged copy, then the repository's release build."""
+    """The packaged copy, then the repository's release build, then its debug build."""
     target = os.environ.get("CARGO_TARGET_DIR")
     build = pathlib.Path(target) if target else _REPOSITORY / "target"
     if not build.is_absolute():
         build = _REPOSITORY / build
-    return [_PACKAGE / "bin" / NAME, build / "release" / NAME]
+    return [_PACKAGE / "bin" / NAME, build / "release" / NAME, build / "debug" / NAME]
 
 
 def stress_binary() -> pathlib.Path:

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any, Callable
 
 from . import _kernels
+from ._binary import StressBinaryNotFound, stress_binary
 
 # Device memory that is not PyTorch's: the CUDA context, cuBLAS / cuDNN handles, kernel images
 # loaded (lazily: CUDA_MODULE_LOADING=LAZY, the default since CUDA 11.7). A stated constant, not a
 # measurement: about 0.5 GiB is what a PyTorch training process on an H100 shows in nvidia-smi
 # beyond torch.cuda.memory_reserved(); the GPU kit measures it (--outside-mb overrides).
 DEFAULT_OUTSIDE_MB = 512
-REPO = Path(__file__).resolve().parents[3]
 
 
 class ReplayError(RuntimeError):
@@ -35,38 +35,12 @@ class ReplayError(RuntimeError):
 
 
 def _stress_binary() -> Path:
-    """The ``stepalloc-stress`` binary: the package's own (``stepalloc.fit._binary``, shipped in
-    the wheel), else ``$STEPALLOC_STRESS``, else a build in this repository."""
-    packaged_error = None
+    """The ``stepalloc-stress`` binary (``_binary.stress_binary``: ``$STEPALLOC_STRESS``, the
+    package's copy, a build in this repository), its lookup error as a ``ReplayError``."""
     try:
-        from ._binary import stress_binary  # type: ignore[import-not-found]
-    except ImportError:
-        stress_binary = None
-    if stress_binary is not None:
-        try:
-            return Path(stress_binary())
-        except Exception as exc:  # noqa: BLE001 - its own clear error; a build here may still do
-            packaged_error = str(exc)
-    explicit = os.environ.get("STEPALLOC_STRESS")
-    if explicit:
-        p = Path(explicit).expanduser()
-        if not p.is_file():
-            raise ReplayError(f"STEPALLOC_STRESS={explicit!r} does not name a file")
-        return p
-    # target-fitreplay: a developer's build of a branch's stress tool beside this checkout.
-    # target/debug: what scripts/test.sh builds (fast enough for the tests' small traces).
-    for candidate in (
-        REPO / "target-fitreplay" / "release" / "stepalloc-stress",
-        REPO / "target" / "release" / "stepalloc-stress",
-        REPO / "target" / "debug" / "stepalloc-stress",
-    ):
-        if candidate.is_file():
-            return candidate
-    raise ReplayError(
-        packaged_error
-        or "no stepalloc-stress binary: install stepalloc's wheel (it ships one), set STEPALLOC_STRESS=/path/to/"
-        "stepalloc-stress, or build it (cargo build --release -p stepalloc-stress)"
-    )
+        return stress_binary()
+    except StressBinaryNotFound as exc:
+        raise ReplayError(str(exc)) from exc
 
 
 def fit(
