@@ -1,6 +1,18 @@
 //! The allocator: one heap per device, each behind its own lock. This is the only lock layer;
 //! everything below takes `&mut Heap`. The process-wide instance that the C ABI and PyTorch use
 //! is `process`'s.
+//!
+//! The device lock is `parking_lot`'s mutex: a compare-and-swap to take it and another to
+//! release it (which learns in the same instruction whether a thread sleeps on it, so no
+//! wake-up is lost and no sleep needs a deadline); waiters spin briefly, then sleep. It does not
+//! poison: a panic under the lock (an overflow check; the C ABI's guard turns it into an error)
+//! leaves the lock usable, as the C ABI expects. Rules for holders:
+//! - a call that needs several devices (pause, resume: `sleep.rs`) takes their locks in device
+//!   order, 0 first, and holds them all until it returns; every other call holds one device's
+//!   lock at a time, so no two callers wait on each other in a circle;
+//! - under a device lock only leaf locks are taken (the tag registry, `tags.rs`; the backup
+//!   directory, `heap/backup.rs`), and nothing is called that may call back into the allocator
+//!   (segment listeners must not: `heap/listeners.rs`).
 
 use crate::backend::{self, sim::SimDevice, Backend, Stream};
 use crate::config::{BackendKind, Config};
@@ -9,15 +21,16 @@ use crate::heap::{Heap, PoolId};
 use crate::segment::HomeHint;
 use crate::snapshot::{SnapshotAnnotation, SnapshotSegment, SnapshotTraceEvent};
 use crate::stats::{DeviceStats, StepFigures};
+use parking_lot::{Mutex, MutexGuard};
 use serde_json::json;
 use std::sync::Arc;
 
-mod lock;
-pub use lock::{HeapGuard, HeapMutex, RawHeapLock};
+/// A device's heap, locked (`Allocator::devices`).
+pub(crate) type HeapGuard<'a> = MutexGuard<'a, Heap>;
 
 pub struct Allocator {
     config: Config,
-    pub(crate) devices: Vec<HeapMutex<Heap>>,
+    pub(crate) devices: Vec<Mutex<Heap>>,
     /// Each device's `HomeHint`, read without its lock (`home_lines`).
     hints: Vec<Arc<HomeHint>>,
 }
@@ -42,7 +55,7 @@ impl Allocator {
     /// Builds the allocator over the given devices (device `i` is `backends[i]`).
     pub fn with_backends(config: Config, backends: Vec<Box<dyn Backend>>) -> Allocator {
         let devices: Vec<_> =
-            backends.into_iter().enumerate().map(|(i, b)| HeapMutex::new(Heap::new(i, &config, b))).collect();
+            backends.into_iter().enumerate().map(|(i, b)| Mutex::new(Heap::new(i, &config, b))).collect();
         let hints = devices.iter().map(|heap| heap.lock().arena.home_hint()).collect();
         Allocator { config, devices, hints }
     }
@@ -56,7 +69,7 @@ impl Allocator {
     }
 
     #[inline]
-    fn heap(&self, device: usize) -> Result<HeapGuard<'_, Heap>> {
+    fn heap(&self, device: usize) -> Result<HeapGuard<'_>> {
         match self.devices.get(device) {
             Some(heap) => Ok(heap.lock()),
             None => Err(self.no_device(device)),
