@@ -444,8 +444,9 @@ impl Config {
     }
 }
 
-/// Splits on commas that are not inside `[...]`.
-fn split_entries(text: &str) -> Vec<&str> {
+/// Splits a configuration string into its `key:value` entries: on commas that are not inside
+/// `[...]` (a `roundup_power2_divisions` list).
+pub fn split_entries(text: &str) -> Vec<&str> {
     let mut entries = Vec::new();
     let (mut depth, mut start) = (0usize, 0usize);
     for (i, c) in text.char_indices() {

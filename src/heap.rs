@@ -179,11 +179,10 @@ pub struct Heap {
     address_space_short: u64,
     /// Ranges mapped from other processes (CUDA IPC, `ipc.rs`).
     ipc: ipc::IpcState,
-    /// The tag of the request growing the heap now (`sleep`): the segments `find_expandable`
-    /// may use or create. 0 between calls.
+    /// The tag and the private pool (0: the general pool) of the tagged request growing the
+    /// heap now (`grow_tagged`): the segments `find_expandable` may use or create. 0 between
+    /// calls.
     request_tag: u8,
-    /// The private pool of the request growing the heap now when it is a tagged one
-    /// (`heap/graphs.rs`): the segments `find_expandable` may use or create. 0 between calls.
     request_pool: u32,
     /// Paused tags, their backups and per-tag figures (`heap/sleep.rs`).
     pub(crate) sleep: sleep::SleepState,
@@ -319,10 +318,7 @@ impl Heap {
                 self.stats.num_cache_hits = self.stats.num_cache_hits.wrapping_add(1);
                 id
             }
-            None if tag != 0 && pool_index != 0 => {
-                self.grow_tagged_pool(pool_index, small, stream, rounded, size, tag)?
-            }
-            None if tag != 0 => self.grow_tagged(small, stream, rounded, size, tag)?,
+            None if tag != 0 => self.grow_tagged(pool_index, small, stream, rounded, size, tag)?,
             None if self.config.expandable_segments && pool_index == 0 && !uncached => {
                 // As PyTorch: CUDA-graph pools keep plain segments.
                 self.grow_expandable(small, stream, rounded, size, lane)?

@@ -19,9 +19,9 @@
 //! (`Heap::pause_tags` / `resume_tags`), so that one tag's driver calls run under another's
 //! copies; a call of several names is all or none across them.
 
-use crate::allocator::Allocator;
+use crate::allocator::{Allocator, HeapGuard};
 use crate::error::{Error, Result};
-use crate::heap::{Heap, SleepOutcome, TagFigures};
+use crate::heap::{SleepOutcome, TagFigures};
 use crate::tags::{self, TagId};
 use std::time::Instant;
 
@@ -76,14 +76,14 @@ impl SleepReport {
 /// A capture underway on any device refuses a pause or resume of `id` before any device
 /// changes (an unmap or a synchronization on one device would invalidate a global-mode capture
 /// on another).
-fn refuse_during_capture(heaps: &[crate::allocator::HeapGuard<'_, Heap>], id: TagId, what: &str) -> Result<()> {
+fn refuse_during_capture(heaps: &[HeapGuard<'_>], id: TagId, what: &str) -> Result<()> {
     heaps.iter().try_for_each(|h| h.check_sleep_call(id, what))
 }
 
 /// A tag some of whose live blocks another process may still hold through CUDA IPC is not
 /// paused: the receiver keeps the pages it mapped, so after a pause and resume the two
 /// processes would see different memory behind one tensor.
-fn refuse_while_shared(heaps: &[crate::allocator::HeapGuard<'_, Heap>], id: TagId) -> Result<()> {
+fn refuse_while_shared(heaps: &[HeapGuard<'_>], id: TagId) -> Result<()> {
     let held = heaps.iter().flat_map(|h| tags::numbers(id).map(|t| h.shared_of_tag(t)));
     let (tensors, bytes) = held.fold((0, 0), |(n, b), (n2, b2)| (n + n2, b + b2));
     if tensors == 0 {

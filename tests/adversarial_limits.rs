@@ -1,4 +1,4 @@
-//! Fourth adversarial pass (issue 31): `page_release` with `cache_limit_mb` and
+//! Fourth adversarial pass: `page_release` with `cache_limit_mb` and
 //! `page_release_grace` under live load from several threads and streams on two simulated
 //! devices, with tagged regions mixed in. What must hold: no block handed out over a live one,
 //! no block lost, no page mapped twice (the simulated device refuses a map over mapped bytes,
@@ -6,19 +6,13 @@
 //! use at every check (the figures users read against `cuMemGetInfo`), and the limit in force
 //! once the load stops. docs/testing.md ("Fourth adversarial pass") records the outcome.
 
-use std::collections::BTreeMap;
+mod common;
+
+use common::{next, Shadow};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use stepalloc::units::MIB;
 use stepalloc::{tags, Allocator, Config, Stream};
-
-fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
 
 /// Reserved bytes as the heap counts them, and bytes in use as the device reports them, read
 /// under one lock so that no allocation runs between the two.
@@ -29,27 +23,6 @@ fn reserved_and_used(a: &Allocator, device: usize) -> (u64, u64) {
         (reserved, total - free)
     })
     .unwrap()
-}
-
-#[derive(Default)]
-struct Shadow(Mutex<BTreeMap<(usize, u64), u64>>);
-
-impl Shadow {
-    fn insert(&self, device: usize, p: u64, size: u64) {
-        let mut live = self.0.lock().unwrap();
-        let end = p + size.max(1);
-        if let Some((&(d, q), &s)) = live.range(..(device, end)).next_back() {
-            assert!(
-                d != device || q + s.max(1) <= p,
-                "block {p:#x}+{size} overlaps live {q:#x}+{s} on device {device}"
-            );
-        }
-        assert!(live.insert((device, p), size).is_none());
-    }
-
-    fn remove(&self, device: usize, p: u64) {
-        self.0.lock().unwrap().remove(&(device, p)).expect("shadowed");
-    }
 }
 
 fn run_load(limit_mb: u64, grace: u64) {

@@ -1,4 +1,4 @@
-//! Fourth adversarial pass (issue 31), sleep and wake on the simulated device: a resume short
+//! Fourth adversarial pass, sleep and wake on the simulated device: a resume short
 //! of memory (a memory fraction, failing maps, a device another device's resume could not
 //! follow), pause and resume racing allocation and free on other threads, pause while a CUDA
 //! graph is being captured, and the Prometheus text and `tags_json` read while pause and resume
@@ -7,36 +7,13 @@
 //! backup), and the process keeps working. docs/testing.md ("Fourth adversarial pass") lists
 //! each attempt and its outcome.
 
-use std::collections::BTreeMap;
+mod common;
+
+use common::{figures, in_region_on, next, sample, samples, sim_4gib, used, Shadow, S0};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use stepalloc::units::MIB;
-use stepalloc::{metrics, tags, Allocator, Config, Error, Stream};
-
-fn sim(conf: &str) -> Allocator {
-    let text = format!("backend:sim,sim_capacity_mb:4096{conf}");
-    Allocator::new(Config::parse(&text).expect("valid config")).expect("sim backend")
-}
-
-const S0: Stream = Stream(0);
-
-/// Device memory in use on `device`, as the device reports it.
-fn used(a: &Allocator, device: usize) -> u64 {
-    let (free, total) = a.with_heap(device, |h| h.device_mem_info()).unwrap().unwrap();
-    total - free
-}
-
-/// Allocates `sizes` on `device` in a region of `tag`.
-fn in_region(a: &Allocator, device: usize, tag: &str, backup: bool, sizes: &[u64]) -> Vec<(u64, u64)> {
-    tags::enter(tag, backup).unwrap();
-    let blocks = sizes.iter().map(|&s| (a.malloc(device, s, S0).unwrap(), s)).collect();
-    tags::exit().unwrap();
-    blocks
-}
-
-fn figures(a: &Allocator, tag: &str) -> stepalloc::heap::TagFigures {
-    a.tag_figures().into_iter().find(|f| f.tag == tag).unwrap_or_else(|| panic!("no figures for {tag}"))
-}
+use stepalloc::{metrics, tags, Allocator, Error, Stream};
 
 fn paused_on(a: &Allocator, device: usize, tag: &str) -> bool {
     let id = tags::lookup(tag).expect("registered");
@@ -49,8 +26,8 @@ fn paused_on(a: &Allocator, device: usize, tag: &str) -> bool {
 #[test]
 fn a_resume_refused_by_the_memory_fraction_keeps_the_tag_paused_and_a_retry_works() {
     for conf in ["", ",expandable_segments:True", &format!(",{}", stepalloc::config::RECOMMENDED)] {
-        let a = sim(conf);
-        let blocks = in_region(&a, 0, "adv_frac_w", true, &[200 * MIB, 3 * MIB, 4096]);
+        let a = sim_4gib(conf);
+        let blocks = in_region_on(&a, 0, "adv_frac_w", true, &[200 * MIB, 3 * MIB, 4096]);
         let want: u64 = blocks.iter().map(|&(_, s)| s).sum();
         a.pause(Some("adv_frac_w"), None).unwrap();
         let before = used(&a, 0);
@@ -83,7 +60,7 @@ fn a_resume_refused_by_the_memory_fraction_keeps_the_tag_paused_and_a_retry_work
 /// eventually, and across cycles no block or byte of backup is lost.
 #[test]
 fn resumes_that_fail_while_mapping_lose_nothing_and_retries_succeed() {
-    let a = sim(",expandable_segments:True,sim_fail_map_prob:0.05,sim_seed:31");
+    let a = sim_4gib(",expandable_segments:True,sim_fail_map_prob:0.05,sim_seed:31");
     // Allocation maps too and may fail: a user retries.
     let mut blocks = Vec::new();
     tags::enter("adv_mapfail_w", true).unwrap();
@@ -137,9 +114,9 @@ fn resumes_that_fail_while_mapping_lose_nothing_and_retries_succeed() {
 /// the error says the tag stays paused.
 #[test]
 fn a_failed_resume_on_two_devices_rolls_back_without_backing_up_a_no_backup_tag() {
-    let a = sim(",sim_devices:2,sim_capacity_mb:1024");
-    let on0 = in_region(&a, 0, "adv_rb_kv", false, &[256 * MIB]);
-    let on1 = in_region(&a, 1, "adv_rb_kv", false, &[256 * MIB]);
+    let a = sim_4gib(",sim_devices:2,sim_capacity_mb:1024");
+    let on0 = in_region_on(&a, 0, "adv_rb_kv", false, &[256 * MIB]);
+    let on1 = in_region_on(&a, 1, "adv_rb_kv", false, &[256 * MIB]);
     a.pause(Some("adv_rb_kv"), None).unwrap();
     let hog = a.malloc(1, 900 * MIB, S0).unwrap();
     let e = a.resume(Some("adv_rb_kv")).unwrap_err();
@@ -162,9 +139,9 @@ fn a_failed_resume_on_two_devices_rolls_back_without_backing_up_a_no_backup_tag(
 /// (Held: a regression test for the all-or-none rule.)
 #[test]
 fn a_failed_resume_on_two_devices_is_all_or_none_and_the_retry_restores_both() {
-    let a = sim(",sim_devices:2,sim_capacity_mb:1024");
-    let on0 = in_region(&a, 0, "adv_rb_w", true, &[128 * MIB, 4096]);
-    let on1 = in_region(&a, 1, "adv_rb_w", true, &[256 * MIB]);
+    let a = sim_4gib(",sim_devices:2,sim_capacity_mb:1024");
+    let on0 = in_region_on(&a, 0, "adv_rb_w", true, &[128 * MIB, 4096]);
+    let on1 = in_region_on(&a, 1, "adv_rb_w", true, &[256 * MIB]);
     a.pause(Some("adv_rb_w"), None).unwrap();
     let hog = a.malloc(1, 900 * MIB, S0).unwrap();
     let e = a.resume(Some("adv_rb_w")).unwrap_err();
@@ -193,9 +170,9 @@ fn a_failed_resume_on_two_devices_is_all_or_none_and_the_retry_restores_both() {
 /// capture. A capture on any device must refuse the whole call before any device changes.
 #[test]
 fn a_pause_during_a_capture_on_another_device_changes_no_device() {
-    let a = sim(",sim_devices:2");
-    let on0 = in_region(&a, 0, "adv_cap_w", true, &[8 * MIB]);
-    let on1 = in_region(&a, 1, "adv_cap_w", true, &[8 * MIB]);
+    let a = sim_4gib(",sim_devices:2");
+    let on0 = in_region_on(&a, 0, "adv_cap_w", true, &[8 * MIB]);
+    let on1 = in_region_on(&a, 1, "adv_cap_w", true, &[8 * MIB]);
     a.begin_allocate_to_pool(1, (5, 5)).unwrap();
     let e = a.pause(Some("adv_cap_w"), None).unwrap_err();
     assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("capture")), "{e}");
@@ -214,8 +191,8 @@ fn a_pause_during_a_capture_on_another_device_changes_no_device() {
 /// (held); allocation of the tag into the graph's pool goes on; after the capture both work.
 #[test]
 fn pause_and_resume_during_a_capture_on_the_same_device_change_nothing() {
-    let a = sim(&format!(",{}", stepalloc::config::RECOMMENDED));
-    let w = in_region(&a, 0, "adv_cap1_w", true, &[8 * MIB, 4096]);
+    let a = sim_4gib(&format!(",{}", stepalloc::config::RECOMMENDED));
+    let w = in_region_on(&a, 0, "adv_cap1_w", true, &[8 * MIB, 4096]);
     a.begin_allocate_to_pool(0, (9, 9)).unwrap();
     let before = (used(&a, 0), a.stats(0).unwrap().heap.num_unmap);
     let e = a.pause(Some("adv_cap1_w"), None).unwrap_err();
@@ -238,38 +215,6 @@ fn pause_and_resume_during_a_capture_on_the_same_device_change_nothing() {
         a.free(0, p, s).unwrap();
     }
     a.check_invariants().unwrap();
-}
-
-/// splitmix64, for the worker threads' sizes and choices.
-fn next(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut z = *state;
-    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    z ^ (z >> 31)
-}
-
-/// Live blocks of every thread, by (device, address) -> size: a block handed out over a live
-/// one fails the test. A block leaves before its free (so its address may come back at once).
-#[derive(Default)]
-struct Shadow(Mutex<BTreeMap<(usize, u64), u64>>);
-
-impl Shadow {
-    fn insert(&self, device: usize, p: u64, size: u64) {
-        let mut live = self.0.lock().unwrap();
-        let end = p + size.max(1);
-        if let Some((&(d, q), &s)) = live.range(..(device, end)).next_back() {
-            assert!(
-                d != device || q + s.max(1) <= p,
-                "block {p:#x}+{size} overlaps live {q:#x}+{s} on device {device}"
-            );
-        }
-        assert!(live.insert((device, p), size).is_none());
-    }
-
-    fn remove(&self, device: usize, p: u64) {
-        self.0.lock().unwrap().remove(&(device, p)).expect("shadowed");
-    }
 }
 
 /// Worker threads allocate and free, on two devices and their own streams, inside the region of
@@ -297,7 +242,7 @@ fn pause_and_resume_race_threads_with_plain_segments() {
 }
 
 fn race(conf: &str) {
-    let a = Arc::new(sim(&format!(",sim_devices:2,sim_capacity_mb:2048,{conf}")));
+    let a = Arc::new(sim_4gib(&format!(",sim_devices:2,sim_capacity_mb:2048,{conf}")));
     let shadow = Arc::new(Shadow::default());
     let stop = Arc::new(AtomicBool::new(false));
     let refused = Arc::new(AtomicU64::new(0));
@@ -398,27 +343,6 @@ fn race(conf: &str) {
     eprintln!("{} allocations refused while paused", refused.load(Ordering::Relaxed));
 }
 
-/// Prometheus samples of one text: (name, labels) -> value; panics on a malformed line.
-fn samples(text: &str) -> BTreeMap<(String, String), f64> {
-    let mut out = BTreeMap::new();
-    for line in text.lines() {
-        if line.is_empty() || line.starts_with("# HELP ") || line.starts_with("# TYPE ") {
-            continue;
-        }
-        assert!(!line.starts_with('#'), "unexpected comment (a render error?): {line}");
-        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value: {line}"));
-        let value: f64 = match value {
-            "+Inf" => f64::INFINITY,
-            v => v.parse().unwrap_or_else(|_| panic!("bad value: {line}")),
-        };
-        assert!(value >= 0.0, "negative sample: {line}");
-        let (name, labels) = series.split_once('{').unwrap_or((series, ""));
-        assert!(labels.is_empty() || labels.ends_with('}'), "unclosed labels: {line}");
-        assert!(out.insert((name.to_string(), labels.trim_end_matches('}').to_string()), value).is_none(), "{line}");
-    }
-    out
-}
-
 /// Scrapes (the text and the HTTP endpoint) and `tags_json` while pause and resume run on
 /// another thread: every scrape is well formed and consistent with itself — a paused tag has
 /// no live bytes and a tag that is not paused no paused bytes, on each device; the allocated
@@ -426,10 +350,10 @@ fn samples(text: &str) -> BTreeMap<(String, String), f64> {
 /// deadlock: the test ends).
 #[test]
 fn scrapes_and_tags_stay_well_formed_and_consistent_while_pause_and_resume_run() {
-    let a = Arc::new(sim(&format!(",sim_devices:2,{}", stepalloc::config::RECOMMENDED)));
-    let w0 = in_region(&a, 0, "adv_scrape_w", true, &[40 * MIB, 4096, 3 * MIB]);
-    let w1 = in_region(&a, 1, "adv_scrape_w", true, &[24 * MIB]);
-    let kv = in_region(&a, 0, "adv_scrape_kv", false, &[64 * MIB]);
+    let a = Arc::new(sim_4gib(&format!(",sim_devices:2,{}", stepalloc::config::RECOMMENDED)));
+    let w0 = in_region_on(&a, 0, "adv_scrape_w", true, &[40 * MIB, 4096, 3 * MIB]);
+    let w1 = in_region_on(&a, 1, "adv_scrape_w", true, &[24 * MIB]);
+    let kv = in_region_on(&a, 0, "adv_scrape_kv", false, &[64 * MIB]);
     let plain = a.malloc(0, 10 * MIB, S0).unwrap();
     let server = metrics::serve(Arc::clone(&a), "127.0.0.1:0").expect("serve");
     let addr = server.addr;
@@ -463,12 +387,15 @@ fn scrapes_and_tags_stay_well_formed_and_consistent_while_pause_and_resume_run()
             metrics::render(&a)
         };
         let s = samples(&text);
+        let get = |name: &str, labels: &[(&str, &str)]| {
+            sample(&s, name, labels).unwrap_or_else(|| panic!("scrape {i}: no sample {name}{labels:?}"))
+        };
         for device in ["0", "1"] {
             for tag in ["adv_scrape_w", "adv_scrape_kv"] {
-                let key = |name: &str| (name.to_string(), format!("device=\"{device}\",tag=\"{tag}\""));
-                let Some(&paused) = s.get(&key("stepalloc_tag_paused")) else { continue };
-                let live = s[&key("stepalloc_tag_live_bytes")];
-                let paused_bytes = s[&key("stepalloc_tag_paused_bytes")];
+                let labels = [("device", device), ("tag", tag)];
+                let Some(paused) = sample(&s, "stepalloc_tag_paused", &labels) else { continue };
+                let live = get("stepalloc_tag_live_bytes", &labels);
+                let paused_bytes = get("stepalloc_tag_paused_bytes", &labels);
                 if paused == 1.0 {
                     assert_eq!(live, 0.0, "scrape {i}: device {device}: paused {tag} with live bytes");
                 } else {
@@ -476,18 +403,15 @@ fn scrapes_and_tags_stay_well_formed_and_consistent_while_pause_and_resume_run()
                 }
                 checked += 1;
             }
-            let reserved: f64 = ["small", "large"]
-                .iter()
-                .map(|pool| {
-                    s[&("stepalloc_reserved_bytes".to_string(), format!("device=\"{device}\",pool=\"{pool}\""))]
-                })
-                .sum();
-            let mapped = s[&("stepalloc_mapped_bytes".to_string(), format!("device=\"{device}\""))];
+            let pools = ["small", "large"];
+            let reserved: f64 =
+                pools.iter().map(|&pool| get("stepalloc_reserved_bytes", &[("device", device), ("pool", pool)])).sum();
+            let mapped = get("stepalloc_mapped_bytes", &[("device", device)]);
             assert_eq!(mapped, reserved, "scrape {i}: device {device}: mapped bytes against reserved bytes");
-            for pool in ["small", "large"] {
-                let labels = format!("device=\"{device}\",pool=\"{pool}\"");
-                let allocated = s[&("stepalloc_allocated_bytes".to_string(), labels.clone())];
-                let reserved = s[&("stepalloc_reserved_bytes".to_string(), labels)];
+            for pool in pools {
+                let labels = [("device", device), ("pool", pool)];
+                let allocated = get("stepalloc_allocated_bytes", &labels);
+                let reserved = get("stepalloc_reserved_bytes", &labels);
                 assert!(allocated <= reserved, "scrape {i}: device {device} {pool}: {allocated} > {reserved}");
             }
         }
@@ -520,11 +444,11 @@ fn scrapes_and_tags_stay_well_formed_and_consistent_while_pause_and_resume_run()
 #[test]
 #[ignore = "a search for a rare race (not reproduced): cargo test --test adversarial_sleep -- --ignored concurrent"]
 fn concurrent_pause_and_resume_of_all_tags_leave_each_tag_whole() {
-    let a = Arc::new(sim(",sim_devices:2"));
+    let a = Arc::new(sim_4gib(",sim_devices:2"));
     let mut blocks = Vec::new();
     for tag in ["adv_cc_a", "adv_cc_b"] {
         for device in 0..2 {
-            blocks.push((device, in_region(&a, device, tag, true, &[MIB; 64])));
+            blocks.push((device, in_region_on(&a, device, tag, true, &[MIB; 64])));
         }
     }
     let mut mixed = Vec::new();
@@ -556,9 +480,9 @@ fn concurrent_pause_and_resume_of_all_tags_leave_each_tag_whole() {
 /// not rolled back (each tag is all or none, not the call), and a retry resumes the rest.
 #[test]
 fn resume_of_every_tag_with_room_for_one_resumes_it_and_names_the_other() {
-    let a = sim(",sim_capacity_mb:512,expandable_segments:True");
-    let first = in_region(&a, 0, "adv_all_a", true, &[150 * MIB]);
-    let second = in_region(&a, 0, "adv_all_b", true, &[150 * MIB]);
+    let a = sim_4gib(",sim_capacity_mb:512,expandable_segments:True");
+    let first = in_region_on(&a, 0, "adv_all_a", true, &[150 * MIB]);
+    let second = in_region_on(&a, 0, "adv_all_b", true, &[150 * MIB]);
     a.pause(None, None).unwrap();
     let hog = a.malloc(0, 250 * MIB, S0).unwrap();
     let e = a.resume(None).unwrap_err();
@@ -579,8 +503,8 @@ fn resume_of_every_tag_with_room_for_one_resumes_it_and_names_the_other() {
 /// the heap's records stay whole.
 #[test]
 fn record_stream_on_a_paused_block_then_free_while_paused_or_after() {
-    let a = sim(&format!(",sim_event_delay_us:50,{}", stepalloc::config::RECOMMENDED));
-    let blocks = in_region(&a, 0, "adv_rs_w", true, &[3 * MIB, 5 * MIB]);
+    let a = sim_4gib(&format!(",sim_event_delay_us:50,{}", stepalloc::config::RECOMMENDED));
+    let blocks = in_region_on(&a, 0, "adv_rs_w", true, &[3 * MIB, 5 * MIB]);
     a.pause(Some("adv_rs_w"), None).unwrap();
     for &(p, _) in &blocks {
         a.record_stream(0, p, Stream(9)).unwrap();
@@ -602,8 +526,8 @@ fn record_stream_on_a_paused_block_then_free_while_paused_or_after() {
 /// defect D). The refusal changes nothing and names the tag; a pointer not shared is refused.
 #[test]
 fn a_tag_with_a_tensor_held_by_another_process_does_not_pause_until_it_is_let_go() {
-    let a = sim(",sim_devices:2");
-    let blocks = in_region(&a, 1, "adv_ipc_w", true, &[8 * MIB, 4096]);
+    let a = sim_4gib(",sim_devices:2");
+    let blocks = in_region_on(&a, 1, "adv_ipc_w", true, &[8 * MIB, 4096]);
     let (p, _) = blocks[0];
     for _ in 0..2 {
         a.with_heap(1, |h| h.share(p)).unwrap().unwrap();

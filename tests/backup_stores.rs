@@ -8,31 +8,16 @@
 //! hold zeros of the right length (the hostcuda test in src/backend/cuda/host.rs checks bytes).
 //! The backup directory is process-wide: the tests that set it take `DIR_LOCK`.
 
+mod common;
+
+use common::{figures, in_region_with, sim_4gib};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use stepalloc::heap::{backup_dir, set_backup_dir};
-use stepalloc::tags::{self, Store};
+use stepalloc::tags::Store;
 use stepalloc::units::MIB;
-use stepalloc::{Allocator, Config, Stream};
 
-const S0: Stream = Stream(0);
 static DIR_LOCK: Mutex<()> = Mutex::new(());
-
-fn sim(conf: &str) -> Allocator {
-    let text = format!("backend:sim,sim_capacity_mb:4096{conf}");
-    Allocator::new(Config::parse(&text).expect("valid config")).expect("sim backend")
-}
-
-fn in_region(a: &Allocator, tag: &str, store: Store, sizes: &[u64]) -> Vec<(u64, u64)> {
-    tags::enter_with(tag, store).unwrap();
-    let blocks = sizes.iter().map(|&s| (a.malloc(0, s, S0).unwrap(), s)).collect();
-    tags::exit().unwrap();
-    blocks
-}
-
-fn figures(a: &Allocator, tag: &str) -> stepalloc::heap::TagFigures {
-    a.tag_figures().into_iter().find(|f| f.tag == tag).expect("the tag's figures")
-}
 
 /// A fresh directory for one test.
 fn scratch(name: &str) -> PathBuf {
@@ -55,9 +40,9 @@ fn files(dir: &Path) -> Vec<(String, u64)> {
 
 #[test]
 fn the_mmap_store_backs_up_to_pageable_memory_and_pins_none() {
-    let a = sim("");
+    let a = sim_4gib("");
     let tag = "stores_mmap";
-    let blocks = in_region(&a, tag, Store::Mmap, &[30 * MIB, 1000, 70 * MIB]);
+    let blocks = in_region_with(&a, 0, tag, Store::Mmap, &[30 * MIB, 1000, 70 * MIB]);
     let want: u64 = blocks.iter().map(|&(_, s)| s).sum();
     for cycle in 0..3 {
         let r = a.pause(Some(tag), None).unwrap();
@@ -83,12 +68,12 @@ fn one_tag_keeps_each_stores_memory_apart() {
     let _dir = DIR_LOCK.lock().unwrap();
     let dir = scratch("stores-mixed");
     set_backup_dir(dir.to_str().unwrap()).unwrap();
-    let a = sim("");
+    let a = sim_4gib("");
     let tag = "stores_mixed";
-    let pinned = in_region(&a, tag, Store::Pinned, &[8 * MIB]);
-    let mmap = in_region(&a, tag, Store::Mmap, &[6 * MIB]);
-    let disk = in_region(&a, tag, Store::Disk, &[4 * MIB, 3000]);
-    let none = in_region(&a, tag, Store::None, &[10 * MIB]);
+    let pinned = in_region_with(&a, 0, tag, Store::Pinned, &[8 * MIB]);
+    let mmap = in_region_with(&a, 0, tag, Store::Mmap, &[6 * MIB]);
+    let disk = in_region_with(&a, 0, tag, Store::Disk, &[4 * MIB, 3000]);
+    let none = in_region_with(&a, 0, tag, Store::None, &[10 * MIB]);
     let r = a.pause(Some(tag), None).unwrap();
     assert_eq!(r.copied_bytes, 8 * MIB + 6 * MIB + 4 * MIB + 3000);
     assert_eq!(r.discarded_bytes, 10 * MIB);
@@ -120,10 +105,10 @@ fn the_disk_store_writes_a_file_per_block_while_paused_only() {
     set_backup_dir(dir.to_str().unwrap()).unwrap();
     assert_eq!(backup_dir(), dir);
     for conf in ["", ",expandable_segments:True"] {
-        let a = sim(conf);
+        let a = sim_4gib(conf);
         let tag = "stores_disk";
         // More than one staging buffer (64 MiB), an odd size, a small one.
-        let blocks = in_region(&a, tag, Store::Disk, &[150 * MIB + 12345, 7, 2 * MIB]);
+        let blocks = in_region_with(&a, 0, tag, Store::Disk, &[150 * MIB + 12345, 7, 2 * MIB]);
         let want: u64 = blocks.iter().map(|&(_, s)| s).sum();
         let mut sizes = Vec::new();
         for cycle in 0..3 {
@@ -170,11 +155,11 @@ fn a_pause_that_cannot_write_its_files_fails_naming_tag_and_path_and_loses_nothi
     assert_eq!(backup_dir(), dir);
     std::fs::remove_file(&file).unwrap();
 
-    let a = sim("");
+    let a = sim_4gib("");
     let tag = "stores_bad";
-    let other = in_region(&a, "stores_bad_pinned", Store::Pinned, &[4 * MIB]);
-    let blocks = in_region(&a, tag, Store::Disk, &[20 * MIB, 5 * MIB]);
-    let kept = in_region(&a, tag, Store::Pinned, &[3 * MIB]);
+    let other = in_region_with(&a, 0, "stores_bad_pinned", Store::Pinned, &[4 * MIB]);
+    let blocks = in_region_with(&a, 0, tag, Store::Disk, &[20 * MIB, 5 * MIB]);
+    let kept = in_region_with(&a, 0, tag, Store::Pinned, &[3 * MIB]);
     let live = figures(&a, tag).live_bytes;
     let reserved = a.stats(0).unwrap().heap.reserved_bytes.all.current;
     // The directory disappears after it was set: the pause fails at the first file.
@@ -215,9 +200,9 @@ fn a_pause_that_cannot_write_its_files_fails_naming_tag_and_path_and_loses_nothi
 
 #[test]
 fn no_host_memory_for_the_mmap_store_fails_the_pause_with_the_kind_named() {
-    let a = sim(",sim_host_capacity_mb:16");
+    let a = sim_4gib(",sim_host_capacity_mb:16");
     let tag = "stores_mmap_short";
-    let blocks = in_region(&a, tag, Store::Mmap, &[40 * MIB]);
+    let blocks = in_region_with(&a, 0, tag, Store::Mmap, &[40 * MIB]);
     let e = a.pause(Some(tag), None).unwrap_err().to_string();
     assert!(e.contains(tag) && e.contains("pageable (mmap) host memory"), "{e}");
     assert!(!figures(&a, tag).paused);

@@ -5,6 +5,9 @@
 //! violation for each such call made while the test has marked a capture in progress, so each
 //! test here states one rule and fails if the heap breaks it.
 
+mod common;
+
+use common::{reserved, S0, S1, S2};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use stepalloc::backend::sim::SimDevice;
@@ -12,9 +15,6 @@ use stepalloc::backend::{DeviceInfo, DriverTime, Event, PhysHandle};
 use stepalloc::units::MIB;
 use stepalloc::{Allocator, Backend, Config, Result, Stream};
 
-const S0: Stream = Stream(0);
-const S1: Stream = Stream(0x1111);
-const S2: Stream = Stream(0x2222);
 const POOL: (u64, u64) = (1, 1);
 const OTHER_POOL: (u64, u64) = (2, 1);
 
@@ -136,10 +136,6 @@ fn end_capture(a: &Allocator, watch: &Mutex<Watch>, pool: (u64, u64)) {
 fn no_violations(watch: &Mutex<Watch>) {
     let w = watch.lock();
     assert!(w.violations.is_empty(), "calls during a capture: {:?}\nall calls: {:?}", w.violations, w.log);
-}
-
-fn reserved(a: &Allocator) -> u64 {
-    a.stats(0).unwrap().heap.reserved_bytes.all.current
 }
 
 #[test]

@@ -3,12 +3,11 @@
 //! (the tests run with overflow checks, in the debug and the release profile alike) and never
 //! a silently wrong result.
 
-use stepalloc::units::MIB;
-use stepalloc::{Allocator, Config, Stream};
+mod common;
 
-fn sim(conf: &str) -> Allocator {
-    Allocator::new(Config::parse(&format!("backend:sim,{conf}")).expect("configuration")).expect("allocator")
-}
+use common::sim;
+use stepalloc::units::MIB;
+use stepalloc::Stream;
 
 #[test]
 fn extreme_sizes_are_out_of_memory_not_overflows() {

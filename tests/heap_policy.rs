@@ -2,26 +2,15 @@
 //! out-of-memory sequence, stream reuse, memory fraction, garbage collection, cache limit,
 //! CUDA-graph pools, bad input, and threads. Each test states the rule it checks.
 
-use stepalloc::stats::DeviceStats;
+mod common;
+
+use common::{sim, stats, S0, S1, S2};
 use stepalloc::units::MIB;
-use stepalloc::{Allocator, Config, Error, Stream};
-
-fn sim(conf: &str) -> Allocator {
-    let text = format!("backend:sim,{conf}");
-    Allocator::new(Config::parse(&text).expect("valid config")).expect("sim backend")
-}
-
-fn stats(a: &Allocator) -> DeviceStats {
-    a.stats(0).expect("device 0")
-}
+use stepalloc::{Allocator, Error, Stream};
 
 fn block_size(a: &Allocator, ptr: u64) -> u64 {
     a.with_heap(0, |h| h.live_blocks().into_iter().find(|b| b.0 == ptr).map(|b| b.1)).unwrap().expect("live block")
 }
-
-const S0: Stream = Stream(0);
-const S1: Stream = Stream(0x1111);
-const S2: Stream = Stream(0x2222);
 
 /// The inactive-split statistics change once per operation, by its net effect, as PyTorch's
 /// `alloc_found_block` and `free_block` change them: taking 1 KiB from an already split free

@@ -3,19 +3,16 @@
 //! allocator (and back to it, with the size and stream it was asked for), `use_on_oom`, and
 //! snapshots naming a segment's pool by its id.
 
+mod common;
+
+use common::{sim, S0, S1};
 use parking_lot::Mutex;
 use std::sync::Arc;
 use stepalloc::stats::ReleaseReason;
 use stepalloc::units::MIB;
-use stepalloc::{Allocator, Config, SegmentSource, Stream};
+use stepalloc::{Allocator, SegmentSource, Stream};
 
-const S0: Stream = Stream(0);
-const S1: Stream = Stream(0x1111);
 const POOL: (u64, u64) = (0, 7);
-
-fn sim(conf: &str) -> Allocator {
-    Allocator::new(Config::parse(&format!("backend:sim,{conf}")).expect("valid config")).expect("sim backend")
-}
 
 fn create(a: &Allocator, id: (u64, u64)) {
     a.with_heap(0, |h| h.create_pool(id)).unwrap();

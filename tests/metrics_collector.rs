@@ -3,7 +3,9 @@
 //! `Allocator::stats` reports, and the free-block ranges match an oracle computed from the
 //! segments and live blocks. Also checks the Grafana dashboard only plots metrics that exist.
 
-use std::collections::BTreeMap;
+mod common;
+
+use common::{sample, Samples};
 use stepalloc::heap::{FREE_BLOCK_RANGES, FREE_BLOCK_RANGE_BOUNDS};
 use stepalloc::metrics::{self, Kind, FREE_BLOCK_RANGE_LABELS, METRICS};
 use stepalloc::stats::{ReleaseReason, DEVICE_ALLOC_BUCKETS_S};
@@ -11,37 +13,8 @@ use stepalloc::{Allocator, Config, DeviceStats, Stream};
 
 const MIB: u64 = 1 << 20;
 
-/// Samples of a text exposition: (name, sorted labels) -> value.
-type Samples = BTreeMap<(String, BTreeMap<String, String>), f64>;
-
-fn parse(text: &str) -> Samples {
-    let mut out = Samples::new();
-    for line in text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
-        let (series, value) = line.rsplit_once(' ').unwrap_or_else(|| panic!("no value in `{line}`"));
-        let value: f64 = match value {
-            "+Inf" => f64::INFINITY,
-            v => v.parse().unwrap_or_else(|_| panic!("bad value in `{line}`")),
-        };
-        let (name, labels) = match series.split_once('{') {
-            None => (series.to_string(), BTreeMap::new()),
-            Some((name, rest)) => {
-                let body = rest.strip_suffix('}').unwrap_or_else(|| panic!("unclosed labels in `{line}`"));
-                let mut labels = BTreeMap::new();
-                for pair in body.split("\",").filter(|p| !p.is_empty()) {
-                    let (k, v) = pair.split_once("=\"").unwrap_or_else(|| panic!("bad label in `{line}`"));
-                    labels.insert(k.to_string(), v.trim_end_matches('"').to_string());
-                }
-                (name.to_string(), labels)
-            }
-        };
-        assert!(out.insert((name, labels), value).is_none(), "duplicate series `{series}`");
-    }
-    out
-}
-
 fn get(samples: &Samples, name: &str, labels: &[(&str, &str)]) -> f64 {
-    let key = (name.to_string(), labels.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect());
-    *samples.get(&key).unwrap_or_else(|| panic!("no sample {name}{labels:?}"))
+    sample(samples, name, labels).unwrap_or_else(|| panic!("no sample {name}{labels:?}"))
 }
 
 /// Two phases on device 0 (rollout: KV-cache-shaped blocks; train: activations), an
@@ -243,7 +216,7 @@ fn collector_values_equal_the_allocator_stats() {
     if std::env::var_os("STEPALLOC_PRINT_METRICS").is_some() {
         println!("{text}");
     }
-    let samples = parse(&text);
+    let samples = common::samples(&text);
 
     for device in 0..a.device_count() {
         let stats = a.stats(device).expect("stats");
@@ -285,7 +258,7 @@ fn collector_values_equal_the_allocator_stats() {
         a.free(d, p, 0).expect("free");
     }
     a.empty_cache().expect("empty_cache");
-    let after = parse(&metrics::render(&a));
+    let after = common::samples(&metrics::render(&a));
     for d in ["0", "1"] {
         for pool in ["small", "large"] {
             assert_eq!(get(&after, "stepalloc_reserved_bytes", &[("device", d), ("pool", pool)]), 0.0);
@@ -307,7 +280,7 @@ fn virtual_memory_metrics_follow_the_allocator() {
     let q = a.malloc(0, 10 * MIB, stepalloc::Stream(0)).expect("malloc");
     a.free(0, p, 0).expect("free");
     let r = a.malloc(0, 12 * MIB, stepalloc::Stream(0)).expect("malloc: moves p's pages");
-    let samples = parse(&metrics::render(&a));
+    let samples = common::samples(&metrics::render(&a));
     let s = a.stats(0).expect("stats");
     assert!(s.heap.moved_bytes > 0 && s.mapped_bytes == 22 * MIB);
     assert!(s.driver_time.create_ns > 0 && s.driver_time.map_ns > 0, "modelled virtual-memory time");

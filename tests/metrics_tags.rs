@@ -4,6 +4,9 @@
 //! of a backed-up and a discarded tag; the tag label set stays bounded (one value per tag a
 //! region named, plus "default"); the families follow the metric rules (DESIGN.md).
 
+mod common;
+
+use common::samples;
 use std::collections::{BTreeMap, BTreeSet};
 use stepalloc::metrics::{self, Kind, METRICS};
 use stepalloc::{tags, Allocator, Config, Stream};
@@ -11,34 +14,9 @@ use stepalloc::{tags, Allocator, Config, Stream};
 const MIB: u64 = 1 << 20;
 const S: Stream = Stream(0);
 
-/// Samples of a text exposition: (name, labels) -> value.
-fn parse(text: &str) -> BTreeMap<(String, BTreeMap<String, String>), f64> {
-    let mut out = BTreeMap::new();
-    for line in text.lines().filter(|l| !l.is_empty() && !l.starts_with('#')) {
-        let (series, value) = line.rsplit_once(' ').expect("a value");
-        let (name, labels) = match series.split_once('{') {
-            None => (series.to_string(), BTreeMap::new()),
-            Some((name, rest)) => {
-                let body = rest.strip_suffix('}').expect("closed labels");
-                let labels = body
-                    .split("\",")
-                    .filter(|p| !p.is_empty())
-                    .map(|p| {
-                        let (k, v) = p.split_once("=\"").expect("a label");
-                        (k.to_string(), v.trim_end_matches('"').to_string())
-                    })
-                    .collect();
-                (name.to_string(), labels)
-            }
-        };
-        out.insert((name, labels), value.parse::<f64>().expect("a number"));
-    }
-    out
-}
-
 /// The per-tag samples of `name` on device 0, by tag.
 fn by_tag(a: &Allocator, name: &str) -> BTreeMap<String, f64> {
-    parse(&metrics::render(a))
+    samples(&metrics::render(a))
         .into_iter()
         .filter(|((n, l), _)| n == name && l.get("device").map(String::as_str) == Some("0"))
         // Host memory by kind: these tags' backups are pinned.
@@ -101,7 +79,7 @@ fn per_tag_figures_follow_pause_and_resume_exactly() {
         assert_eq!(figure(&a, "stepalloc_tag_resumes_total", w), cycle);
         assert_eq!(figure(&a, "stepalloc_tag_resumes_total", k), cycle);
     }
-    let seconds = parse(&metrics::render(&a))
+    let seconds = samples(&metrics::render(&a))
         .into_iter()
         .filter(|((n, l), _)| n == "stepalloc_tag_sleep_seconds_total" && l["tag"] == w)
         .count();
@@ -119,7 +97,7 @@ fn the_tag_label_set_is_bounded_and_the_families_follow_the_rules() {
     tags::enter("metrics_tags_bounded", false).unwrap();
     let p = a.malloc(0, 2 * MIB, S).unwrap();
     tags::exit().unwrap();
-    let samples = parse(&metrics::render(&a));
+    let samples = samples(&metrics::render(&a));
     let tag_values: BTreeSet<String> = samples.keys().filter_map(|(_, l)| l.get("tag").cloned()).collect();
     let registered: BTreeSet<String> =
         tags::registered().into_iter().map(|(_, n)| n).chain([tags::DEFAULT_NAME.to_string()]).collect();

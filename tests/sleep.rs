@@ -4,34 +4,16 @@
 //! unmap and copy against the driver's rules (a copy from an unmapped page fails), and counts
 //! the bytes copied each way.
 
+mod common;
+
+use common::{in_region, sim_4gib, used, S0};
 use stepalloc::units::MIB;
-use stepalloc::{tags, Allocator, Config, Error, Stream};
-
-fn sim(conf: &str) -> Allocator {
-    let text = format!("backend:sim,sim_capacity_mb:4096{conf}");
-    Allocator::new(Config::parse(&text).expect("valid config")).expect("sim backend")
-}
-
-const S0: Stream = Stream(0);
-
-/// Device memory in use, as the device reports it.
-fn used(a: &Allocator, device: usize) -> u64 {
-    let (free, total) = a.with_heap(device, |h| h.device_mem_info()).unwrap().unwrap();
-    total - free
-}
-
-/// Allocates `sizes` in a region of `tag`.
-fn in_region(a: &Allocator, tag: &str, backup: bool, sizes: &[u64]) -> Vec<(u64, u64)> {
-    tags::enter(tag, backup).unwrap();
-    let blocks = sizes.iter().map(|&s| (a.malloc(0, s, S0).unwrap(), s)).collect();
-    tags::exit().unwrap();
-    blocks
-}
+use stepalloc::{tags, Error, Stream};
 
 #[test]
 fn pause_releases_the_tags_memory_and_resume_maps_it_at_the_same_addresses() {
     for conf in ["", ",expandable_segments:True", ",expandable_segments:True,page_reuse:True,big_page_mb:64"] {
-        let a = sim(conf);
+        let a = sim_4gib(conf);
         let other = a.malloc(0, 100 * MIB, S0).unwrap();
         let weights = in_region(&a, "sleep_t1_weights", true, &[300 * MIB, 5 * MIB, 1000, 64 * MIB]);
         let kv = in_region(&a, "sleep_t1_kv", false, &[512 * MIB]);
@@ -76,7 +58,7 @@ fn r_copied(blocks: &[(u64, u64)]) -> u64 {
 
 #[test]
 fn a_paused_tags_region_refuses_allocations_and_frees_drop_blocks() {
-    let a = sim("");
+    let a = sim_4gib("");
     let blocks = in_region(&a, "sleep_t2", true, &[10 * MIB, 10 * MIB, 10 * MIB]);
     a.pause(Some("sleep_t2"), None).unwrap();
     tags::enter("sleep_t2", true).unwrap();
@@ -99,7 +81,7 @@ fn a_paused_tags_region_refuses_allocations_and_frees_drop_blocks() {
 
 #[test]
 fn outcomes_of_misuse_are_defined() {
-    let a = sim("");
+    let a = sim_4gib("");
     let e = a.pause(Some("sleep_never_entered"), None).unwrap_err();
     assert!(matches!(&e, Error::InvalidArgument(m) if m.contains("sleep_never_entered")), "{e}");
     let e = a.resume(Some("sleep_never_entered")).unwrap_err();
@@ -142,7 +124,7 @@ fn outcomes_of_misuse_are_defined() {
 #[test]
 fn blocks_take_the_tag_of_the_allocation_and_tags_never_share_pages() {
     for conf in ["", ",expandable_segments:True,page_reuse:True,pack_small:True"] {
-        let a = sim(conf);
+        let a = sim_4gib(conf);
         let (w, _) = in_region(&a, "sleep_t4_w", false, &[6 * MIB])[0];
         a.free(0, w, 6 * MIB).unwrap();
         // The cached block of another tag is not handed out: a new range.
@@ -177,7 +159,7 @@ fn blocks_take_the_tag_of_the_allocation_and_tags_never_share_pages() {
 
 #[test]
 fn resume_without_memory_fails_clearly_keeps_the_backup_and_retry_works() {
-    let a = sim(",sim_capacity_mb:512,expandable_segments:True");
+    let a = sim_4gib(",sim_capacity_mb:512,expandable_segments:True");
     let blocks = in_region(&a, "sleep_t5", true, &[100 * MIB, 50 * MIB]);
     a.pause(Some("sleep_t5"), None).unwrap();
     let hog = a.malloc(0, 400 * MIB, S0).unwrap();
@@ -201,7 +183,7 @@ fn resume_without_memory_fails_clearly_keeps_the_backup_and_retry_works() {
 
 #[test]
 fn several_devices_mempool_mode_and_pending_frees() {
-    let a = sim(",sim_devices:2,sim_event_delay_us:50");
+    let a = sim_4gib(",sim_devices:2,sim_event_delay_us:50");
     a.set_mempool_mode(true);
     tags::enter("sleep_t6", true).unwrap();
     let p0 = a.malloc(0, 40 * MIB, S0).unwrap();
@@ -229,7 +211,7 @@ fn several_devices_mempool_mode_and_pending_frees() {
 
 #[test]
 fn backups_follow_the_policy_and_host_buffers_are_kept_until_released() {
-    let a = sim(",sim_cost_model:True");
+    let a = sim_4gib(",sim_cost_model:True");
     let blocks = in_region(&a, "sleep_t7", true, &[64 * MIB, 64 * MIB]);
     let r = a.pause(Some("sleep_t7"), Some(false)).unwrap();
     assert_eq!((r.copied_bytes, r.discarded_bytes), (0, 128 * MIB), "an override beats the policy");
@@ -259,7 +241,7 @@ fn backups_follow_the_policy_and_host_buffers_are_kept_until_released() {
 /// CUDA IPC: a block whose tag is paused is refused with the tag's name; once resumed it shares.
 #[test]
 fn a_paused_tags_block_is_not_shared_with_other_processes() {
-    let a = sim(",expandable_segments:True");
+    let a = sim_4gib(",expandable_segments:True");
     let weights = in_region(&a, "sleep_ipc_weights", true, &[3 * MIB]);
     let (ptr, _) = weights[0];
     assert!(a.with_heap(0, |h| h.share(ptr)).unwrap().is_ok());
@@ -279,7 +261,7 @@ fn a_paused_tags_block_is_not_shared_with_other_processes() {
 /// configuration, through several cycles.
 #[test]
 fn pausing_many_blocks_with_free_pages_between_keeps_the_heaps_indexes() {
-    let a = sim(&format!(",{}", stepalloc::config::RECOMMENDED));
+    let a = sim_4gib(&format!(",{}", stepalloc::config::RECOMMENDED));
     let sizes: Vec<u64> = (0..1200u64).map(|i| (1 + i % 3) * MIB + (i % 5) * 4096).collect();
     for cycle in 0..3 {
         let blocks = in_region(&a, "sleep_t9_kv", false, &sizes);
@@ -308,7 +290,7 @@ fn pausing_many_blocks_with_free_pages_between_keeps_the_heaps_indexes() {
 #[test]
 fn free_blocks_of_different_streams_in_a_paused_tag_go_whole() {
     for conf in ["", ",expandable_segments:True", ",page_release:True,expandable_segments:True,cache_limit_mb:1"] {
-        let a = sim(conf);
+        let a = sim_4gib(conf);
         tags::enter("sleep_t10_kv", false).unwrap();
         let x = a.malloc(0, 4096, S0).unwrap();
         let z = a.malloc(0, 4096, S0).unwrap();
@@ -338,7 +320,7 @@ fn free_blocks_of_different_streams_in_a_paused_tag_go_whole() {
 /// invariant holds.
 #[test]
 fn pause_and_resume_under_page_release_and_a_cache_limit() {
-    let a = sim(&format!(",{},page_release:True,cache_limit_mb:1", stepalloc::config::RECOMMENDED));
+    let a = sim_4gib(&format!(",{},page_release:True,cache_limit_mb:1", stepalloc::config::RECOMMENDED));
     for cycle in 0..3 {
         let weights = in_region(&a, "sleep_t11_w", true, &[3 * MIB, 4096]);
         let scratch: Vec<u64> = (0..4).map(|i| a.malloc(0, (1 + i) * MIB, S0).unwrap()).collect();
@@ -369,7 +351,7 @@ fn pause_and_resume_under_page_release_and_a_cache_limit() {
 #[test]
 fn the_backup_belongs_to_the_allocation_not_to_the_tag() {
     for (first_backup, name) in [(true, "sleep_t12_a"), (false, "sleep_t12_b")] {
-        let a = sim(",sim_cost_model:True");
+        let a = sim_4gib(",sim_cost_model:True");
         let first = in_region(&a, name, first_backup, &[64 * MIB, 3 * MIB]);
         let second = in_region(&a, name, !first_backup, &[32 * MIB, 1000]);
         let (kept, gone) = if first_backup { (&first, &second) } else { (&second, &first) };
@@ -416,7 +398,7 @@ fn the_backup_belongs_to_the_allocation_not_to_the_tag() {
 /// its memory, its figures say live), a retry with host memory works.
 #[test]
 fn a_pause_without_host_memory_for_the_backup_fails_and_loses_nothing() {
-    let a = sim(",sim_host_capacity_mb:16");
+    let a = sim_4gib(",sim_host_capacity_mb:16");
     let backed = in_region(&a, "sleep_t13", true, &[32 * MIB]);
     let discarded = in_region(&a, "sleep_t13", false, &[8 * MIB]);
     let before = used(&a, 0);
@@ -448,7 +430,7 @@ fn a_pause_without_host_memory_for_the_backup_fails_and_loses_nothing() {
 /// once memory is free restores the backed-up bytes.
 #[test]
 fn a_resume_that_fails_halfway_through_a_name_pauses_it_again_whole() {
-    let a = sim(",sim_capacity_mb:512,expandable_segments:True");
+    let a = sim_4gib(",sim_capacity_mb:512,expandable_segments:True");
     let kept = in_region(&a, "sleep_t14", true, &[100 * MIB]);
     let gone = in_region(&a, "sleep_t14", false, &[100 * MIB]);
     a.pause(Some("sleep_t14"), None).unwrap();

@@ -8,17 +8,15 @@
 //! keep their addresses. Checked at the end: the address space, the segment count and the
 //! live blocks reached their high marks in the first half and did not move after.
 
+mod common;
+
+use common::used;
 use stepalloc::units::MIB;
 use stepalloc::{metrics, tags, Allocator, Config, Stream};
 
 const S: Stream = Stream(0);
 const GRAPH_STREAM: Stream = Stream(9);
 const CYCLES: u64 = 300;
-
-fn used(a: &Allocator) -> u64 {
-    let (free, total) = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap();
-    total - free
-}
 
 /// A small deterministic generator (xorshift), so that every run is the same loop.
 struct Rng(u64);
@@ -108,13 +106,13 @@ fn run(conf: &str) {
             _ => kv_live = Some((cache, kv_size)),   // kept through it (freed while paused below, or after)
         }
         // Training: the engine sleeps (weights backed up, KV cache and graph pool discarded).
-        let before = used(&a);
+        let before = used(&a, 0);
         let r = a.pause(None, None).unwrap();
         if cycle % 3 == 1 {
             let (p, s) = kv_live.take().unwrap();
             a.free(0, p, s).unwrap(); // a free of a paused block
         }
-        let paused_used = used(&a);
+        let paused_used = used(&a, 0);
         assert!(paused_used < before, "cycle {cycle}: the pause gave nothing back");
         a.resume(Some(opt)).unwrap();
         let grads: Vec<(u64, u64)> = (0..2 + rng.below(20))
@@ -170,7 +168,7 @@ fn run(conf: &str) {
     a.check_invariants().unwrap();
     a.release_backup().unwrap();
     a.empty_cache().unwrap();
-    assert_eq!(used(&a), 0, "{conf}: everything back at the end");
+    assert_eq!(used(&a, 0), 0, "{conf}: everything back at the end");
     assert_eq!(a.with_heap(0, |h| h.backup_host_bytes()).unwrap(), 0);
     let (p, h, c) = first.unwrap();
     eprintln!(

@@ -5,24 +5,11 @@
 //! pause releases them for good and the resume maps only the live pages (stepalloc's default).
 //! On the simulated device, which checks every map and unmap against the driver's rules.
 
+mod common;
+
+use common::{reserved, sim_4gib, used, S0};
 use stepalloc::units::MIB;
-use stepalloc::{tags, Allocator, Config, Stream};
-
-const S0: Stream = Stream(0);
-
-fn sim(conf: &str) -> Allocator {
-    let text = format!("backend:sim,sim_capacity_mb:4096{conf}");
-    Allocator::new(Config::parse(&text).expect("valid config")).expect("sim backend")
-}
-
-fn used(a: &Allocator) -> u64 {
-    let (free, total) = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap();
-    total - free
-}
-
-fn reserved(a: &Allocator) -> u64 {
-    a.stats(0).unwrap().heap.reserved_bytes.all.current
-}
+use stepalloc::{tags, Allocator};
 
 fn creates(a: &Allocator) -> u64 {
     a.stats(0).unwrap().heap.num_create
@@ -43,22 +30,22 @@ fn with_keep_cached_a_resume_maps_the_cached_pages_again_for_the_tag_to_reuse() 
     for conf in ["", ",expandable_segments:True", ",expandable_segments:True,page_reuse:True"] {
         let tag = "kc_on";
         tags::set_keep_cached(tag, true).unwrap();
-        let a = sim(conf);
+        let a = sim_4gib(conf);
         let (first, freed, last, late) = layout(&a, tag);
         a.check_invariants().unwrap();
-        let (reserved_before, used_before) = (reserved(&a), used(&a));
+        let (reserved_before, used_before) = (reserved(&a), used(&a, 0));
         assert!(reserved_before >= 640 * MIB, "{conf}: {reserved_before}");
         let r = a.pause(Some(tag), None).unwrap();
         a.check_invariants().unwrap();
         assert!(r.released_bytes >= 640 * MIB, "{conf}: the cached pages go at the pause too: {r:?}");
-        assert!(used(&a) < 8 * MIB, "{conf}: {} still used while paused", used(&a));
+        assert!(used(&a, 0) < 8 * MIB, "{conf}: {} still used while paused", used(&a, 0));
         // A block freed while paused: its pages come back as cached memory too.
         a.free(0, late, 40 * MIB).unwrap();
         a.check_invariants().unwrap();
         let r = a.resume(Some(tag)).unwrap();
         a.check_invariants().unwrap();
         assert_eq!(reserved(&a), reserved_before, "{conf}: the resume maps what the pause released");
-        assert_eq!(used(&a), used_before, "{conf}: device memory back to the pre-pause figure");
+        assert_eq!(used(&a, 0), used_before, "{conf}: device memory back to the pre-pause figure");
         assert_eq!(r.mapped_bytes, reserved_before, "{conf}: {r:?}");
         assert_eq!(r.copied_bytes, 300 * MIB, "{conf}: only the live blocks are copied");
         // A malloc of the freed size reuses the remapped pages: no new physical memory.
@@ -81,14 +68,14 @@ fn with_keep_cached_a_resume_maps_the_cached_pages_again_for_the_tag_to_reuse() 
         a.free(0, last, 100 * MIB).unwrap();
         a.empty_cache().unwrap();
         a.check_invariants().unwrap();
-        assert_eq!(used(&a), 0, "{conf}: everything back");
+        assert_eq!(used(&a, 0), 0, "{conf}: everything back");
     }
 }
 
 #[test]
 fn without_keep_cached_the_cached_pages_go_for_good() {
     let tag = "kc_off";
-    let a = sim(",expandable_segments:True");
+    let a = sim_4gib(",expandable_segments:True");
     let (first, _, last, late) = layout(&a, tag);
     let reserved_before = reserved(&a);
     a.pause(Some(tag), None).unwrap();
@@ -110,7 +97,7 @@ fn without_keep_cached_the_cached_pages_go_for_good() {
 fn a_resume_without_room_for_the_cached_pages_fails_whole_and_a_retry_works() {
     let tag = "kc_room";
     tags::set_keep_cached(tag, true).unwrap();
-    let a = sim(",sim_capacity_mb:1024,expandable_segments:True");
+    let a = sim_4gib(",sim_capacity_mb:1024,expandable_segments:True");
     tags::enter(tag, false).unwrap();
     let p = [100 * MIB, 500 * MIB, 100 * MIB].map(|s| a.malloc(0, s, S0).unwrap());
     tags::exit().unwrap();

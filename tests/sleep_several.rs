@@ -6,10 +6,11 @@
 //! idle cached pages and releases them as it maps; and a resume that fails halfway, after some
 //! batches were mapped and their copies queued, leaves every tag paused with its backup.
 
-use stepalloc::units::MIB;
-use stepalloc::{tags, Allocator, Config, Error, Stream};
+mod common;
 
-const S0: Stream = Stream(0);
+use common::{used, S0};
+use stepalloc::units::MIB;
+use stepalloc::{tags, Allocator, Config, Error};
 
 fn sim(conf: &str) -> Allocator {
     let text = format!("backend:sim,expandable_segments:True,large_segment_size_mb:2{conf}");
@@ -23,11 +24,6 @@ fn in_region(a: &Allocator, tag: &str, backup: bool, sizes: &[u64]) -> Vec<(u64,
     let blocks = sizes.iter().map(|&s| (malloc(s), s)).collect();
     tags::exit().unwrap();
     blocks
-}
-
-fn used(a: &Allocator) -> u64 {
-    let (free, total) = a.with_heap(0, |h| h.device_mem_info()).unwrap().unwrap();
-    total - free
 }
 
 /// The simulated host clock: every driver call's modelled time and every wait (ns).
@@ -67,7 +63,7 @@ fn one_call_of_two_tags_hides_the_other_tags_driver_calls_under_the_copies() {
         };
         assert_eq!(out.copied_bytes, 1024 * MIB);
         assert!(paused(&a, w) && paused(&a, kv));
-        assert_eq!(used(&a), 0, "everything given back");
+        assert_eq!(used(&a, 0), 0, "everything given back");
         let t1 = clock_ns(&a);
         let back = if together {
             a.resume_tags(&[w, kv]).unwrap()
@@ -108,16 +104,16 @@ fn a_resume_makes_room_from_idle_cached_pages_and_fails_up_front_without_room() 
     // The trainer fills the device, then frees: 1.9 GiB of idle cached pages.
     let big = a.malloc(0, 1900 * MIB, S0).unwrap();
     a.free(0, big, 1900 * MIB).unwrap();
-    assert!(used(&a) >= 1900 * MIB);
+    assert!(used(&a, 0) >= 1900 * MIB);
     let r = a.resume(None).unwrap();
     assert_eq!(r.copied_bytes, 600 * MIB);
     assert!(r.released_bytes >= 1000 * MIB - (2048 - 1900) * MIB, "{r:?}");
-    assert!(used(&a) <= 2048 * MIB);
+    assert!(used(&a, 0) <= 2048 * MIB);
     a.check_invariants().unwrap();
     a.pause(None, None).unwrap();
     // Now live memory holds the room: nothing is created, both stay paused with the backup.
     let hog = a.malloc(0, 1500 * MIB, S0).unwrap();
-    let before = (used(&a), a.stats(0).unwrap().heap.num_create);
+    let before = (used(&a, 0), a.stats(0).unwrap().heap.num_create);
     // One heap call for both names: the error names both.
     let numbers: Vec<u8> =
         ["several_room_w", "several_room_kv"].iter().flat_map(|t| tags::numbers(tags::lookup(t).unwrap())).collect();
@@ -130,7 +126,7 @@ fn a_resume_makes_room_from_idle_cached_pages_and_fails_up_front_without_room() 
     let e = a.resume(None).unwrap_err();
     let Error::OutOfMemory(report) = &e else { panic!("{e}") };
     assert!(report.hint.contains("several_room_w") && report.hint.contains("The tag stays paused"), "{e}");
-    assert_eq!((used(&a), a.stats(0).unwrap().heap.num_create), before, "the check comes before any create");
+    assert_eq!((used(&a, 0), a.stats(0).unwrap().heap.num_create), before, "the check comes before any create");
     assert!(paused(&a, "several_room_w") && paused(&a, "several_room_kv"));
     assert_eq!(backup_bytes(&a, "several_room_w"), 600 * MIB);
     a.check_invariants().unwrap();
@@ -153,7 +149,7 @@ fn a_resume_of_several_tags_that_fails_halfway_loses_nothing() {
     a.pause(None, None).unwrap();
     let (mut failures, mut late_failures) = (0, 0);
     let r = loop {
-        let (use_before, maps_before) = (used(&a), a.stats(0).unwrap().heap.num_map);
+        let (use_before, maps_before) = (used(&a, 0), a.stats(0).unwrap().heap.num_map);
         match a.resume(None) {
             Ok(r) => break r,
             Err(e) => {
@@ -161,7 +157,7 @@ fn a_resume_of_several_tags_that_fails_halfway_loses_nothing() {
                 failures += 1;
                 // Past the first batch's 128 pages: its copies were queued when the map failed.
                 late_failures += usize::from(a.stats(0).unwrap().heap.num_map - maps_before > 128);
-                assert_eq!(used(&a), use_before, "attempt {failures}: the failed resume gave everything back");
+                assert_eq!(used(&a, 0), use_before, "attempt {failures}: the failed resume gave everything back");
                 assert!(paused(&a, "several_fail_w") && paused(&a, "several_fail_kv"), "attempt {failures}");
                 assert_eq!(backup_bytes(&a, "several_fail_w"), 600 * MIB, "attempt {failures}");
                 a.check_invariants().unwrap();

@@ -3,22 +3,17 @@
 //! and a training phase that needs large activation blocks. Checks what is released, when,
 //! and that live blocks and blocks waiting on events are never touched.
 
+mod common;
+
+use common::{reserved, sim};
 use stepalloc::stats::ReleaseReason;
 use stepalloc::units::MIB;
-use stepalloc::{Allocator, Config, Stream};
+use stepalloc::{Allocator, Stream};
 
 const S: Stream = Stream(0);
 
-fn sim(conf: &str) -> Allocator {
-    Allocator::new(Config::parse(&format!("backend:sim,{conf}")).expect("config")).expect("sim")
-}
-
 fn released(a: &Allocator, reason: ReleaseReason) -> u64 {
     a.stats(0).unwrap().heap.released_bytes[reason as usize]
-}
-
-fn reserved(a: &Allocator) -> u64 {
-    a.stats(0).unwrap().heap.reserved_bytes.all.current
 }
 
 /// One rollout step: 12 KV blocks of 6 MiB (3 per 20 MiB segment), all freed at its end.

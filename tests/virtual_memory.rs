@@ -3,22 +3,12 @@
 //! states the rule it checks. The simulated device enforces the driver's mapping rules, so a
 //! wrong map or unmap fails here as it would on a GPU.
 
+mod common;
+
+use common::{sim, stats, S0, S1};
 use stepalloc::config::RECOMMENDED;
-use stepalloc::stats::DeviceStats;
 use stepalloc::units::MIB;
 use stepalloc::{Allocator, Config, Stream};
-
-fn sim(conf: &str) -> Allocator {
-    let text = format!("backend:sim,{conf}");
-    Allocator::new(Config::parse(&text).expect("valid config")).expect("sim backend")
-}
-
-fn stats(a: &Allocator) -> DeviceStats {
-    a.stats(0).expect("device 0")
-}
-
-const S0: Stream = Stream(0);
-const S1: Stream = Stream(0x1111);
 
 #[test]
 fn expandable_segments_map_pages_on_demand() {

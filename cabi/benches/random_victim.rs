@@ -4,15 +4,15 @@
 //! stay slower). One process, one allocator: the live set grows 1 k -> 10 k -> 100 k, then
 //! shrinks to 10 k. Run with `cargo bench -p stepalloc-cabi --bench random_victim`; after
 //! criterion's figures it prints each case's best of five medians (`STEPALLOC_VICTIM_ROUNDS`
-//! sets how many) and the two ratios the target is stated in (100 k / 10 k <= 1.5, 10 k after
-//! 100 k / 10 k before within 10%).
+//! sets how many) and the history ratio (10 k after 100 k / 10 k before, target within 10%).
 //!
 //! With `STEPALLOC_BASELINE=/path/to/other/libstepalloc.so` the same churn also runs on that
 //! library (loaded beside this one, with its own allocator), interleaved, so both figures come
 //! from one run on the same machine state: how docs/performance.md compares two builds.
 //! With `STEPALLOC_TORCH_VICTIM=/path/to/libtorch_victim.so` PyTorch's own CUDA caching
 //! allocator runs the same churn too, and each case prints stepalloc's time per pair over
-//! PyTorch's (scripts/torch_victim.sh builds the shim and runs this over testdrv/, no GPU).
+//! PyTorch's, the hot path's target (at most 1/4 at 1 k, 10 k and 100 k live blocks;
+//! scripts/torch_victim.sh builds the shim and runs this over testdrv/, no GPU).
 //!
 //! Instruction and cache-miss counts per pair, which a busy machine does not disturb, come
 //! from the `random_victim` example under cachegrind (docs/performance.md, "Instructions and misses per pair").
@@ -65,18 +65,16 @@ fn main() {
     }
     let ns = |name: &str, case: &str| figures.iter().find(|f| f.0 == name && f.1 == case).map_or(f64::NAN, |f| f.2);
     for (name, _) in churns.iter().filter(|c| c.0 != "pytorch") {
-        let ns = |case: &str| ns(name, case);
-        let scale = ns("100k_live") / ns("10k_live");
-        let history = ns("10k_after_100k") / ns("10k_live");
-        println!(
-            "{name}: 100k / 10k {scale:.2} (target <= 1.5); 10k after 100k / 10k before {history:.2} (target <= 1.10)"
-        );
+        let history = ns(name, "10k_after_100k") / ns(name, "10k_live");
+        println!("{name}: 10k after 100k / 10k before {history:.2} (target <= 1.10)");
     }
     if churns.iter().any(|c| c.0 == "pytorch") {
         for (name, _) in churns.iter().filter(|c| c.0 != "pytorch") {
             for (_, case) in CASES {
                 let ratio = ns(name, case) / ns("pytorch", case);
-                println!("{name} / pytorch, {case}: {ratio:.3} (target <= 0.167)");
+                // The target holds at 1 k, 10 k and 100 k; the history case is printed beside them.
+                let target = if case == "10k_after_100k" { "" } else { " (target <= 0.25)" };
+                println!("{name} / pytorch, {case}: {ratio:.3}{target}");
             }
         }
     }

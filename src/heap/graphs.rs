@@ -19,7 +19,6 @@
 //! pool fed by another library's allocator (`SegmentSource`) takes no tag.
 
 use super::{Heap, PoolId};
-use crate::backend::Stream;
 use crate::error::Result;
 use crate::segment::{BlockId, BlockState};
 use crate::stats::ReleaseReason;
@@ -35,23 +34,6 @@ impl Heap {
             pool.tag = tag;
         }
         pool.tag
-    }
-
-    /// A request into tagged pool `pool` that no free block could serve: the pool's own paged
-    /// ranges grow.
-    pub(super) fn grow_tagged_pool(
-        &mut self,
-        pool: u32,
-        small: bool,
-        stream: Stream,
-        rounded: u64,
-        requested: u64,
-        tag: TagId,
-    ) -> Result<BlockId> {
-        self.request_pool = pool;
-        let grown = self.grow_tagged(small, stream, rounded, requested, tag);
-        self.request_pool = 0;
-        grown
     }
 
     /// Counts a paged segment of pool `pool` (0: the general pool, nothing to count) in or out;

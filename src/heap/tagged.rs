@@ -16,18 +16,20 @@ use std::collections::BTreeMap;
 pub use crate::stats::TagFigures;
 
 impl Heap {
-    /// A tagged request no free block could serve: the tag's own virtual ranges grow.
+    /// A tagged request no free block could serve: the tag's own virtual ranges in `pool` grow
+    /// (0: the general pool; a CUDA graph's pool captured under a tag, `heap/graphs.rs`).
     pub(super) fn grow_tagged(
         &mut self,
+        pool: u32,
         small: bool,
         stream: Stream,
         rounded: u64,
         requested: u64,
         tag: TagId,
     ) -> Result<BlockId> {
-        self.request_tag = tag;
+        (self.request_pool, self.request_tag) = (pool, tag);
         let grown = self.grow_expandable(small, stream, rounded, requested, false);
-        self.request_tag = 0;
+        (self.request_pool, self.request_tag) = (0, 0);
         grown
     }
 

@@ -17,7 +17,9 @@
 use crate::compare::{self, Base};
 use crate::ops::{Op, Program};
 use crate::replay::{self, RunConfig};
-use crate::report::{gib, Attribution, AttributionGroup, DeviceReport, PeakMoment, Report, RunReport};
+use crate::report::{
+    best, device_calls, fits, gib, size, Attribution, AttributionGroup, DeviceReport, PeakMoment, Report, RunReport,
+};
 use comfy_table::{presets::UTF8_FULL_CONDENSED, Table};
 use indicatif::ProgressBar;
 use serde::Serialize;
@@ -222,21 +224,6 @@ fn replayable(recorded: &str) -> Result<String, String> {
         }
     }
     Ok(keys.join(","))
-}
-
-/// Device calls a run made: device mallocs and frees (maps and unmaps with expandable segments).
-fn device_calls(r: &RunReport) -> u64 {
-    r.worst.device_mallocs.saturating_add(r.worst.device_frees)
-}
-
-fn fits(r: &RunReport) -> bool {
-    r.ooms == 0 && r.errors == 0
-}
-
-/// The lowest peak reserved that fits, ties broken by fewer device calls; when none fits, the
-/// fewest out-of-memory events, then the lowest peak.
-fn best(runs: &[(usize, &RunReport)]) -> Option<usize> {
-    runs.iter().min_by_key(|(_, r)| (!fits(r), r.ooms, r.worst.peak_reserved, device_calls(r))).map(|&(i, _)| i)
 }
 
 /// Replays every configuration on `threads` threads (results in the order given).
@@ -534,15 +521,6 @@ fn explain(c: &Choice, default: &Choice, program: &Program) -> String {
         out.push_str("; nothing went back to the device: the cache only grew.");
     }
     out
-}
-
-/// Bytes in GiB from 1 GiB up, else in MiB.
-fn size(bytes: u64) -> String {
-    if bytes >= 1 << 30 {
-        format!("{} GiB", gib(bytes))
-    } else {
-        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
-    }
 }
 
 /// A size class label: the power-of-two range holding `size`.

@@ -3,7 +3,8 @@
 //!
 //! Layers: workloads (`workload::agent`, `workload::random`) and trace readers (`trace`) produce
 //! an event stream (`ops::Program`); `replay::run` plays it against one `stepalloc::Allocator`
-//! per configuration (`compare`); `report` prints, serialises and plots the results; `headroom`
+//! per configuration (`compare`); `report` prints, serialises and plots the results, and
+//! `verdict` says in one line what they mean for the user; `headroom`
 //! searches the largest workload scale that fits a device, per configuration; `advise` searches
 //! the allocator settings that give a trace the lowest peak on the user's device; `fit` says
 //! whether a recorded step fits a device under each allocator (`torch_conf` reads the user's
@@ -25,4 +26,5 @@ pub mod replay;
 pub mod report;
 pub mod torch_conf;
 pub mod trace;
+pub mod verdict;
 pub mod workload;

@@ -28,6 +28,7 @@ use stepalloc_stress::output::{out, out_json, Failure};
 use stepalloc_stress::replay::{self, OpSource, RunConfig};
 use stepalloc_stress::report::{self, Report};
 use stepalloc_stress::trace;
+use stepalloc_stress::verdict;
 use stepalloc_stress::workload::agent::{self, AgentArgs, AgentSpec, AgentStream};
 use stepalloc_stress::workload::colocated::{self, ColocatedSpec};
 use stepalloc_stress::workload::random::{self, RandomArgs};
@@ -270,7 +271,9 @@ fn run(cli: Cli) -> Result<i32, Failure> {
         }
         report.runs.push(run);
     }
-    emit(g, &report)?;
+    let columns: Vec<(verdict::Role, &report::RunReport)> =
+        configs.iter().map(verdict::role).zip(&report.runs).collect();
+    emit(g, &report, verdict::verdict(&columns).as_deref())?;
     Ok(0)
 }
 
@@ -554,12 +557,17 @@ fn progress(ops: u64, rc: &RunConfig) -> Option<ProgressBar> {
     Some(pb)
 }
 
-/// The report on stdout, and the plot (written even when stdout's reader has gone).
-fn emit(g: &Global, report: &Report) -> Result<(), Failure> {
+/// The report on stdout with its verdict, and the plot (written even when stdout's reader has
+/// gone).
+fn emit(g: &Global, report: &Report, verdict: Option<&str>) -> Result<(), Failure> {
     let printed = if g.json {
-        out_json(&report.to_json(g.per_step, false))
+        let mut v = report.to_json(g.per_step, false);
+        if let Some(verdict) = verdict {
+            v["verdict"] = verdict.into();
+        }
+        out_json(&v)
     } else {
-        let mut text = report::table(report);
+        let mut text = report::table_with(report, verdict);
         if g.per_step {
             for run in &report.runs {
                 text.push_str(&report::step_table(run));

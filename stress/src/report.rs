@@ -319,6 +319,32 @@ pub fn gib(bytes: u64) -> String {
     format!("{:.2}", bytes as f64 / (1u64 << 30) as f64)
 }
 
+/// A size for a sentence: GiB with two decimals from 1 GiB, else MiB with one.
+pub fn size(bytes: u64) -> String {
+    if bytes >= 1 << 30 {
+        format!("{} GiB", gib(bytes))
+    } else {
+        format!("{:.1} MiB", bytes as f64 / (1u64 << 20) as f64)
+    }
+}
+
+/// Device calls a run made: device mallocs and frees (maps and unmaps with expandable segments).
+pub fn device_calls(r: &RunReport) -> u64 {
+    r.worst.device_mallocs.saturating_add(r.worst.device_frees)
+}
+
+/// Whether a run went through: no out-of-memory and no refused call.
+pub fn fits(r: &RunReport) -> bool {
+    r.ooms == 0 && r.errors == 0
+}
+
+/// The best of `runs` (each with its index), by index: the lowest peak reserved that fits, ties
+/// broken by fewer device calls; when none fits, the fewest out-of-memory events, then the
+/// lowest peak.
+pub fn best(runs: &[(usize, &RunReport)]) -> Option<usize> {
+    runs.iter().min_by_key(|(_, r)| (!fits(r), r.ooms, r.worst.peak_reserved, device_calls(r))).map(|&(i, _)| i)
+}
+
 /// A count the statistics may not have: `-` when absent.
 fn opt(v: Option<u64>) -> String {
     v.map_or("-".into(), |v| v.to_string())
@@ -337,6 +363,11 @@ pub const EXTERNAL_FRAGMENTATION_NOTE: &str =
 
 /// The side-by-side table of every run.
 pub fn table(report: &Report) -> String {
+    table_with(report, None)
+}
+
+/// The side-by-side table of every run, with `verdict` (`verdict::verdict`) as the line under it.
+pub fn table_with(report: &Report, verdict: Option<&str>) -> String {
     let mut t = Table::new();
     t.load_preset(UTF8_FULL_CONDENSED);
     let mut header = vec!["".to_string()];
@@ -411,6 +442,9 @@ pub fn table(report: &Report) -> String {
     }
     out.push_str(&t.to_string());
     out.push('\n');
+    if let Some(verdict) = verdict {
+        let _ = writeln!(out, "{verdict}");
+    }
     out.push_str(EXTERNAL_FRAGMENTATION_NOTE);
     out.push('\n');
     for r in &report.runs {
