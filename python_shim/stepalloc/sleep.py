@@ -216,7 +216,8 @@ def pause(tag: str | Sequence[str] | None = None, backup: bool | None = None) ->
     ``data_ptr()`` and CUDA graphs captured before stay valid once ``resume`` ran. Live bytes are
     copied to host memory first when the region they were allocated in asked for a backup (or
     ``backup`` is True), else discarded. No host memory for the backup fails the pause before
-    anything is released. Waits, stream-ordered, for the work that used the memory; when it
+    anything is released. Synchronizes the device first (every stream's queued work, also on
+    streams stepalloc never saw allocate), so no kernel still uses the memory it unmaps; when it
     returns, another process sees the memory free.
 
     Several tags (a list, or None) go in one call: the backed-up tags' copies are queued first
