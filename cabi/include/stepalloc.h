@@ -400,6 +400,20 @@ int stepalloc_resume(const char *tag);
 // `tags` must be a NUL-terminated string.
 int stepalloc_pause_tags(const char *tags, int backup);
 
+// `stepalloc_pause_tags`, where the live allocations that start at one of the `count`
+// addresses of `discard` are discarded, not copied, even in a tag that is backed up (vLLM's
+// `sleep(discardable=...)`: storage the caller rewrites after waking). Addresses that start no
+// live allocation of the tags are ignored. Returns a status; `stepalloc_sleep_report_json`
+// counts the discarded bytes.
+//
+// # Safety
+// `tags` must be a NUL-terminated string; `discard` must point to `count` readable `u64` (it
+// may be NULL when `count` is 0).
+int stepalloc_pause_tags_discarding(const char *tags,
+                                    int backup,
+                                    const uint64_t *discard,
+                                    size_t count);
+
 // Resumes every tag of `tags` (names separated by commas) in one call: the room is checked
 // first, then each copy batch's pages are mapped while the batch before copies. When the call
 // fails, the names are resumed one after the other as `stepalloc_resume` of each would; a tag

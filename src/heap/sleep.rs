@@ -170,6 +170,13 @@ impl Heap {
     /// by batch as each batch's copy completes. An error before any page went (no host memory
     /// for a backup, a failed copy) leaves every tag as it was.
     pub fn pause_tags(&mut self, tags: &[(TagId, bool)]) -> Result<Vec<SleepOutcome>> {
+        self.pause_tags_discarding(tags, &[])
+    }
+
+    /// `pause_tags`, where the live blocks that start at an address of `discard` (sorted) are
+    /// discarded even in a backed-up tag (vLLM's `discardable`: storage the caller rewrites
+    /// after waking needs no copy).
+    pub fn pause_tags_discarding(&mut self, tags: &[(TagId, bool)], discard: &[u64]) -> Result<Vec<SleepOutcome>> {
         for &(tag, _) in tags {
             self.check_sleep_call(tag, "pause")?;
         }
@@ -205,9 +212,12 @@ impl Heap {
         let mut gated: Vec<Gated> = Vec::new();
         for (k, &i) in todo.iter().enumerate() {
             let (tag, backup) = tags[i];
-            let live = self.tag_live_blocks(&segments[k]);
+            let (live, dropped): (Vec<_>, Vec<_>) = self
+                .tag_live_blocks(&segments[k])
+                .into_iter()
+                .partition(|&(addr, _, _)| backup && discard.binary_search(&addr).is_err());
+            out[i].discarded_bytes = dropped.iter().map(|&(_, bytes, _)| bytes).sum();
             if !backup {
-                out[i].discarded_bytes = live.iter().map(|&(_, bytes, _)| bytes).sum();
                 continue;
             }
             match self.queue_backup(tag, &live) {
