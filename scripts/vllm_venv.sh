@@ -7,8 +7,8 @@
 # - vLLM 0.34 from its wheel, without its dependencies (~70 packages, most for serving);
 # - only what vLLM's device_allocator (cumem.py, sleep_mode_backend.py) and plugin loader need
 #   to import: packaging, regex, psutil, numpy, pyzmq, urllib3.
-# Then testdrv's stand-ins for the vendor libraries this torch and vLLM's extensions link
-# (target/hostcuda/standins-vllm; testdrv/build.sh must have run). Usage: scripts/vllm_venv.sh [DIR]
+# scripts/test.sh then writes testdrv's stand-ins for it (scripts/vllm_standins.sh).
+# Usage: scripts/vllm_venv.sh [DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${1:-target/vllm-venv}
@@ -18,4 +18,3 @@ python3 -m venv "$VENV"
 "$VENV/bin/python" .ci/pip-light.py torch==2.14.0
 "$VENV/bin/python" "${PIP[@]}" --no-deps vllm==0.34.0 packaging==26.4 regex==2026.12.2 psutil==7.2.2 \
     numpy==2.4.6 pyzmq==27.3.0 urllib3==2.8.0
-scripts/vllm_standins.sh "$VENV"
