@@ -54,6 +54,7 @@ class StepallocBackend(SleepModeBackend):
     device synchronized before the first unmap) and resumed in place."""
 
     def suspend(self, discardable: Collection[int] = ()) -> None:
+        _check_routing()
         self._state = "SUSPENDED"
         _allocator().sleep(SUSPEND_TAGS, discardable)
 
@@ -103,6 +104,26 @@ class _Selector:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._target(), name)
+
+
+def _check_routing() -> None:
+    """Refuses to suspend when vLLM's own allocator holds the pools (the selector was not in
+    its slot, or chose vLLM's allocator): a suspend would free none of the worker's memory."""
+    cumem = sys.modules.get("vllm.device_allocator.cumem")
+    instance = getattr(getattr(cumem, "CuMemAllocator", None), "instance", None)
+    if instance is None:
+        return
+    vllm_own = instance._chosen if isinstance(instance, _Selector) else instance
+    if vllm_own is None or type(vllm_own).__module__ == "stepalloc.cumem":
+        return
+    held = len(getattr(vllm_own, "pointer_to_data", {}))
+    if held:
+        raise RuntimeError(
+            f"sleep-mode backend {NAME!r}: vLLM's own CuMemAllocator holds the worker's pools ({held} "
+            "allocations), so stepalloc would free none of them. Choose the backend in the engine's "
+            f"config (sleep_mode_backend={NAME!r}) with stepalloc installed in the worker's environment, "
+            "so that its vllm.general_plugins entry point runs before the model loads"
+        )
 
 
 def chosen_in_current_config() -> bool:

@@ -154,9 +154,16 @@ def test_another_backend_chosen_vllms_own_allocator_serves_the_pools(tmp_path: P
         say("allocator=" + type(allocator._target()).__module__)
         say("vllm_allocations=%d" % len(allocator.pointer_to_data))
         say("stepalloc_loaded=%d" % int("stepalloc.cumem" in sys.modules))
+        # The stepalloc backend used anyway (chosen after the pools were made) refuses, naming why.
+        from stepalloc.vllm_backend import StepallocBackend
+        try:
+            StepallocBackend().suspend()
+        except RuntimeError as e:
+            say("refused=" + str(e).split(":")[1].split("(")[0].strip())
         """,
         tmp_path,
     )
     assert out["allocator"] == "vllm.device_allocator.cumem", out
     assert out["vllm_allocations"] == "1", out
     assert out["stepalloc_loaded"] == "0", out
+    assert out["refused"] == "vLLM's own CuMemAllocator holds the worker's pools", out
