@@ -45,6 +45,18 @@ if [ "$TORCH" = True ]; then
     # skipped in `cargo test --workspace` above, before the stand-in was built).
     cargo test -p stepalloc-stress --test advise -- --exact real_torch_snapshot_with_frames
 fi
+# vLLM 0.34's own allocator beside stepalloc's (test_cumem_port.py, test_vllm_backend.py) runs in
+# vLLM's environment (scripts/vllm_venv.sh, torch 2.14): its stand-ins and drift check here.
+# Without it those columns skip; CI always makes it.
+rm -rf target/hostcuda/standins-vllm
+if [ -x target/vllm-venv/bin/python ]; then
+    scripts/vllm_standins.sh target/vllm-venv
+elif [ -n "${CI:-}" ]; then
+    echo "CI: vLLM's environment target/vllm-venv is missing (.ci/run makes it with scripts/vllm_venv.sh)" >&2
+    exit 1
+else
+    echo "note: no vLLM environment (target/vllm-venv): the tests against vLLM 0.34's own allocator skip; scripts/vllm_venv.sh makes it"
+fi
 (
     export LD_LIBRARY_PATH="$PWD/target/hostcuda${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
     export STEPALLOC_HOSTCUDA=1 HOSTCUDA_DEVICES=2 HOSTCUDA_CAPACITY_MB=4096 HOSTCUDA_DELAY_US=2000

@@ -149,7 +149,7 @@ impl Allocator {
     pub fn pause(&self, tag: Option<&str>, backup: Option<bool>) -> Result<SleepReport> {
         match tag {
             Some(name) => self.pause_tags(&[name], backup),
-            None => self.pause_ids(tags::registered().into_iter().map(|(id, _)| (id, backup)).collect()),
+            None => self.pause_ids(tags::registered().into_iter().map(|(id, _)| (id, backup)).collect(), &[]),
         }
     }
 
@@ -165,33 +165,47 @@ impl Allocator {
     /// `pause_tags` with a backup choice per name (torch_memory_saver's and vLLM's sleep: the
     /// tags to offload named at the call).
     pub fn pause_tags_each(&self, names: &[(&str, Option<bool>)]) -> Result<SleepReport> {
+        self.pause_tags_discarding(names, &[])
+    }
+
+    /// `pause_tags_each`, where the live blocks starting at an address of `discard` are
+    /// discarded, not copied, whatever their tag's backup (vLLM's `sleep(discardable=...)`: the
+    /// storage the caller rewrites after waking; `Heap::pause_tags_discarding`).
+    pub fn pause_tags_discarding(&self, names: &[(&str, Option<bool>)], discard: &[u64]) -> Result<SleepReport> {
         let ids =
             names.iter().map(|&(name, backup)| Ok((named(name, "pause")?, backup))).collect::<Result<Vec<_>>>()?;
-        self.pause_ids(ids)
+        let mut discard = discard.to_vec();
+        discard.sort_unstable();
+        self.pause_ids(ids, &discard)
     }
 
     /// Every name in one call per device; when that fails with several names and nothing of it
     /// is left, the names are paused one after the other, each all or none, as a call of one
     /// name would (names before a failing one stay paused, the error is that name's).
-    fn pause_ids(&self, mut ids: Vec<(TagId, Option<bool>)>) -> Result<SleepReport> {
+    fn pause_ids(&self, mut ids: Vec<(TagId, Option<bool>)>, discard: &[u64]) -> Result<SleepReport> {
         let started = Instant::now();
         dedup_in_order(&mut ids, |&(id, _)| id);
-        match self.pause_together(&ids) {
+        match self.pause_together(&ids, discard) {
             Ok(report) => Ok(report.finish(started)),
             Err((e, restored)) if !restored || ids.len() < 2 => Err(e),
             Err(_) => {
                 let mut report = SleepReport { op: "pause", ..Default::default() };
                 for &one in &ids {
-                    report.merge(self.pause_together(&[one]).map_err(|(e, _)| e)?);
+                    report.merge(self.pause_together(&[one], discard).map_err(|(e, _)| e)?);
                 }
                 Ok(report.finish(started))
             }
         }
     }
 
-    /// One call per device for every name of `ids`. An error comes with whether every part of
-    /// the call was undone.
-    fn pause_together(&self, ids: &[(TagId, Option<bool>)]) -> std::result::Result<SleepReport, (Error, bool)> {
+    /// One call per device for every name of `ids` (`discard`: sorted block addresses discarded
+    /// whatever their tag's backup). An error comes with whether every part of the call was
+    /// undone.
+    fn pause_together(
+        &self,
+        ids: &[(TagId, Option<bool>)],
+        discard: &[u64],
+    ) -> std::result::Result<SleepReport, (Error, bool)> {
         let mut report = SleepReport { op: "pause", ..Default::default() };
         let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
         for &(id, _) in ids {
@@ -207,7 +221,7 @@ impl Allocator {
         let mut paused: Vec<Vec<TagId>> = Vec::new();
         for device in 0..heaps.len() {
             let before: Vec<bool> = numbers.iter().map(|&(n, _)| heaps[device].tag_paused(n)).collect();
-            match heaps[device].pause_tags(&numbers) {
+            match heaps[device].pause_tags_discarding(&numbers, discard) {
                 Ok(outcomes) => {
                     let mut here = Vec::new();
                     for (j, o) in outcomes.iter().enumerate() {

@@ -167,6 +167,29 @@ CUresult cuDriverGetVersion(int *v) {
     RETURN(OK);
 }
 
+/* cuGetProcAddress (CUDA 12's form, exported as _v2): the driver function for a base name, its
+ * newest variant (NAME_v2, else NAME) from this library's own exports. Rules as documented: symbol
+ * and pfn non-NULL and flags 0, 1 (legacy stream) or 2 (per-thread stream), else INVALID_VALUE; a
+ * cudaVersion above the driver's (12040) is INVALID_VALUE; an unknown name is success with *pfn
+ * NULL and status SYMBOL_NOT_FOUND (1). Like cuDriverGetVersion it answers before cuInit (it is
+ * how a runtime finds cuInit). */
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version, unsigned long long flags, int *status) {
+    BEGIN(cuGetProcAddress_v2);
+    if (!symbol || !pfn || flags > 2 || version > 12040) RETURN(E_INVALID_VALUE);
+    *pfn = NULL;
+    Dl_info self;
+    void *lib = dladdr((void *)cuGetProcAddress_v2, &self) ? dlopen(self.dli_fname, RTLD_LAZY | RTLD_NOLOAD) : NULL;
+    char name[128];
+    if (lib && strlen(symbol) + 4 < sizeof name && !strncmp(symbol, "cu", 2)) {
+        snprintf(name, sizeof name, "%s_v2", symbol);
+        *pfn = dlsym(lib, name);
+        if (!*pfn) *pfn = dlsym(lib, symbol);
+    }
+    if (lib) dlclose(lib);
+    if (status) *status = *pfn ? 0 : 1;
+    RETURN(OK);
+}
+
 CUresult cuDeviceGetCount(int *n) {
     BEGIN(cuDeviceGetCount);
     NEED_INIT();
@@ -289,6 +312,8 @@ NOT_MODELLED(cuMulticastBindMem)
 NOT_MODELLED(cuMulticastCreate)
 NOT_MODELLED(cuMulticastUnbind)
 NOT_MODELLED(cuStreamWriteValue32_v2)
+/* Hopper's tensor-memory-accelerator descriptors (vLLM's kernels library binds it at load). */
+NOT_MODELLED(cuTensorMapEncodeTiled)
 
 /* ------------------------------------------------------------------------------------------ */
 /* control for tests (not part of CUDA): a test finds it with dlsym and skips on a real driver */
@@ -313,6 +338,15 @@ int hostcuda_set(const char *key, const char *value) {
     else rc = -1;
     hc_unlock();
     return rc;
+}
+
+/* How many cuMemUnmap calls unmapped memory that work queued on a stream still used (a fault
+ * under a running kernel on a GPU). */
+long long hostcuda_unmaps_under_work(void) {
+    hc_lock();
+    long long n = (long long)hc_g.unmaps_under_work;
+    hc_unlock();
+    return n;
 }
 
 /* Bytes of device memory (linear and physical) in use on `dev`, or -1. */

@@ -29,7 +29,7 @@ CUresult cuMemsetD8Async(CUdeviceptr ptr, unsigned char value, size_t n, void *s
     if (s->cap_status == CAP_ACTIVE) { hc_capture_record(s, OP_SET8, ptr, value, n); RETURN(OK); } /* runs when the graph runs */
     if ((r = hc_legacy_during_capture(s))) RETURN(r);
     memset((void *)(uintptr_t)ptr, value, n);
-    hc_enqueue(s);
+    hc_note_use(ptr, n, hc_enqueue(s));
     RETURN(OK);
 }
 
@@ -59,7 +59,7 @@ CUresult cuMemsetD32Async(CUdeviceptr ptr, unsigned value, size_t words, void *s
     if (s->cap_status == CAP_ACTIVE) { hc_capture_record(s, OP_SET32, ptr, value, words); RETURN(OK); } /* runs when the graph runs */
     if ((r = hc_legacy_during_capture(s))) RETURN(r);
     hc_fill32(ptr, value, words);
-    hc_enqueue(s);
+    hc_note_use(ptr, 4ull * words, hc_enqueue(s));
     RETURN(OK);
 }
 
@@ -109,7 +109,10 @@ static CUresult copy_run(struct stream *s, void *dst, const void *src, size_t n)
     CUresult r = hc_legacy_during_capture(s);
     if (r) return r;
     if (n) memmove(dst, src, n);
-    hc_enqueue(s);
+    unsigned long long done = hc_enqueue(s);
+    /* Host ranges never overlap device ranges: noting both sides is noting the device side(s). */
+    hc_note_use((uintptr_t)dst, n, done);
+    hc_note_use((uintptr_t)src, n, done);
     return OK;
 }
 

@@ -11,6 +11,7 @@
 #ifndef _GNU_SOURCE
 #define _GNU_SOURCE
 #endif
+#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <signal.h>
@@ -73,6 +74,7 @@ struct rule {
 struct hc_state {
     pthread_mutex_t lock;
     int configured, inited, devices, vmm, trace;
+    unsigned long long unmaps_under_work; /* hostcuda_unmaps_under_work */
     unsigned long long capacity, delay_ns, jitter_ns, rng;
     struct rule rules[32];
     int nrules;
@@ -175,6 +177,10 @@ CUresult hc_stream_of(void *h, struct stream **out);
 CUresult hc_unsafe_call(const char *call);
 CUresult hc_legacy_during_capture(struct stream *s);
 unsigned long long hc_enqueue(struct stream *s);
+/* Work queued on a stream uses [addr, addr + n) until `done` (hostcuda_stream.c keeps the
+ * latest uses); hc_range_busy tells whether unfinished work uses a byte of [addr, addr + n). */
+void hc_note_use(unsigned long long addr, unsigned long long n, unsigned long long done);
+int hc_range_busy(unsigned long long addr, unsigned long long n);
 void hc_capture_record(struct stream *s, int kind, unsigned long long dst, unsigned long long src,
                        unsigned long long n);
 

@@ -114,6 +114,28 @@ unsigned long long hc_enqueue(struct stream *s) {
     return s->busy_until;
 }
 
+/* The device ranges the latest queued work uses, and until when (a ring: the oldest uses are
+ * forgotten, long complete in any test). Unmapping a range unfinished work still uses is what a
+ * GPU turns into a fault under a running kernel; cuMemUnmap counts it (hostcuda_unmaps_under_work). */
+#define USES 4096
+static struct { unsigned long long addr, n, done; } uses[USES];
+static size_t next_use;
+
+void hc_note_use(unsigned long long addr, unsigned long long n, unsigned long long done) {
+    if (!n) return;
+    uses[next_use % USES].addr = addr;
+    uses[next_use % USES].n = n;
+    uses[next_use % USES].done = done;
+    next_use++;
+}
+
+int hc_range_busy(unsigned long long addr, unsigned long long n) {
+    unsigned long long now = now_ns();
+    for (size_t i = 0; i < USES && i < next_use; i++)
+        if (uses[i].done > now && uses[i].addr < addr + n && addr < uses[i].addr + uses[i].n) return 1;
+    return 0;
+}
+
 static void sleep_until(unsigned long long t) { /* without the lock */
     for (unsigned long long n = now_ns(); n < t; n = now_ns()) {
         unsigned long long d = t - n;
@@ -549,6 +571,12 @@ CUresult hostcuda_graph_launch(void *snap, void *sh) {
         else if (op->kind == OP_SET8) memset((void *)(uintptr_t)op->dst, (int)op->src, op->n);
         else hc_fill32(op->dst, (unsigned)op->src, op->n);
     }
-    hc_enqueue(s);
+    unsigned long long done = hc_enqueue(s);
+    for (size_t i = 0; i < o->n; i++) {
+        struct op *op = &o->v[i];
+        unsigned long long bytes = op->kind == OP_SET32 ? 4 * op->n : op->n;
+        if (device_space(op->dst)) hc_note_use(op->dst, bytes, done);
+        if (op->kind == OP_COPY && device_space(op->src)) hc_note_use(op->src, bytes, done);
+    }
     RETURN(OK);
 }

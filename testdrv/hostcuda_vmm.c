@@ -222,6 +222,11 @@ CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
     CUresult r = hc_vmm_check();
     if (r) RETURN(r);
     if (size == 0 || ptr % GRANULARITY || size % GRANULARITY || !whole_mappings(ptr, size)) RETURN(E_INVALID_VALUE);
+    /* Not a driver error (a GPU faults later, under the kernel): recorded for tests. */
+    if (hc_range_busy(ptr, size)) {
+        hc_g.unmaps_under_work++;
+        if (hc_g.trace) fprintf(stderr, "hostcuda: cuMemUnmap of %#llx (+%zu) while queued work still uses it\n", ptr, size);
+    }
     /* Back to reserved, inaccessible address space. */
     mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
     for (size_t i = 0; i < hc_maps.n;) {

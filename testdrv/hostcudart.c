@@ -203,6 +203,9 @@ UNSUPPORTED(cudaUserObjectRelease)
 UNSUPPORTED(cudaStreamBeginCaptureToGraph)
 UNSUPPORTED(cudaStreamUpdateCaptureDependencies)
 UNSUPPORTED(cudaStreamAddCallback)
+/* vLLM's CudaRTLibrary binds it (ctypes) and never calls it on these paths; destroying every
+ * allocation of the device is not modelled. */
+UNSUPPORTED(cudaDeviceReset)
 
 cudaError_t cudaProfilerStart(void) { return cudaSuccess; }
 cudaError_t cudaProfilerStop(void) { return cudaSuccess; }
@@ -219,6 +222,8 @@ void __cudaRegisterFatBinaryEnd(void **h) { (void)h; }
 void __cudaUnregisterFatBinary(void **h) { (void)h; }
 void __cudaRegisterFunction(void) {}
 void __cudaRegisterVar(void) {}
+/* torch 2.14 (vLLM 0.34's torch) imports it: loads a registered module's code; nothing to load. */
+char __cudaInitModule(void **h) { (void)h; return 1; }
 unsigned __cudaPushCallConfiguration(dim3 grid, dim3 block, size_t shared, void *stream) {
     (void)grid, (void)block, (void)shared, (void)stream;
     return 0;
@@ -526,6 +531,15 @@ cudaError_t cudaHostRegister(void *p, size_t n, unsigned flags) {
 cudaError_t cudaHostUnregister(void *p) {
     int owned = 0;
     if (!host_del(p, &owned) || owned) return ret(cudaErrorInvalidValue);
+    return cudaSuccess;
+}
+
+/* Page-locked host memory is addressed by the same pointer on the device (unified addressing):
+ * the pointer must lie in memory cudaHostAlloc gave or cudaHostRegister registered, flags 0. */
+cudaError_t cudaHostGetDevicePointer(void **dev, void *p, unsigned flags) {
+    if (!dev || flags != 0 || !host_find(p)) return ret(cudaErrorInvalidValue);
+    CTX();
+    *dev = p;
     return cudaSuccess;
 }
 

@@ -14,7 +14,12 @@ with `pip install --no-deps` loads as a CPU-only torch (the runtime stand-in fin
 device); its vendor libraries fail on first use. Preloading testdrv's stub runtime
 (libcudart.so.13, same soname) makes CUDA available on the host-memory driver.
 
-Usage: testdrv/standins.py DIR   (needs readelf and cc; prints what it wrote)
+Extension libraries built against torch (vLLM's `_C*.so`) may import vendor functions torch
+itself never imports, with no `NEEDED` entry (torch loads the vendor libraries globally):
+`--extra LIB...` adds each such import that nothing defines to the stand-in whose library name
+is its longest prefix (`cublasHgemm` -> libcublas), and fails naming any that fits none.
+
+Usage: testdrv/standins.py DIR [--extra LIB...]   (needs readelf and cc; prints what it wrote)
 """
 from __future__ import annotations
 
@@ -114,10 +119,39 @@ def c_source(functions: set[str], objects: set[str]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def add_extra_imports(
+    extra: list[Path], wanted: dict[str, dict[str, dict[str, str]]], available: set[str]
+) -> None:
+    """Adds to ``wanted`` the imports of the ``extra`` libraries that nothing defines, each to the
+    stand-in whose library name (``libcublasLt.so.13`` -> ``cublasLt``) is its longest prefix."""
+    names = {soname: soname[3:].split(".so")[0] for soname in wanted}
+    for lib in extra:
+        for name, version, kind in imports(lib):
+            # Versioned imports name their library (NEEDED); the driver (cu + capital) is never
+            # stood in for (OWN); Py* is the interpreter's.
+            if version or name in available or name.startswith(("_", "Py")) or re.match(r"cu[A-Z]", name):
+                continue
+            fits = [so for so, prefix in names.items() if name.lower().startswith(prefix.lower())]
+            if not fits:
+                sys.exit(f"standins: {lib.name} imports {name}, which no library defines and no stand-in fits")
+            soname = max(fits, key=lambda so: len(names[so]))
+            versions = wanted[soname]
+            version = sorted(versions)[0] if versions else None
+            if version is None:
+                sys.exit(f"standins: {name} ({lib.name}) would go to {soname}, which has no symbol version")
+            versions[version][name] = kind
+
+
 def main() -> None:
-    if len(sys.argv) != 2:
+    args = sys.argv[1:]
+    extra: list[Path] = []
+    if "--extra" in args:
+        at = args.index("--extra")
+        extra = [Path(p) for p in args[at + 1 :]]
+        args = args[:at]
+    if len(args) != 1:
         sys.exit(__doc__)
-    out_dir = Path(sys.argv[1]).resolve()
+    out_dir = Path(args[0]).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
     lib_dir = torch_lib_dir() / "lib"
     ours = {p.name for p in lib_dir.glob("*.so*")}
@@ -153,6 +187,13 @@ def main() -> None:
             wanted.setdefault(soname, {})
 
     unversioned = {n: k for n, k in unversioned.items() if n not in available}
+    if extra:
+        for lib in extra:
+            needed, _ = needed_and_rpath(lib)
+            for n in needed:
+                if n in system:
+                    available |= defined(Path(system[n]))
+        add_extra_imports(extra, wanted, available | set(unversioned))
     for soname, versions in sorted(wanted.items()):
         functions = {n for v in versions.values() for n, k in v.items() if k != "OBJECT"}
         objects = {n for v in versions.values() for n, k in v.items() if k == "OBJECT"}

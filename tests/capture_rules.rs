@@ -7,119 +7,15 @@
 
 mod common;
 
+use common::watched::{watched, Watch};
 use common::{reserved, S0, S1, S2};
 use parking_lot::Mutex;
 use std::sync::Arc;
-use stepalloc::backend::sim::SimDevice;
-use stepalloc::backend::{DeviceInfo, DriverTime, Event, PhysHandle};
 use stepalloc::units::MIB;
-use stepalloc::{Allocator, Backend, Config, Result, Stream};
+use stepalloc::Allocator;
 
 const POOL: (u64, u64) = (1, 1);
 const OTHER_POOL: (u64, u64) = (2, 1);
-
-/// What the test and the backend share: whether a capture is in progress (set by the test
-/// around what it captures), the calls made during one, and every call in order.
-#[derive(Default)]
-struct Watch {
-    capturing: bool,
-    violations: Vec<String>,
-    log: Vec<String>,
-}
-
-struct Watched {
-    inner: SimDevice,
-    watch: Arc<Mutex<Watch>>,
-}
-
-impl Watched {
-    /// Logs a call; one that a capture forbids is a violation while a capture is in progress.
-    fn note(&self, call: String, forbidden_in_capture: bool) {
-        let mut w = self.watch.lock();
-        if w.capturing && forbidden_in_capture {
-            w.violations.push(call.clone());
-        }
-        w.log.push(call);
-    }
-}
-
-impl Backend for Watched {
-    fn info(&self) -> DeviceInfo {
-        self.inner.info()
-    }
-    fn mem_info(&mut self) -> Result<(u64, u64)> {
-        self.inner.mem_info()
-    }
-    fn reserve(&mut self, bytes: u64) -> Result<u64> {
-        self.note(format!("reserve {bytes}"), false);
-        self.inner.reserve(bytes)
-    }
-    fn release(&mut self, ptr: u64, bytes: u64) -> Result<()> {
-        self.note(format!("release {bytes}"), true);
-        self.inner.release(ptr, bytes)
-    }
-    fn record_event(&mut self, stream: Stream) -> Result<Event> {
-        self.note(format!("record_event {:#x}", stream.0), true);
-        self.inner.record_event(stream)
-    }
-    fn event_done(&mut self, event: Event) -> Result<bool> {
-        self.note("event_done".into(), true);
-        self.inner.event_done(event)
-    }
-    fn wait_event(&mut self, event: Event) -> Result<()> {
-        self.note("wait_event".into(), true);
-        self.inner.wait_event(event)
-    }
-    fn free_event(&mut self, event: Event) {
-        self.inner.free_event(event)
-    }
-    fn synchronize(&mut self) -> Result<()> {
-        self.note("synchronize".into(), true);
-        self.inner.synchronize()
-    }
-    fn driver_time(&self) -> DriverTime {
-        self.inner.driver_time()
-    }
-    fn vm_granularity(&mut self) -> Result<u64> {
-        self.inner.vm_granularity()
-    }
-    fn reserve_address(&mut self, bytes: u64) -> Result<u64> {
-        self.inner.reserve_address(bytes)
-    }
-    fn free_address(&mut self, addr: u64, bytes: u64) -> Result<()> {
-        self.note("free_address".into(), true);
-        self.inner.free_address(addr, bytes)
-    }
-    fn create_physical(&mut self, bytes: u64) -> Result<PhysHandle> {
-        self.inner.create_physical(bytes)
-    }
-    fn release_physical(&mut self, handle: PhysHandle) -> Result<()> {
-        self.note("release_physical".into(), true);
-        self.inner.release_physical(handle)
-    }
-    fn map(&mut self, addr: u64, bytes: u64, handle: PhysHandle) -> Result<()> {
-        self.inner.map(addr, bytes, handle)
-    }
-    fn unmap(&mut self, addr: u64, bytes: u64) -> Result<()> {
-        self.note("unmap".into(), true);
-        self.inner.unmap(addr, bytes)
-    }
-    fn synchronize_stream(&mut self, stream: Stream) -> Result<()> {
-        self.note(format!("synchronize_stream {:#x}", stream.0), true);
-        self.inner.synchronize_stream(stream)
-    }
-    fn advance_time(&mut self, ns: u64) {
-        self.inner.advance_time(ns)
-    }
-}
-
-/// An allocator of one watched simulated device configured by `conf`.
-fn watched(conf: &str) -> (Allocator, Arc<Mutex<Watch>>) {
-    let config = Config::parse(&format!("backend:sim,{conf}")).expect("valid config");
-    let watch = Arc::new(Mutex::new(Watch::default()));
-    let backend = Watched { inner: SimDevice::new(0, &config.sim), watch: Arc::clone(&watch) };
-    (Allocator::with_backends(config, vec![Box::new(backend)]), watch)
-}
 
 /// Begins a capture into `pool` as PyTorch does: the allocator hook, then the stream's capture.
 fn begin_capture(a: &Allocator, watch: &Mutex<Watch>, pool: (u64, u64)) {

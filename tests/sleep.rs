@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{in_region, sim_4gib, used, S0};
+use common::{in_region, sim, sim_4gib, used, S0};
 use stepalloc::units::MIB;
 use stepalloc::{tags, Error, Stream};
 
@@ -449,4 +449,25 @@ fn a_resume_that_fails_halfway_through_a_name_pauses_it_again_whole() {
     for &(p, s) in kept.iter().chain(gone.iter()) {
         a.free(0, p, s).unwrap();
     }
+}
+
+#[test]
+fn a_pause_discards_the_blocks_named_discardable_even_in_a_backed_up_tag() {
+    let a = sim("");
+    let weights = in_region(&a, "sleep_discardable_w", true, &[8 * MIB, 16 * MIB, 4 * MIB]);
+    let kv = in_region(&a, "sleep_discardable_kv", false, &[32 * MIB]);
+    // The second weights block is rewritten after waking; an address no block starts at (the
+    // middle of the first) changes nothing.
+    let discard = [weights[1].0, weights[0].0 + MIB];
+    let r =
+        a.pause_tags_discarding(&[("sleep_discardable_w", None), ("sleep_discardable_kv", None)], &discard).unwrap();
+    assert_eq!(r.copied_bytes, 12 * MIB, "only the blocks not named are copied: {r:?}");
+    assert_eq!(r.discarded_bytes, 16 * MIB + 32 * MIB, "the named block and the tag without backup: {r:?}");
+    a.check_invariants().unwrap();
+    let r = a.resume(None).unwrap();
+    assert_eq!(r.copied_bytes, 12 * MIB, "the copies come back: {r:?}");
+    for &(p, s) in weights.iter().chain(&kv) {
+        a.free(0, p, s).unwrap();
+    }
+    a.check_invariants().unwrap();
 }

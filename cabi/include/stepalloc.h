@@ -368,15 +368,16 @@ int stepalloc_tag_keep_cached(const char *tag, int on);
 
 // Pauses `tag` (NULL: every tag a region has used) on every device: the physical memory of
 // its live blocks and cached pages goes back to the device, every address stays reserved
-// (tensors keep their pointers; CUDA graphs captured before stay valid), after a
-// stream-ordered wait for the work that used it. `backup` -1 follows each allocation's region; 0
+// (tensors keep their pointers; CUDA graphs captured before stay valid), after the device is
+// synchronized (no stream's queued work still uses it). `backup` -1 follows each allocation's region; 0
 // discards the live bytes; 1 copies them to pinned host memory first. Idle cached pages of
 // other tags are released too, so the device shows the memory free when this returns.
 // Returns a status; `stepalloc_sleep_report_json` tells what it did.
 //
 // # Safety
 // `tag` must be NULL or a NUL-terminated string.
-int stepalloc_pause(const char *tag, int backup);
+int stepalloc_pause(const char *tag,
+                    int backup);
 
 // Resumes `tag` (NULL: every paused tag) on every device: physical memory is mapped at the
 // same addresses and backed-up bytes are copied back. All or nothing: when the device cannot
@@ -398,6 +399,20 @@ int stepalloc_resume(const char *tag);
 // # Safety
 // `tags` must be a NUL-terminated string.
 int stepalloc_pause_tags(const char *tags, int backup);
+
+// `stepalloc_pause_tags`, where the live allocations that start at one of the `count`
+// addresses of `discard` are discarded, not copied, even in a tag that is backed up (vLLM's
+// `sleep(discardable=...)`: storage the caller rewrites after waking). Addresses that start no
+// live allocation of the tags are ignored. Returns a status; `stepalloc_sleep_report_json`
+// counts the discarded bytes.
+//
+// # Safety
+// `tags` must be a NUL-terminated string; `discard` must point to `count` readable `u64` (it
+// may be NULL when `count` is 0).
+int stepalloc_pause_tags_discarding(const char *tags,
+                                    int backup,
+                                    const uint64_t *discard,
+                                    size_t count);
 
 // Resumes every tag of `tags` (names separated by commas) in one call: the room is checked
 // first, then each copy batch's pages are mapped while the batch before copies. When the call

@@ -94,8 +94,8 @@ pub unsafe extern "C" fn stepalloc_tag_keep_cached(tag: *const c_char, on: c_int
 
 /// Pauses `tag` (NULL: every tag a region has used) on every device: the physical memory of
 /// its live blocks and cached pages goes back to the device, every address stays reserved
-/// (tensors keep their pointers; CUDA graphs captured before stay valid), after a
-/// stream-ordered wait for the work that used it. `backup` -1 follows each allocation's region; 0
+/// (tensors keep their pointers; CUDA graphs captured before stay valid), after the device is
+/// synchronized (no stream's queued work still uses it). `backup` -1 follows each allocation's region; 0
 /// discards the live bytes; 1 copies them to pinned host memory first. Idle cached pages of
 /// other tags are released too, so the device shows the memory free when this returns.
 /// Returns a status; `stepalloc_sleep_report_json` tells what it did.
@@ -163,6 +163,26 @@ unsafe fn tag_list<'a>(tags: *const c_char) -> Result<Vec<&'a str>, AbiError> {
 /// `tags` must be a NUL-terminated string.
 #[no_mangle]
 pub unsafe extern "C" fn stepalloc_pause_tags(tags: *const c_char, backup: c_int) -> c_int {
+    // Safety: forwarded caller contract; no discard list.
+    unsafe { stepalloc_pause_tags_discarding(tags, backup, std::ptr::null(), 0) }
+}
+
+/// `stepalloc_pause_tags`, where the live allocations that start at one of the `count`
+/// addresses of `discard` are discarded, not copied, even in a tag that is backed up (vLLM's
+/// `sleep(discardable=...)`: storage the caller rewrites after waking). Addresses that start no
+/// live allocation of the tags are ignored. Returns a status; `stepalloc_sleep_report_json`
+/// counts the discarded bytes.
+///
+/// # Safety
+/// `tags` must be a NUL-terminated string; `discard` must point to `count` readable `u64` (it
+/// may be NULL when `count` is 0).
+#[no_mangle]
+pub unsafe extern "C" fn stepalloc_pause_tags_discarding(
+    tags: *const c_char,
+    backup: c_int,
+    discard: *const u64,
+    count: usize,
+) -> c_int {
     guard_status(|| {
         // Safety: forwarded caller contract.
         let names = unsafe { tag_list(tags) }?;
@@ -171,6 +191,12 @@ pub unsafe extern "C" fn stepalloc_pause_tags(tags: *const c_char, backup: c_int
             0 => Some(false),
             1 => Some(true),
             other => return Err(AbiError::invalid(format!("pause: backup must be -1, 0 or 1, not {other}"))),
+        };
+        let discard: &[u64] = match (discard.is_null(), count) {
+            (_, 0) => &[],
+            (true, _) => return Err(AbiError::invalid(format!("pause: discard is NULL with count {count}"))),
+            // Safety: the caller guarantees `count` readable u64 at `discard`.
+            (false, n) => unsafe { std::slice::from_raw_parts(discard, n) },
         };
         let mut each = Vec::with_capacity(names.len());
         for name in names {
@@ -183,7 +209,7 @@ pub unsafe extern "C" fn stepalloc_pause_tags(tags: *const c_char, backup: c_int
                 }
             });
         }
-        let report = allocator()?.pause_tags_each(&each)?;
+        let report = allocator()?.pause_tags_discarding(&each, discard)?;
         LAST_REPORT.with(|r| *r.borrow_mut() = report.to_json());
         Ok(())
     })

@@ -51,6 +51,10 @@ def _c() -> ctypes.CDLL:
                 "stepalloc_pause": ([c_char_p, c_int], c_int),
                 "stepalloc_resume": ([c_char_p], c_int),
                 "stepalloc_pause_tags": ([c_char_p, c_int], c_int),
+                "stepalloc_pause_tags_discarding": (
+                    [c_char_p, c_int, ctypes.POINTER(ctypes.c_uint64), c_size_t],
+                    c_int,
+                ),
                 "stepalloc_resume_tags": ([c_char_p], c_int),
                 "stepalloc_sleep_report_json": ([c_char_p, c_size_t], c_size_t),
                 "stepalloc_release_backup": ([], c_int),
@@ -216,7 +220,8 @@ def pause(tag: str | Sequence[str] | None = None, backup: bool | None = None) ->
     ``data_ptr()`` and CUDA graphs captured before stay valid once ``resume`` ran. Live bytes are
     copied to host memory first when the region they were allocated in asked for a backup (or
     ``backup`` is True), else discarded. No host memory for the backup fails the pause before
-    anything is released. Waits, stream-ordered, for the work that used the memory; when it
+    anything is released. Synchronizes the device first (every stream's queued work, also on
+    streams stepalloc never saw allocate), so no kernel still uses the memory it unmaps; when it
     returns, another process sees the memory free.
 
     Several tags (a list, or None) go in one call: the backed-up tags' copies are queued first
@@ -253,13 +258,18 @@ def _tag_list(tags: object, what: str) -> list[str]:
     return names
 
 
-def _pause_each(tags: dict[str, bool | None]) -> SleepReport:
+def _pause_each(tags: dict[str, bool | None], discard: Sequence[int] = ()) -> SleepReport:
     """Pauses every tag of ``tags`` in one call, each with its own backup choice (None: its
-    regions')."""
+    regions'); the live allocations starting at an address of ``discard`` are discarded, not
+    copied, whatever their tag's choice (vLLM's ``discardable``)."""
     parts = [name if b is None else f"{name}={int(bool(b))}" for name, b in tags.items()]
     data = _tag_arg(",".join(parts), "pause: tags")
     ipc.collect()
-    _lib.check(int(_c().stepalloc_pause_tags(data, -1)))
+    if discard:
+        addresses = (ctypes.c_uint64 * len(discard))(*(_lib.c_pointer_arg(a, "pause: discard") for a in discard))
+        _lib.check(int(_c().stepalloc_pause_tags_discarding(data, -1, addresses, len(discard))))
+    else:
+        _lib.check(int(_c().stepalloc_pause_tags(data, -1)))
     return _report()
 
 

@@ -133,6 +133,10 @@ def test_pip_install_builds_the_library_and_the_wheel_needs_no_rust(tmp_path: Pa
         "stepalloc/bin/stepalloc-stress",
         "stepalloc/fit/_binary.py",
     } <= names, names
+    # vLLM finds the sleep-mode backend through this entry point (stepalloc/vllm_backend.py).
+    (entry_points,) = (n for n in names if n.endswith(".dist-info/entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "[vllm.general_plugins]" in text and "stepalloc = stepalloc.vllm_backend:register" in text, text
 
     # 3. A machine without Rust: a second fresh environment, no cargo or rustc on PATH, no index.
     no_rust = _clean_env(PATH=_path_without_rust())

@@ -12,8 +12,9 @@
 //! is untouched: its memory is laid out as before.
 //!
 //! A pause (`pause_tags`: one tag or several in one call), in order: wait for the pending
-//! frees' events; record an event on every stream that used the tags' blocks and wait for
-//! those (no device-wide synchronize); queue every backed-up tag's live bytes' copies to its
+//! frees' events; synchronize the device, so that no work queued on any stream still uses the
+//! pages (kernels on streams the heap never saw included: a side stream's kernel may write a
+//! tensor of the tag without `record_stream`); queue every backed-up tag's live bytes' copies to its
 //! store (pinned or pageable host buffers kept across pauses and grown when short, or a file
 //! per block: `heap/backup.rs`) on the backend's copy stream, in
 //! pieces, with an event every `COPY_BATCH` bytes; meanwhile unmap and release the whole pages
@@ -46,7 +47,7 @@
 use super::backup::DiskStore;
 use super::expandable::Unmapped;
 use super::Heap;
-use crate::backend::{Event, PhysHandle, Stream};
+use crate::backend::{Event, PhysHandle};
 use crate::error::{Error, OomReport, Result};
 use crate::segment::{BlockId, BlockState, SegmentId, ANY_STREAM};
 use crate::stats::ReleaseReason;
@@ -169,6 +170,13 @@ impl Heap {
     /// by batch as each batch's copy completes. An error before any page went (no host memory
     /// for a backup, a failed copy) leaves every tag as it was.
     pub fn pause_tags(&mut self, tags: &[(TagId, bool)]) -> Result<Vec<SleepOutcome>> {
+        self.pause_tags_discarding(tags, &[])
+    }
+
+    /// `pause_tags`, where the live blocks that start at an address of `discard` (sorted) are
+    /// discarded even in a backed-up tag (vLLM's `discardable`: storage the caller rewrites
+    /// after waking needs no copy).
+    pub fn pause_tags_discarding(&mut self, tags: &[(TagId, bool)], discard: &[u64]) -> Result<Vec<SleepOutcome>> {
         for &(tag, _) in tags {
             self.check_sleep_call(tag, "pause")?;
         }
@@ -189,7 +197,6 @@ impl Heap {
             self.synchronize_pending()?;
         }
         let segments: Vec<Vec<SegmentId>> = todo.iter().map(|&i| self.tag_segments(tags[i].0)).collect();
-        let all: Vec<SegmentId> = segments.concat();
         for &i in &todo {
             // The buffers are about to be written again: the retained records no longer hold.
             let state = self.sleep.tag(tags[i].0);
@@ -197,15 +204,20 @@ impl Heap {
             state.cached.clear();
             state.keep_cached = false;
         }
-        self.wait_for_streams(&all)?;
+        // Every stream's work, not only the streams the tags' blocks name: the first unmap must
+        // not run under a kernel that still uses the pages.
+        self.backend.synchronize()?;
         // The backed-up tags' copies, queued before any page goes: (position in `todo`, the
         // batches' events, the backup records).
         let mut gated: Vec<Gated> = Vec::new();
         for (k, &i) in todo.iter().enumerate() {
             let (tag, backup) = tags[i];
-            let live = self.tag_live_blocks(&segments[k]);
+            let (live, dropped): (Vec<_>, Vec<_>) = self
+                .tag_live_blocks(&segments[k])
+                .into_iter()
+                .partition(|&(addr, _, _)| backup && discard.binary_search(&addr).is_err());
+            out[i].discarded_bytes = dropped.iter().map(|&(_, bytes, _)| bytes).sum();
             if !backup {
-                out[i].discarded_bytes = live.iter().map(|&(_, bytes, _)| bytes).sum();
                 continue;
             }
             match self.queue_backup(tag, &live) {
@@ -711,45 +723,6 @@ impl Heap {
                 }
             }
         }
-    }
-
-    /// Waits, stream-ordered, for the work queued on every stream that used the blocks of
-    /// `segments`: one event per stream, recorded now and waited for.
-    fn wait_for_streams(&mut self, segments: &[SegmentId]) -> Result<()> {
-        let mut streams: Vec<Stream> = Vec::new();
-        for &seg in segments {
-            for id in self.arena.segment_blocks(seg) {
-                let state = self.arena.state(id);
-                if state == BlockState::Unmapped {
-                    continue;
-                }
-                let b = self.arena.block(id);
-                let extra = if state == BlockState::Allocated { self.arena.extra_streams(id) } else { &[] };
-                for &s in std::iter::once(&b.stream).chain(extra) {
-                    if s != ANY_STREAM && !streams.contains(&s) {
-                        streams.push(s);
-                    }
-                }
-            }
-        }
-        let mut events: Vec<Event> = Vec::with_capacity(streams.len());
-        let mut result = Ok(());
-        for s in streams {
-            match self.backend.record_event(s) {
-                Ok(e) => events.push(e),
-                Err(e) => {
-                    result = Err(e);
-                    break;
-                }
-            }
-        }
-        for event in events {
-            if result.is_ok() {
-                result = self.backend.wait_event(event);
-            }
-            self.backend.free_event(event);
-        }
-        result
     }
 
     /// Queues the copies of `live` blocks (address, bytes, size) into `tag`'s host buffers

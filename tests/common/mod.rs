@@ -8,6 +8,8 @@
 //! Each test binary compiles this file by itself and uses a part of it.
 #![allow(dead_code)]
 
+pub mod watched;
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
