@@ -102,7 +102,7 @@ pub const KEYS: &[KeyDoc] = &[
         name: "exact_fit",
         default: "False",
         form: "True or False",
-        doc: "take the smallest free block that fits, lowest address first, as PyTorch's ordered set does (default: the O(1) size-class lookup, within 1/16 of the smallest)",
+        doc: "take the smallest free block that fits, lowest address first, as PyTorch's ordered set does, and keep PyTorch's out-of-memory sequence (default: the O(1) size-class lookup, within 1/16 of the smallest; out of memory, the cache is searched again after waiting for events and pools in use are released as empty_cache releases them)",
     },
     KeyDoc {
         name: "page_reuse",
