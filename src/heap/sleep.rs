@@ -104,6 +104,22 @@ impl SleepState {
         }
     }
 
+    /// The outcome of each of a call's tag numbers and the positions the call acts on: a
+    /// number already as the call would leave it (`paused`), or named earlier in the call, is
+    /// skipped.
+    fn plan(&self, numbers: &[TagId], paused: bool) -> (Vec<SleepOutcome>, Vec<usize>) {
+        let mut out = vec![SleepOutcome::default(); numbers.len()];
+        let mut todo: Vec<usize> = Vec::new();
+        for (i, &tag) in numbers.iter().enumerate() {
+            if self.is_paused(tag) == paused || numbers[..i].contains(&tag) {
+                out[i].skipped = true;
+            } else {
+                todo.push(i);
+            }
+        }
+        (out, todo)
+    }
+
     /// Whether `tag` is paused (or pausing) with its free cached pages kept for the resume: its
     /// segments must stay reserved even when nothing of them is mapped.
     pub(super) fn keeps_cached(&self, tag: TagId) -> bool {

@@ -96,11 +96,7 @@ impl Heap {
         }
         if let Err(e) = queued {
             // Nothing was unmapped yet: wait for what was queued and leave the tag as it was.
-            let drained = self.backend.record_copy_event().and_then(|event| {
-                let waited = self.backend.wait_event(event);
-                self.backend.free_event(event);
-                waited
-            });
+            let drained = self.wait_for_copies();
             for (_, event) in batches {
                 self.backend.free_event(event);
             }
@@ -108,6 +104,14 @@ impl Heap {
             return Err(e);
         }
         Ok((batches, backups))
+    }
+
+    /// Waits until every copy queued on the copy stream so far has completed.
+    pub(super) fn wait_for_copies(&mut self) -> Result<()> {
+        let event = self.backend.record_copy_event()?;
+        let waited = self.backend.wait_event(event);
+        self.backend.free_event(event);
+        waited
     }
 
     /// Grows `tag`'s host buffers (of its store) to hold `need` bytes.

@@ -49,15 +49,8 @@ impl Heap {
         for &(tag, _) in tags {
             self.check_sleep_call(tag, "pause")?;
         }
-        let mut out = vec![SleepOutcome::default(); tags.len()];
-        let mut todo: Vec<usize> = Vec::new();
-        for (i, &(tag, _)) in tags.iter().enumerate() {
-            if self.sleep.is_paused(tag) || tags[..i].iter().any(|t| t.0 == tag) {
-                out[i].skipped = true;
-            } else {
-                todo.push(i);
-            }
-        }
+        let numbers: Vec<TagId> = tags.iter().map(|&(tag, _)| tag).collect();
+        let (mut out, todo) = self.sleep.plan(&numbers, true);
         if todo.is_empty() {
             return Ok(out);
         }

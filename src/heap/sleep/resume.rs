@@ -41,15 +41,7 @@ impl Heap {
         for &tag in tags {
             self.check_sleep_call(tag, "resume")?;
         }
-        let mut out = vec![SleepOutcome::default(); tags.len()];
-        let mut todo: Vec<usize> = Vec::new();
-        for (i, &tag) in tags.iter().enumerate() {
-            if !self.sleep.is_paused(tag) || tags[..i].contains(&tag) {
-                out[i].skipped = true;
-            } else {
-                todo.push(i);
-            }
-        }
+        let (mut out, mut todo) = self.sleep.plan(tags, false);
         if todo.is_empty() {
             return Ok(out);
         }
@@ -71,11 +63,7 @@ impl Heap {
             }
             result = self.map_wanted(w).map(|released| out[todo[k]].released_bytes += released);
         }
-        let copied = self.backend.record_copy_event().and_then(|event| {
-            let waited = self.backend.wait_event(event);
-            self.backend.free_event(event);
-            waited
-        });
+        let copied = self.wait_for_copies();
         result = result.and(copied);
         if let Err(e) = result {
             // Nothing is lost: back to paused, every page given back, the backups kept.
