@@ -9,6 +9,11 @@ import os
 from pathlib import Path
 
 
+def on_host_driver() -> bool:
+    """testdrv's host-memory driver stands in for the device (as the Rust CUDA tests read it)."""
+    return os.environ.get("STEPALLOC_HOSTCUDA", "") not in ("", "0")
+
+
 def stub_runtime() -> Path | None:
     """testdrv's stub CUDA runtime beside the host-memory driver found on LD_LIBRARY_PATH."""
     for d in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep):

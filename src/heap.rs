@@ -33,8 +33,10 @@
 //!   segments, `use_on_oom`);
 //! - `steps.rs`: the step-boundary release policies;
 //! - `tagged.rs`: tagged memory in virtual ranges of its own; `sleep.rs`: tags paused and
-//!   resumed with their addresses kept; `backup.rs`: where their bytes go meanwhile (pinned or
-//!   pageable host buffers, files on disk);
+//!   resumed with their addresses kept (the state and the invariants; the work in `sleep/`:
+//!   `pause.rs`, `resume.rs`, `cached.rs` for the free pages kept for the resume, `host.rs` for
+//!   the host buffers); `backup.rs`: where their bytes go meanwhile (pinned or pageable host
+//!   buffers, files on disk);
 //! - `ipc.rs`: blocks shared with other processes (PyTorch's IPC formats);
 //! - `inspect.rs`: statistics, segments and live blocks for reports, `check_invariants`.
 //!

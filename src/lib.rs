@@ -16,13 +16,16 @@
 //!   (`tags`) and live in virtual ranges of their own; `sleep` pauses and resumes them.
 //!
 //! Layers, top to bottom: `process` (the process-wide instance; starts its metrics endpoint)
-//! → `metrics` → `allocator` (the lock) → `snapshot` → `heap` (policy; its step-boundary
-//! policies in `heap/steps.rs`) → `freelist` + `bitmap` + `sizeclass` (O(1) lookup), `segment`
-//! (metadata; its `live` index finds allocated blocks by address), `step` (step bookkeeping as
-//! plain data), `stats`, `trace`, `ipc` (PyTorch's CUDA IPC handle format) → `backend` (`cuda`, `sim`) → `config` (with `config::addr`,
-//! the metrics address), `error`, `units`. A module uses only modules below it (and its
-//! parent's items); `scripts/import_cycles.py` checks that no modules use each other, directly
-//! or around a circle.
+//! → `metrics`, `sleep` (pause and resume by tag name across devices) → `allocator` (one lock
+//! per device, std's mutex; its rules for holders) → `snapshot` → `heap` (policy; its
+//! step-boundary policies in `heap/steps.rs`, sleep and wake of tagged memory in `heap/sleep/`)
+//! → `freelist` + `bitmap` + `sizeclass` (O(1) lookup), `segment` (metadata; its `live` index
+//! finds allocated blocks by address), `step` (step bookkeeping as plain data), `stats`,
+//! `trace`, `ipc` (PyTorch's CUDA IPC handle format), `tags` (the registry of tag names) →
+//! `backend` (`cuda`, `sim`) → `config` (with `config::addr`, the metrics address), `error`,
+//! `units`. A module uses only modules below it (and its parent's items);
+//! `scripts/import_cycles.py` checks that no modules use each other, directly or around a
+//! circle.
 
 #![deny(clippy::unwrap_used)]
 #![cfg_attr(test, allow(clippy::unwrap_used))]

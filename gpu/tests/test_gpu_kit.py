@@ -43,6 +43,7 @@ NEEDED = [
     "gpu/torch_check.py",
     "gpu/ipc_check.py",
     "gpu/sleep_check.py",
+    "gpu/sleep_worker.py",
     "gpu/testdrv_env.py",
     "python/examples/colocated_loop.py",
     "scripts/gpu_manifest.py",

@@ -72,7 +72,7 @@ def torch_over_testdrv() -> bool:
 
 def test_the_bundle_carries_what_the_step_needs(bundle: Path) -> None:
     listed = {e["path"] for e in json.loads((bundle / "MANIFEST.json").read_text())["files"]}
-    for rel in ["gpu/sleep_check.py", "python/examples/colocated_loop.py", "python/stepalloc/sleep.py"]:
+    for rel in ["gpu/sleep_check.py", "gpu/sleep_worker.py", "python/examples/colocated_loop.py", "python/stepalloc/sleep.py"]:
         assert rel in listed and (bundle / rel).is_file(), rel
     assert "gpu/sleep_check.py" in (bundle / "gpu" / "run_all.sh").read_text()
 
@@ -87,7 +87,7 @@ def test_the_bundled_torch_memory_saver_wheel_unpacks_to_an_importable_package(b
     # As when run as a script: its folder first, for its sibling testdrv_env.py.
     sys.path.insert(0, str(bundle / "gpu"))
     try:
-        spec = importlib.util.spec_from_file_location("bundled_sleep_check", bundle / "gpu" / "sleep_check.py")
+        spec = importlib.util.spec_from_file_location("bundled_sleep_worker", bundle / "gpu" / "sleep_worker.py")
         assert spec is not None and spec.loader is not None
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)

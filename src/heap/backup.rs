@@ -1,7 +1,8 @@
 //! The backup stores of paused tags (`tags::Store`): where a pause keeps the bytes of a tag
 //! number's live blocks and where a resume finds them. Part of the heap: runs under the device
-//! lock, `&mut self` throughout; `heap/sleep.rs` orders the pause and the resume and calls in
-//! here at the host-buffer points.
+//! lock, `&mut self` throughout; `heap/sleep/` orders the pause and the resume and calls in
+//! here (`host.rs` to back a tag up, `resume.rs` to restore it; `heap/tagged.rs` when a paused
+//! block is freed).
 //!
 //! - `Pinned`: the tag's host buffers (`TagState::host`) are pinned (`Backend::host_alloc`);
 //!   copies are asynchronous on the copy stream, and unmaps follow them batch by batch.
