@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from e2e_common import CONFIGS, GIB, MIB
 from e2e_model import SIZES
+from e2e_predict import report_lines
+
 
 def gib(v) -> str:
     """Bytes in GiB, or in MiB below 0.1 GiB (the dry run's tiny model)."""
@@ -66,7 +68,7 @@ def answer(res: dict) -> str:
     """The seed's question: does the loop fit under stepalloc where it runs out of memory under
     PyTorch? From the base batch's runs and the largest batches found."""
     n, s, x = res.get("native", {}), res.get("stepalloc", {}), res.get("native_expandable", {})
-    if not n.get("iterations") and "oom" not in n or not s.get("iterations") and "oom" not in s:
+    if (not n.get("iterations") and "oom" not in n) or (not s.get("iterations") and "oom" not in s):
         return "not measured (PyTorch's or stepalloc's run did not complete)"
     if "oom" in n and "oom" not in s:
         return f"yes: the base batch ({n['oom']['batch']}) runs out of memory under PyTorch and fits under stepalloc"
@@ -163,6 +165,9 @@ def text_report(doc: dict) -> str:
     else:
         lines.append(f"  replay: {rp.get('skipped') or rp.get('failed')}")
     lines.append("")
+    if "prediction" in doc:
+        lines += report_lines(doc)
+        lines.append("")
     lines.append("targets:")
     for t in doc["targets"]:
         lines.append(f"  {t['status']:7} {t['target']}: {t['detail']}")
