@@ -36,7 +36,6 @@ from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorExc
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _kernels
@@ -48,7 +47,7 @@ from ._patches import (
     transformers_as_real_run,
 )
 from ._trace import BACKWARD, Trace
-from ._values import DataDependentError, RealValues, UnsupportedOpError, serving
+from ._values import DataDependentError, RealValues, UnsupportedOpError, leaves, serving
 
 OPTIMIZER = "optimizer"
 
@@ -119,7 +118,7 @@ class _Recorder(TorchDispatchMode):
         op = _op_name(func)
         module = self.rec.module()
         with self.lock:
-            for t in tree_flatten((args, kwargs))[0]:
+            for t in leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor):
                     self.known(t)
             if op in _kernels.BLAS_OPS:
@@ -143,7 +142,7 @@ class _Recorder(TorchDispatchMode):
             for addr in scratch:
                 self.rec.trace.free(addr)
             host = _kernels.HOST_OUTPUTS.get(op, ()) if self.rec.device_type == "cuda" else ()
-            flat = tree_flatten(out)[0]
+            flat = leaves(out)
             for i, t in enumerate(flat):
                 if not isinstance(t, torch.Tensor) or not self._counts(t):
                     continue
