@@ -40,6 +40,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _kernels
 from ._patches import (
+    foreach_like_a_real_run,
     module_conversion,
     patched_resize,
     quiet_tracker,
@@ -269,6 +270,7 @@ class Recording:
         stack = self._stack
         if self.fake_mode is not None:
             stack.enter_context(self.fake_mode)
+            stack.enter_context(foreach_like_a_real_run())
         if self.device_type == "cuda":
             stack.enter_context(target_attention(self))
         stack.enter_context(self._recorder)
