@@ -79,8 +79,8 @@ from pathlib import Path
 
 from e2e_common import CONFIGS, MEASURED, MIB, log
 from e2e_model import DRY, SIZES
-from e2e_predict import ASSUMED_OUTSIDE_MB, default_fit_dir, predict, prediction_targets
-from e2e_report import answer, evaluate, text_report
+from e2e_predict import ASSUMED_OUTSIDE_MB, default_fit_dir, predict
+from e2e_report import answer, evaluate, prediction_targets, text_report
 from e2e_worker import search, worker  # noqa: F401 - search: the headroom search, also e2e_compare.search
 
 HERE = Path(__file__).resolve().parent

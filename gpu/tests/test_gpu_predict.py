@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import check_gpu_run  # noqa: E402
 import e2e_compare  # noqa: E402
 import e2e_predict  # noqa: E402
+import e2e_report  # noqa: E402
 
 
 def stress() -> str:
@@ -104,7 +105,7 @@ def test_each_configuration_is_predicted_over_the_steps_it_ran(tmp_path: Path) -
     assert n["ratio"] == 80 / 78 and x["measured_fits"] is False and x["predicted_fits"] is True
     assert pred["replays"]["3"]["columns"]["pytorch"]["peak_reserved"] == 150 * MIB
     assert pred["replays"]["3"]["floor_bytes"] == 70 * MIB
-    status = {t["target"]: (t["status"], t["detail"]) for t in e2e_predict.prediction_targets(pred)}
+    status = {t["target"]: (t["status"], t["detail"]) for t in e2e_report.prediction_targets(pred)}
     assert status == {
         "prediction within 3% of measured peak reserved (native)": ("MET", "predicted/measured 1.026"),
         "prediction within 3% of measured peak reserved (native_expandable)": ("MISSED", "predicted/measured 1.600"),
@@ -121,7 +122,7 @@ def test_a_missing_recording_is_a_reason_not_a_failure(tmp_path: Path) -> None:
         f"transformers are installed: gpu/e2e_predict.py record --size tiny7b --variant lora --capability 9.0 "
         f"--out {tmp_path}"
     )
-    assert e2e_predict.prediction_targets(pred) == []
+    assert e2e_report.prediction_targets(pred) == []
     other = {"native": dict(measured(2, 80), capability=[8, 0])}
     assert (
         "no recording tiny7b-full-sm80" in e2e_predict.predict(other, "tiny7b", "cuda", stress(), tmp_path)["skipped"]
@@ -141,7 +142,7 @@ def test_the_report_sets_prediction_and_assumptions_beside_the_measurement(tmp_p
     ]  # fmt: skip
     doc = {"device": "cuda", "configs": res}
     doc["prediction"] = e2e_predict.predict(res, "tiny7b", "cuda", stress(), tmp_path)
-    text = "\n".join(e2e_predict.report_lines(doc))
+    text = "\n".join(e2e_report.report_lines(doc))
     row = next(line for line in text.splitlines() if line.strip().startswith("native "))
     assert row.split() == ["native", "pytorch", "2", "78.00", "MiB", "80.00", "MiB", "1.026"]
     row = next(line for line in text.splitlines() if line.strip().startswith("native_expandable"))
@@ -155,7 +156,7 @@ def test_the_report_sets_prediction_and_assumptions_beside_the_measurement(tmp_p
     assert ("language model, causal (B 2, H 32/32, S 2048, D 128): picks cudnn; backward scratch: cudnn 40 MiB "
             "measured / 33 MiB modelled, flash: No available kernel.") in text  # fmt: skip
     doc["prediction"] = {"skipped": "no recording x"}
-    assert "  no prediction: no recording x" in e2e_predict.report_lines(doc)
+    assert "  no prediction: no recording x" in e2e_report.report_lines(doc)
 
 
 def test_the_attention_cases_are_the_sizes_calls() -> None:
