@@ -298,7 +298,8 @@ def orchestrate(a: argparse.Namespace) -> int:
     # The prediction made on the CPU (a recording shipped in the bundle) for the steps each
     # configuration ran, at this device's memory.
     fit_dir = Path(a.fit_dir) if a.fit_dir else default_fit_dir()
-    prediction = predict(results, a.size, a.device, stress, fit_dir, a.outside_mb)
+    prediction = predict(results, a.size, a.device, stress, fit_dir, a.outside_mb,
+                         timeout=max(10.0, a.budget - (time.time() - t0)))  # fmt: skip
     log(f"--- prediction: {prediction.get('skipped') or prediction['trace'] + ' replayed'}")
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
