@@ -43,8 +43,15 @@ headroom search are skipped with a message, and the PyTorch profiler's memory ev
 for the memory history (written as a snapshot in torch's layout, so the replay path is the
 same).
 
+Beside the measurement, the prediction made on the CPU (e2e_predict.py): this loop recorded
+ahead of time under fake tensors by stepalloc.fit (the bundle's fit/), replayed by
+`stepalloc-stress fit` at the device's memory less --outside-mb for the steps each configuration
+ran, its predicted peak reserved beside the measured one (goal: within 3%); and what that
+prediction assumes, measured here: the memory outside PyTorch (every configuration), the SDPA
+backend of every attention call and the attention backward's scratch (native_expandable).
+
 Usage: e2e_compare.py --out DIR [--size full|7b] [--train auto|full|lora] [--stress BIN] [--budget S]
-                      [--configs NAME...] [--dry-run]
+                      [--configs NAME...] [--fit-dir DIR] [--outside-mb M] [--dry-run]
 Writes DIR/e2e.json, DIR/e2e.txt and one DIR/NAME.json / NAME.log per configuration.
 Exit status: 0 when no configuration failed (one the time budget left no time for is skipped and
 said so), 1 when one failed, 2 on bad input.
@@ -72,7 +79,8 @@ from pathlib import Path
 
 from e2e_common import CONFIGS, MEASURED, MIB, log
 from e2e_model import DRY, SIZES
-from e2e_report import answer, evaluate, text_report
+from e2e_predict import ASSUMED_OUTSIDE_MB, default_fit_dir, predict
+from e2e_report import answer, evaluate, prediction_targets, text_report
 from e2e_worker import search, worker  # noqa: F401 - search: the headroom search, also e2e_compare.search
 
 HERE = Path(__file__).resolve().parent
@@ -287,6 +295,12 @@ def orchestrate(a: argparse.Namespace) -> int:
         else:
             rp["snapshot_kept"] = packed.name
     shutil.rmtree(work, ignore_errors=True)
+    # The prediction made on the CPU (a recording shipped in the bundle) for the steps each
+    # configuration ran, at this device's memory.
+    fit_dir = Path(a.fit_dir) if a.fit_dir else default_fit_dir()
+    prediction = predict(results, a.size, a.device, stress, fit_dir, a.outside_mb,
+                         timeout=max(10.0, a.budget - (time.time() - t0)))  # fmt: skip
+    log(f"--- prediction: {prediction.get('skipped') or prediction['trace'] + ' replayed'}")
     doc = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "device": a.device,
@@ -298,10 +312,11 @@ def orchestrate(a: argparse.Namespace) -> int:
         "headroom_factor": a.headroom_factor,
         "configs": results,
         "replay": rp,
+        "prediction": prediction,
         "wall_s": round(time.time() - t0, 1),
     }
     doc["targets"] = (
-        evaluate(results)
+        evaluate(results) + prediction_targets(prediction)
         if a.device == "cuda"
         else [{"target": "all", "status": "n/a", "detail": "CPU dry run: the targets need a GPU"}]
     )
@@ -354,6 +369,18 @@ def main() -> int:
     ap.add_argument("--headroom-factor", type=float, default=1.5, help="headroom cap = native peak reserved x this")
     ap.add_argument("--probes", type=int, default=5, help="headroom probes per configuration (default 5)")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--fit-dir",
+        help="recordings of the loop for the prediction (gpu/e2e_predict.py record; default: the bundle's fit/, "
+        "else target/fit-traces)",
+    )
+    ap.add_argument(
+        "--outside-mb",
+        type=float,
+        default=ASSUMED_OUTSIDE_MB,
+        help=f"device memory outside PyTorch the prediction assumes, MiB (default {ASSUMED_OUTSIDE_MB}, as "
+        "stepalloc.fit)",
+    )
     ap.add_argument("--jobs", type=int, help="configurations run side by side (default: all on the CPU, 1 on a GPU)")
     # Internal: one configuration in this process.
     ap.add_argument("--worker", choices=sorted(CONFIGS), help=argparse.SUPPRESS)
@@ -371,6 +398,8 @@ def main() -> int:
         ap.error(f"--headroom-factor {a.headroom_factor}: out of range (1, 10]")
     if not 1 <= a.probes <= 20:
         ap.error(f"--probes {a.probes}: out of range [1, 20]")
+    if not 0 <= a.outside_mb < 1 << 20:
+        ap.error(f"--outside-mb {a.outside_mb}: out of range [0, 1048576) MiB")
     if a.jobs is not None and not 1 <= a.jobs <= 16:
         ap.error(f"--jobs {a.jobs}: out of range [1, 16]")
     if a.dry_run:

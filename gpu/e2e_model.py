@@ -13,6 +13,7 @@ attention mask only when lengths differ."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 import time
 
@@ -233,9 +234,12 @@ class Loop:
         self.cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.gen = torch.Generator(device="cpu").manual_seed(0)
+        # False while stepalloc.fit records the loop under fake tensors: no synchronisation
+        # and no loss read (a fake tensor has no value).
+        self.measure = True
 
     def sync(self) -> None:
-        if self.device == "cuda":
+        if self.device == "cuda" and self.measure:
             self.torch.cuda.synchronize()
 
     def inputs(self, shape: dict, batch: int):
@@ -311,7 +315,7 @@ class Loop:
             loss.backward()
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
-            return float(loss.detach())
+            return float(loss.detach()) if self.measure else math.nan
 
     def iteration(self, shape: dict, batch: int) -> dict:
         self.sync()

@@ -1,10 +1,13 @@
 """The end-to-end comparison's findings (e2e_compare.py): the targets met or missed, and the
-text report of every configuration side by side with the replay of the native snapshot."""
+text report of every configuration side by side with the replay of the native snapshot, the
+prediction made on the CPU and what it assumes beside what the device showed (e2e_predict.py)."""
 
 from __future__ import annotations
 
 from e2e_common import CONFIGS, GIB, MIB
 from e2e_model import SIZES
+from e2e_predict import ASSUMED_OUTSIDE_MB, GOAL
+
 
 def gib(v) -> str:
     """Bytes in GiB, or in MiB below 0.1 GiB (the dry run's tiny model)."""
@@ -66,7 +69,7 @@ def answer(res: dict) -> str:
     """The seed's question: does the loop fit under stepalloc where it runs out of memory under
     PyTorch? From the base batch's runs and the largest batches found."""
     n, s, x = res.get("native", {}), res.get("stepalloc", {}), res.get("native_expandable", {})
-    if not n.get("iterations") and "oom" not in n or not s.get("iterations") and "oom" not in s:
+    if (not n.get("iterations") and "oom" not in n) or (not s.get("iterations") and "oom" not in s):
         return "not measured (PyTorch's or stepalloc's run did not complete)"
     if "oom" in n and "oom" not in s:
         return f"yes: the base batch ({n['oom']['batch']}) runs out of memory under PyTorch and fits under stepalloc"
@@ -163,6 +166,9 @@ def text_report(doc: dict) -> str:
     else:
         lines.append(f"  replay: {rp.get('skipped') or rp.get('failed')}")
     lines.append("")
+    if "prediction" in doc:
+        lines += report_lines(doc)
+        lines.append("")
     lines.append("targets:")
     for t in doc["targets"]:
         lines.append(f"  {t['status']:7} {t['target']}: {t['detail']}")
@@ -188,3 +194,105 @@ def headroom_text(r: dict) -> str:
     if not h:
         return "-"
     return f"{h['largest_batch']} ({h['scale']:.2f}x){'' if h['exact'] else '+'}"
+
+
+def prediction_targets(pred: dict) -> list[dict]:
+    """One target per compared configuration: predicted peak reserved within GOAL of measured."""
+    out = []
+    for n, c in (pred.get("configs") or {}).items():
+        r = c.get("ratio")
+        out.append({
+            "target": f"prediction within {GOAL:.0%} of measured peak reserved ({n})",
+            "status": "n/a" if r is None else ("MET" if abs(r - 1) <= GOAL else "MISSED"),
+            "detail": "no measurement" if r is None else f"predicted/measured {r:.3f}",
+        })  # fmt: skip
+    return out
+
+
+def _mib(v) -> str:
+    return "-" if v is None else f"{v / MIB:,.0f} MiB"
+
+
+def report_lines(doc: dict) -> list[str]:
+    """The prediction beside the measurement, and the assumptions beside what the device showed."""
+    pred = doc.get("prediction") or {}
+    lines = ["prediction made on the CPU (this loop recorded under fake tensors by stepalloc.fit, replayed by "
+             "stepalloc-stress fit at this device's memory) beside the measured peak reserved:"]  # fmt: skip
+    if "configs" not in pred:
+        lines.append(f"  no prediction: {pred.get('skipped', 'not made')}")
+    else:
+        rec = pred["recording"]
+        here = next((r for r in doc["configs"].values() if r.get("torch")), {})
+        lines.append(
+            f"  trace {pred['trace']}: {rec['allocations']:,} allocations in {rec['steps']} steps, recorded "
+            f"{rec['recorded']} with torch {rec['torch']}, transformers {rec['transformers']} (measured with torch "
+            f"{here.get('torch', '?')}, transformers {here.get('transformers', '?')})"
+        )
+        memory = "cudaMemGetInfo total" if doc["device"] == "cuda" else "host memory: CPU dry run"
+        lines.append(
+            f"  replayed at {gib(pred['capacity_bytes'])} ({memory}), {pred['outside_mb']:g} MiB outside PyTorch "
+            "(assumed)"
+        )
+        lines.append(f"  {'':22}{'column':>20}{'steps':>7}{'measured':>13}{'predicted':>13}{'pred/meas':>11}")
+        for n, c in pred["configs"].items():
+            shown = "-" if c["ratio"] is None else f"{c['ratio']:.3f}"
+            oom = "" if c["predicted_fits"] in (True, None) else " (predicted OOM)"
+            moom = "" if c["measured_fits"] else " (measured OOM)"
+            lines.append(
+                f"  {n:22}{c['column']:>20}{c['steps']:>7}{gib(c['measured_peak_reserved']):>13}"
+                f"{gib(c['predicted_peak_reserved']):>13}{shown:>11}{oom}{moom}"
+            )
+        floors = ", ".join(f"{gib(v.get('floor_bytes'))} over {k} steps" for k, v in pred["replays"].items())
+        lines.append(
+            f"  (live tensors at their peak, predicted: {floors}; MemPool mode is compared with the stepalloc column)"
+        )
+    lines.append("assumptions of the prediction beside what this device shows:")
+    lines += assumption_lines(doc, pred)
+    return lines
+
+
+def assumption_lines(doc: dict, pred: dict) -> list[str]:
+    res = doc["configs"]
+    lines = []
+    cpu = doc["device"] != "cuda"
+    out = [(n, r["outside"]) for n, r in res.items() if r.get("outside")]
+    if out:
+        said = "; ".join(
+            f"{n} {_mib(o['memgetinfo_bytes'])} (cudaMemGetInfo used - reserved)"
+            + (f", {_mib(o['smi_bytes'])} (nvidia-smi)" if o.get("smi_bytes") is not None else "")
+            for n, o in out
+        )
+        lines.append(f"  memory outside PyTorch: assumed {ASSUMED_OUTSIDE_MB} MiB; measured {said}")
+    else:
+        why = " (CPU dry run)" if cpu else ""
+        lines.append(f"  memory outside PyTorch: assumed {ASSUMED_OUTSIDE_MB} MiB; measured: n/a{why}")
+    totals = next((r["device_totals"] for r in res.values() if r.get("device_totals")), None)
+    if totals:
+        lines.append(
+            f"  device memory: cudaMemGetInfo total {_mib(totals.get('memgetinfo_bytes'))}, nvidia-smi total "
+            f"{_mib(totals.get('smi_bytes'))} (stepalloc.fit's named cards use nvidia-smi's: h100 81,559 MiB, "
+            "h200 143,771 MiB)"
+        )
+    recorded = (pred.get("recording") or {}).get("attention")
+    probe = next((r["attention_probe"] for r in res.values() if r.get("attention_probe")), None)
+    counted = next(((n, r["attention"]) for n, r in res.items() if r.get("attention")), None)
+    lines.append(
+        f"  SDPA backend: recorded {recorded if recorded is not None else '-'}; "
+        + (f"this device ({counted[0]}'s loop, {len(res[counted[0]].get('iterations', []))} iterations): {counted[1]}"
+           if counted else "this device: not counted (native_expandable did not run)")
+    )  # fmt: skip
+    for row in probe or []:
+        shape = f"B {row['b']}, H {row['h']}/{row['hk']}, S {row['s']}, D {row['d']}"
+        cells = []
+        for name, f in row["backends"].items():
+            if "error" in f:
+                cells.append(f"{name}: {f['error'][:60]}")
+            else:
+                cells.append(f"{name} {_mib(f['measured_bytes'])} measured / {_mib(f['modelled_bytes'])} modelled")
+        scratch = (
+            "; backward scratch: " + ", ".join(cells) if cells else "; backward scratch: n/a (needs a CUDA device)"
+        )
+        lines.append(f"  {row['case']} ({shape}): picks {row['picked']}{scratch}")
+    if probe is None:
+        lines.append("  attention backward scratch: not probed (native_expandable did not run)")
+    return lines

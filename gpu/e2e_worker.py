@@ -1,21 +1,28 @@
 """One configuration of the end-to-end comparison, run in its own process (e2e_compare.py
 --worker NAME): the allocator set up as the configuration says, the agent loop measured, the
 allocator's statistics read, the memory history (or the CPU profiler's stand-in) written as a
-snapshot, and the headroom search under a memory cap."""
+snapshot, and the headroom search under a memory cap. Beside them, what stepalloc.fit's
+prediction assumes (e2e_predict.py): the device memory outside the allocator (used less
+reserved, after each iteration) and, in native_expandable, the SDPA backend of every attention
+call and the attention backward's scratch."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
 import pickle
 import statistics
 import time
+from collections import Counter
 from pathlib import Path
 
-from e2e_common import CONFIGS, MIB, log
+from e2e_common import ASSUMPTIONS_IN, CONFIGS, MIB, log
 from e2e_model import SIZES, Loop, Size, build_model, iteration_plan, largest, pick_variant
+from e2e_predict import count_attention, probe_attention, smi_process_used, smi_total
+
 
 class Stats:
     """Allocator statistics for this configuration (None on the CPU)."""
@@ -23,11 +30,38 @@ class Stats:
     def __init__(self, torch, alloc: str, device: str):
         self.torch, self.alloc, self.device = torch, alloc, device
         self.device_used_peak = 0
+        self.outside = None  # device memory used less reserved at the last sample
+
+    def reserved_now(self) -> int | None:
+        """Bytes the allocator holds now (None in MemPool mode: two allocators share the loop)."""
+        if self.alloc == "native":
+            return self.torch.cuda.memory_reserved()
+        if self.alloc == "stepalloc":
+            import stepalloc
+
+            return int(stepalloc.memory_stats(0).get("reserved_bytes.all.current", 0))
+        return None
 
     def sample_device(self) -> None:
         if self.device == "cuda":
             free, total = self.torch.cuda.mem_get_info()
             self.device_used_peak = max(self.device_used_peak, total - free)
+            reserved = self.reserved_now()
+            if reserved is not None:
+                # What stepalloc.fit's prediction assumes as --outside-mb: the CUDA context,
+                # library handles, kernel images.
+                self.outside = total - free - reserved
+
+    def outside_report(self) -> dict | None:
+        """The memory outside the allocator, by cudaMemGetInfo and by nvidia-smi (this process)."""
+        if self.outside is None:
+            return None
+        used = smi_process_used(os.getpid())
+        reserved = self.reserved_now()
+        return {
+            "memgetinfo_bytes": self.outside,
+            "smi_bytes": used - reserved if used is not None and reserved is not None else None,
+        }
 
     def read(self) -> dict | None:
         if self.device != "cuda":
@@ -198,11 +232,13 @@ def worker(a: argparse.Namespace) -> int:
             )
         result["device_name"] = torch.cuda.get_device_name(0)
         result["total_bytes"] = torch.cuda.mem_get_info()[1]
+        result["capability"] = list(torch.cuda.get_device_capability(0))
     else:
         log(
             f"SKIP allocator set-up for {a.worker}: no CUDA device (CPU dry run); PyTorch's CPU allocator runs the loop"
         )
         notes.append("CPU dry run: allocator set-up, statistics and headroom skipped")
+        result["host_bytes"] = host_memory()
 
     import transformers
 
@@ -221,7 +257,6 @@ def worker(a: argparse.Namespace) -> int:
 
         marker = stepalloc.step
     else:
-        import contextlib
 
         def marker(_phase):
             return contextlib.nullcontext()
@@ -246,32 +281,39 @@ def worker(a: argparse.Namespace) -> int:
         plan = iteration_plan(size, a.seed, size.warmup + size.iters)
         its = []
         before = None
-        for i, shape in enumerate(plan):
-            if i == size.warmup:
-                before = stats.read()
-            # Near the deadline, stop early (with at least two measured iterations) rather than
-            # be killed with nothing written: the time left is kept for the snapshot.
-            slowest = max((r["step_s"] for r in its), default=0.0)
-            if a.deadline and i >= size.warmup + 2 and time.time() + 3 * slowest + 10 > a.deadline:
-                notes.append(f"stopped after {i - size.warmup} measured iterations of {size.iters}: time budget")
-                log(f"{a.worker}: {notes[-1]}")
-                break
-            try:
-                r = loop.iteration(shape, size.batch)
-            except RuntimeError as e:
-                if not is_oom(e):
-                    raise
-                # Not fitting at the base batch is this configuration's answer, not a failure.
-                result["oom"] = {"iteration": i, "batch": size.batch, "error": str(e)[:300]}
-                notes.append(f"out of memory at iteration {i} (batch {size.batch})")
-                log(f"{a.worker}: {notes[-1]}: {str(e)[:300]}")
-                loop.opt.zero_grad(set_to_none=True)
-                break
-            stats.sample_device()
-            r["i"] = i
-            its.append(r)
-            shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
-            log(f"{a.worker}: iteration {i}: {json.dumps(shown)}")
+        # One configuration counts the SDPA backend of every attention call (a patch of the
+        # function: a little time per call, so not in the configurations whose times are judged).
+        attention = Counter()
+        counting = count_attention(torch, attention) if a.worker == ASSUMPTIONS_IN else contextlib.nullcontext()
+        with counting:
+            for i, shape in enumerate(plan):
+                if i == size.warmup:
+                    before = stats.read()
+                # Near the deadline, stop early (with at least two measured iterations) rather than
+                # be killed with nothing written: the time left is kept for the snapshot.
+                slowest = max((r["step_s"] for r in its), default=0.0)
+                if a.deadline and i >= size.warmup + 2 and time.time() + 3 * slowest + 10 > a.deadline:
+                    notes.append(f"stopped after {i - size.warmup} measured iterations of {size.iters}: time budget")
+                    log(f"{a.worker}: {notes[-1]}")
+                    break
+                try:
+                    r = loop.iteration(shape, size.batch)
+                except RuntimeError as e:
+                    if not is_oom(e):
+                        raise
+                    # Not fitting at the base batch is this configuration's answer, not a failure.
+                    result["oom"] = {"iteration": i, "batch": size.batch, "error": str(e)[:300]}
+                    notes.append(f"out of memory at iteration {i} (batch {size.batch})")
+                    log(f"{a.worker}: {notes[-1]}: {str(e)[:300]}")
+                    loop.opt.zero_grad(set_to_none=True)
+                    break
+                stats.sample_device()
+                r["i"] = i
+                its.append(r)
+                shown = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}
+                log(f"{a.worker}: iteration {i}: {json.dumps(shown)}")
+        if a.worker == ASSUMPTIONS_IN:
+            result["attention"] = dict(attention)
         if before is None:  # out of memory in the warm-up
             before = stats.read()
         after = stats.read()
@@ -297,6 +339,16 @@ def worker(a: argparse.Namespace) -> int:
                 result["creates_per_step"] = ((sa["num_create"] or 0) - (sb["num_create"] or 0)) / n
         else:
             log(f"SKIP allocator statistics for {a.worker}: CPU dry run")
+        if device == "cuda":
+            result["outside"] = stats.outside_report()
+            result["device_totals"] = {"memgetinfo_bytes": result["total_bytes"], "smi_bytes": smi_total()}
+        if a.worker == ASSUMPTIONS_IN:
+            # After the measurement, before the headroom search (which empties the cache first).
+            try:
+                result["attention_probe"] = probe_attention(torch, a.size, device)
+            except Exception as e:  # noqa: BLE001 - a probe that fails is reported, the run goes on
+                notes.append(f"attention probe failed: {type(e).__name__}: {str(e)[:300]}")
+                log(f"{a.worker}: {notes[-1]}")
         if spec.get("record"):
             snap = Path(a.snapshot)
             if device == "cuda":

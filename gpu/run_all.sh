@@ -12,7 +12,10 @@
 #      weights made on the device) under PyTorch, stepalloc, expandable segments and
 #      stepalloc.mempool(), in that order: peaks, step times, the largest batch that fits
 #      the device (at most STEPALLOC_E2E7B_BUDGET, default 240 s: PyTorch's and stepalloc's
-#      runs about 65 s each, the others about 45 s; one left no time is skipped, said so)
+#      runs about 65 s each, the others about 45 s; one left no time is skipped, said so);
+#      beside each measured peak reserved, the prediction made on the CPU (the same loop
+#      recorded by stepalloc.fit when the bundle was built, fit/, replayed at this device's
+#      memory: ~2 s) and what it assumes, measured (gpu/e2e_predict.py)
 #   2. gpu/sleep_check.py: stepalloc.pause / resume under PyTorch against a pinned copy_() of
 #      the same bytes (GiB/s, share of copy_'s), data_ptr and bytes kept, memory given back, a
 #      CUDA graph captured before a pause replayed after the resume, the colocated-loop
@@ -33,8 +36,8 @@
 #  5b. gpu/graph_pool_check.py: CUDA-graph pool checkpoints (the bindings, torch.compile's
 #      cudagraphs backend) and NCCL pool registration on a one-rank group, under stock PyTorch
 #      and under stepalloc, answers compared                                         ~40 s
-#   6. gpu/e2e_compare.py: the 1.4 B comparison and the replay of its snapshot (what is left;
-#      skipped under 90 s: its figures are on record from the H200 run)
+#   6. gpu/e2e_compare.py: the 1.4 B comparison, the replay of its snapshot and the prediction
+#      (what is left; skipped under 90 s: its figures are on record from the H200 run)
 #   7. gpu/summarize.py: OUT/summary.json and OUT/summary.txt (printed at the end)
 # A CPU dry run (no GPU) runs both comparisons at their tiny sizes (tiny7b, tiny) through the
 # same code. Every step runs under `timeout`; the whole run stays within STEPALLOC_RUN_BUDGET

@@ -27,6 +27,15 @@ the library was given), else a prebuilt ``target/release/stepalloc-stress``. Wit
 them the package is still built, with a note: the library works, and ``stepalloc.fit`` asks
 for ``$STEPALLOC_STRESS`` when it runs.
 
+And the host-memory CUDA stand-in that lets ``python -m stepalloc.fit`` record on a machine
+without a GPU or a driver (``stepalloc/fit/_host.py``): testdrv's driver and stub runtime
+(``testdrv/build.sh``: ``libcuda.so.1``, ``runtime/libcudart.so.13``, ``runtime/libnvidia-ml.so.1``,
+about 100 KB stripped) in ``stepalloc/lib/hostcuda/``, a folder nothing searches but
+``stepalloc.fit`` (which preloads it in a child process only when torch finds no device: a GPU
+machine never loads it). ``$STEPALLOC_HOSTCUDA_DIR`` set at build time names a prebuilt folder;
+else the C compiler (``$CC``, else ``cc``) builds it; without one the package goes without it,
+with a note.
+
 A wheel is tagged ``py3-none-<platform>``: it holds a native library but no module tied to a
 CPython ABI. Build from this folder inside the repository (``pip install ./python_shim``,
 ``pip wheel ./python_shim``): the crate lives outside it, so an sdist would not carry it.
@@ -36,7 +45,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from setuptools import setup
@@ -52,6 +63,9 @@ EXTENSION = "stepalloc.lib.libstepalloc"
 STRESS = "stepalloc-stress"
 # An executable's dotted name places it in stepalloc/bin/ under its own (kebab-case) name.
 STRESS_TARGET = {STRESS: f"stepalloc.bin.{STRESS}"}
+# The host-memory CUDA stand-in, beside the library: the files stepalloc/fit/_host.py needs.
+HOSTCUDA = "hostcuda"
+HOSTCUDA_FILES = ("libcuda.so.1", "runtime/libcudart.so.13", "runtime/libnvidia-ml.so.1")
 
 
 def given(variable: str) -> Path | None:
@@ -73,6 +87,30 @@ def given_library() -> Path | None:
 def given_stress() -> Path | None:
     """``$STEPALLOC_STRESS`` when set at build time."""
     return given("STEPALLOC_STRESS")
+
+
+def given_hostcuda() -> Path | None:
+    """``$STEPALLOC_HOSTCUDA_DIR`` when set at build time (it must hold the stand-in's files)."""
+    explicit = os.environ.get("STEPALLOC_HOSTCUDA_DIR")
+    if not explicit:
+        return None
+    folder = Path(explicit).expanduser()
+    missing = [f for f in HOSTCUDA_FILES if not (folder / f).is_file()]
+    if missing:
+        raise SystemExit(
+            f"stepalloc: STEPALLOC_HOSTCUDA_DIR={explicit!r} (build environment) lacks {', '.join(missing)}; "
+            "testdrv/build.sh FOLDER makes them"
+        )
+    return folder
+
+
+def copy_stripped(source: Path, dest: Path) -> None:
+    """Copies a shared library without its debug information (``strip``, where there is one)."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    strip = shutil.which("strip")
+    command = [strip or "strip", "--strip-unneeded", "-o", str(dest), str(source)]
+    if strip is None or subprocess.run(command, check=False).returncode != 0:
+        shutil.copy2(source, dest)
 
 
 def prebuilt(name: str) -> Path:
@@ -139,6 +177,28 @@ class BuildLibrary(build_rust):
                 super().run()
             finally:
                 self.extensions = everything
+        library_ext = next(ext for ext in self.extensions if not ext._uses_exec_binding())
+        self.bundle_hostcuda(self.bundled_path(library_ext).parent / HOSTCUDA)
+
+    def bundle_hostcuda(self, dest: Path) -> None:
+        """The host-memory CUDA stand-in in ``dest`` (given, or built from testdrv/ with cc)."""
+        shutil.rmtree(dest, ignore_errors=True)  # an earlier build's copy must not ship unnoticed
+        source = given_hostcuda()
+        with tempfile.TemporaryDirectory() as tmp:
+            if source is None:
+                cc = os.environ.get("CC") or "cc"
+                if shutil.which(cc) is None:
+                    print(
+                        f"stepalloc: no C compiler ({cc!r}): the package has no host-memory CUDA stand-in; "
+                        "python -m stepalloc.fit then needs a GPU, or STEPALLOC_HOSTCUDA_DIR when it runs",
+                        file=sys.stderr,
+                    )
+                    return
+                subprocess.run(["bash", str(WORKSPACE / "testdrv" / "build.sh"), tmp], check=True)
+                source = Path(tmp)
+            for rel in HOSTCUDA_FILES:
+                copy_stripped(source / rel, dest / rel)
+        print(f"stepalloc: bundled the host-memory CUDA stand-in from {source} as {dest}", file=sys.stderr)
 
     def bundled_path(self, ext: RustExtension) -> Path:
         """Where install_extension would put what cargo builds for ``ext``."""

@@ -5,7 +5,9 @@ reason, the driver-level checks ran, the sleep/wake step ran with its correctnes
 (data_ptr and bytes kept, memory given back, the graph's replay right) and its figures there,
 the switch's component costs measured and the 7 B colocated loop run with addresses and bytes
 kept, the 7 B comparison's dry run (tiny7b) ran its four configurations with a training variant
-picked, and the 1.4 B dry run ran every configuration and its snapshot replay.
+picked, the 1.4 B dry run ran every configuration and its snapshot replay, and both printed the
+prediction made on the CPU for every configuration and measured its assumptions (as far as a
+CPU can: the SDPA calls and the attention probe's picks).
 Usage: check_gpu_run.py OUT. Exit status 0 good, 1 otherwise."""
 
 from __future__ import annotations
@@ -70,6 +72,46 @@ def e2e_7b_problems(e2e: dict | None) -> list[str]:
     return problems
 
 
+def prediction_problems(e2e: dict, label: str) -> list[str]:
+    """What is wrong with a dry run's prediction (gpu/e2e_predict.py): the loop's recording (the
+    bundle's fit/) replayed for every configuration that ran, over the steps it ran, its floor
+    the recording's own peak of live bytes; the attention calls counted in native_expandable's
+    loop as many, with and without a mask, as the recording made; the attention probe's cases."""
+    pred = e2e.get("prediction") or {}
+    if "configs" not in pred:
+        return [f"{label}: no prediction: {pred.get('skipped', 'absent')}"]
+    problems = []
+    ran = {n: r for n, r in e2e["configs"].items() if r.get("iterations")}
+    if sorted(pred["configs"]) != sorted(ran):
+        problems.append(f"{label}: predicted {sorted(pred['configs'])}, ran {sorted(ran)}")
+    for n, c in pred["configs"].items():
+        steps = 2 * len(ran.get(n, {}).get("iterations", []))
+        if c["steps"] != steps or not (c.get("predicted_peak_reserved") or 0) > 0:
+            peak = c.get("predicted_peak_reserved")
+            problems.append(f"{label}: {n} predicted over {c['steps']} steps (ran {steps}), peak {peak}")
+    recording = pred["recording"]
+    whole = pred["replays"].get(str(recording["steps"]), {})
+    if whole.get("floor_bytes") != recording["peak_live_bytes"]:
+        problems.append(
+            f"{label}: the replay's floor {whole.get('floor_bytes')} is not the recording's peak live bytes "
+            f"{recording['peak_live_bytes']}"
+        )
+
+    def calls(counts: dict) -> tuple[int, int]:
+        return (sum(v for k, v in counts.items() if not k.endswith("+mask")),
+                sum(v for k, v in counts.items() if k.endswith("+mask")))  # fmt: skip
+
+    counted = (ran.get("native_expandable") or {}).get("attention")
+    if counted is None or calls(counted) != calls(recording["attention"]):
+        problems.append(f"{label}: attention calls counted {counted}, recorded {recording['attention']}")
+    probe = (ran.get("native_expandable") or {}).get("attention_probe") or []
+    if [row.get("case") for row in probe if row.get("picked")] != [
+        "language model, causal", "language model, padded (mask)", "vision tower"
+    ]:  # fmt: skip
+        problems.append(f"{label}: attention probe {probe}")
+    return problems
+
+
 def main() -> int:
     out = Path(sys.argv[1])
     problems = []
@@ -118,7 +160,9 @@ def main() -> int:
     problems += sleep_problems(doc.get("sleep"))
     problems += colocated_problems(doc.get("sleep"))
     problems += e2e_7b_problems(doc.get("e2e_7b"))
+    problems += prediction_problems(doc.get("e2e_7b") or {"configs": {}}, "e2e_7b")
     e2e = doc["e2e"]
+    problems += prediction_problems(e2e, "e2e")
     ran = [n for n, r in e2e["configs"].items() if "failed" not in r and r.get("iterations")]
     if sorted(ran) != sorted(["native_record", "native", "native_expandable", "stepalloc", "stepalloc_mempool"]):
         problems.append(f"e2e: only {ran} ran")
@@ -128,7 +172,7 @@ def main() -> int:
         "\n".join(problems)
         or f"GPU run kit: {doc['counts']['PASS']} checks passed, "
         f"{doc['counts']['SKIP']} skipped, the dry runs ran {len(ran)} configurations and the replay (1.4 B's "
-        f"structure) and 4 (7 B's)"
+        f"structure) and 4 (7 B's), each with the prediction and its assumptions"
     )
     return 1 if problems else 0
 

@@ -12,8 +12,9 @@ fidelity   For the small transformers workloads of stress/tests/data/record_mode
 memtracker The same step under PyTorch's MemTracker (fake CUDA tensors) and under the recorder:
            peak live bytes (the recorder's rounded to 512 B as MemTracker counts), and what the
            recorder adds that MemTracker does not model (cuBLAS workspaces, attention scratch).
-cost       Wall time and peak RSS of recording LLaVA-1.5-7B and Qwen2-VL-7B at batch 2 (one child
-           process each: /usr/bin/time-style figures from resource.getrusage).
+cost       Wall time, CPU time (user + system, all threads: what a quiet machine's wall time would
+           be, the load average aside) and peak RSS of recording LLaVA-1.5-7B and Qwen2-VL-7B at
+           batch 2 (one child process each, resource.getrusage), with the load average at the end.
 
 Usage (from the repository root, torch over testdrv's stubs as scripts/test.sh sets them up):
     LD_PRELOAD=$PWD/target/hostcuda/runtime/libcudart.so.13 \\
@@ -215,12 +216,14 @@ def cost() -> list[dict]:
     for model in ("llava-1.5-7b", "qwen2-vl-7b"):
         for finetune in ("full", "lora"):
             code = (
-                "import resource, time, json\n"
+                "import json, os, resource, time\n"
                 "t0 = time.perf_counter()\n"
                 "from stepalloc.fit import Recipe, record_recipe\n"
                 f"rec = record_recipe(Recipe(model={model!r}, batch=2, finetune={finetune!r}))\n"
                 "s = rec.summary()\n"
-                "print(json.dumps({'wall_s': round(time.perf_counter() - t0, 1), 'max_rss_mib': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,"
+                "ru = resource.getrusage(resource.RUSAGE_SELF)\n"
+                "print(json.dumps({'wall_s': round(time.perf_counter() - t0, 1), 'cpu_s': round(ru.ru_utime + ru.ru_stime, 1),"
+                " 'max_rss_mib': ru.ru_maxrss // 1024, 'load': round(os.getloadavg()[0], 1),"
                 " 'allocations': s['allocations'], 'peak_live_gib': round(s['peak_live_bytes'] / 2**30, 2), 'attention': s['attention']}))\n"
             )
             out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT / "python_shim")

@@ -2,7 +2,8 @@
 # Builds the GPU bundle: everything a GPU machine without Rust (and without network) needs to
 # run gpu/run_all.sh — the release library, the release stepalloc-stress, the Rust test
 # binaries that exercise the CUDA backend, the C ABI test programs, the Python package (with
-# the colocated-loop example), the gpu/ scripts and the trace the run replays — in one folder
+# the colocated-loop example), the gpu/ scripts, the trace the run replays and stepalloc.fit's
+# recordings of the end-to-end loops (fit/, made here with torch and transformers) — in one folder
 # of at most 40 MiB with a MANIFEST.json (files, sizes, sha256, git commit, the glibc /
 # libstdc++ symbol versions the binaries need, checked against Ubuntu 24.04's; see
 # scripts/gpu_manifest.py).
@@ -10,7 +11,8 @@
 # Usage: scripts/gpu-bundle.sh [OUTDIR]   (default target/gpu-bundle; a new or empty folder or an
 #        earlier bundle, emptied first)
 # Then, on the GPU machine: OUTDIR/gpu/run_all.sh OUTDIR "$OUT"
-# Needs: cargo, cc, c++, python3, objdump, strip. Exit status non-zero on any failure,
+# Needs: cargo, cc, c++, python3, objdump, strip; torch and transformers for fit/ (without them the
+# bundle has no recordings, said so; they record over testdrv's stand-in, built when missing). Exit status non-zero on any failure,
 # including a bundle over STEPALLOC_BUNDLE_LIMIT_MIB (40) or a binary needing a newer glibc.
 set -euo pipefail
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -71,6 +73,10 @@ echo "== Python package, gpu/ scripts, trace"
 mkdir -p "$OUT/python/stepalloc" "$OUT/python/examples"
 # oom_error.cpp: compiled on first use so that out-of-memory raises torch.OutOfMemoryError.
 cp python_shim/stepalloc/*.py python_shim/stepalloc/py.typed python_shim/stepalloc/oom_error.cpp "$OUT/python/stepalloc/"
+# stepalloc.fit: its target model (_kernels.py) is what gpu/e2e_predict.py compares on the GPU.
+mkdir -p "$OUT/python/stepalloc/fit/configs"
+cp python_shim/stepalloc/fit/*.py "$OUT/python/stepalloc/fit/"
+cp python_shim/stepalloc/fit/configs/*.json "$OUT/python/stepalloc/fit/configs/"
 # The colocated loop, run end to end by gpu/sleep_check.py.
 cp python_shim/examples/colocated_loop.py "$OUT/python/examples/"
 cp gpu/*.py gpu/*.sh "$OUT/gpu/"
@@ -88,6 +94,22 @@ elif ! timeout 120 python3 -m pip download --quiet --timeout 20 --retries 1 --no
         --python-version 3.10 -d "$OUT/wheels" torch_memory_saver==0.0.10 > /dev/null 2>&1; then
     echo "note: torch_memory_saver's wheel could not be fetched (set STEPALLOC_TMS_WHEEL); the GPU run skips it"
 fi
+echo "== stepalloc.fit's recordings of the end-to-end loops (the prediction beside the measurement)"
+# Recorded here, not on the GPU: a 7 B loop takes about 70 s of one CPU (1.3 MB gzipped). Kept in
+# target/fit-cache under a key of their inputs (gpu/e2e_predict.py), so a rebuild reuses them.
+# STEPALLOC_BUNDLE_FIT_SIZES: the sizes (default: the two a GPU runs and their dry-run twins).
+FIT_SIZES=${STEPALLOC_BUNDLE_FIT_SIZES-7b full tiny7b tiny}
+mkdir -p "$OUT/fit"
+if [ -z "$FIT_SIZES" ]; then
+    echo "note: STEPALLOC_BUNDLE_FIT_SIZES is empty: no recording; the GPU run prints no prediction"
+elif ! python3 -c 'import importlib.util as u, sys; sys.exit(not (u.find_spec("torch") and u.find_spec("transformers")))'; then
+    echo "note: torch and transformers are not installed here: no recording; the GPU run prints no prediction"
+else
+    [ -f target/hostcuda/runtime/libcudart.so.13 ] || testdrv/build.sh > /dev/null
+    fit_args=()
+    for size in $FIT_SIZES; do fit_args+=(--size "$size"); done
+    python3 gpu/e2e_predict.py record "${fit_args[@]}" --out "$OUT/fit" --cache target/fit-cache
+fi
 cat > "$OUT/README.txt" <<'EOF'
 stepalloc GPU bundle (built by scripts/gpu-bundle.sh; see MANIFEST.json).
 Run on the GPU machine, no Rust needed:   gpu/run_all.sh . "$OUT"   (within 470 s, about 8 minutes)
@@ -102,6 +124,10 @@ Stages, most valuable figures first (a stage the time budget cuts off is skipped
      component costs (gpu/switch_costs.py) beside the cost model's constants (model/*.rs)
   3. validation (gpu/validate.sh), 4. the CUDA backend checks, 5. CUDA IPC with stock PyTorch,
   6. the 1.4 B comparison with its snapshot replay (with what is left)
+Both comparisons print the prediction made on the CPU beside the measured peak reserved (the
+loop recorded by stepalloc.fit when this bundle was built: fit/, replayed at this device's
+memory) and what it assumes measured here: memory outside PyTorch, the SDPA backend of each
+attention call, the attention backward's scratch.
 Output: $OUT/summary.txt and $OUT/summary.json (every check, both comparison tables, the
 sleep/wake figures), logs under $OUT/validate, $OUT/checks, $OUT/e2e_7b and $OUT/e2e.
 Budgets: STEPALLOC_RUN_BUDGET (470), STEPALLOC_E2E7B_BUDGET (240), STEPALLOC_VALIDATE_BUDGET (150).

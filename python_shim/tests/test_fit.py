@@ -205,7 +205,7 @@ def optimizer(kind):
                 opt.zero_grad(set_to_none=True)
         return model
     return fn
-for kind in ("foreach", "fused"):
+for kind in ("foreach", "fused", "default"):
     R["opt_" + kind] = events(fit.record(optimizer(kind), device="h100"))
 
 def attention(backend, grad=True):
@@ -338,6 +338,8 @@ def test_optimizer_state_and_step_temporaries(recorded) -> None:
     state = [(w, "optimizer_state") for w in weights for _ in range(2)]
     assert sorted(foreach[:4]) == sorted(state)
     assert [a for a in foreach[4:] if a[1] == "aten::_foreach_sqrt"] == [(w, "aten::_foreach_sqrt") for w in weights] * 2
+    # AdamW's default on CUDA is the foreach implementation, for fake parameters as for real ones.
+    assert opt_allocs(recorded["opt_default"]) == foreach
     fused = opt_allocs(recorded["opt_fused"])
     # Fused AdamW keeps its step counts on the device (one float each) and needs no temporaries.
     assert sorted(fused) == sorted(state + [(4, "optimizer_state")] * 2)

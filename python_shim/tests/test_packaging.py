@@ -7,6 +7,7 @@ in fresh environments."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -18,6 +19,9 @@ import pytest
 
 import stepalloc
 from conftest import SHIM
+
+# What python_shim/setup.py bundles in stepalloc/lib/hostcuda/.
+HOSTCUDA_FILES = ("libcuda.so.1", "runtime/libcudart.so.13", "runtime/libnvidia-ml.so.1")
 
 
 def _build_tools_missing() -> str | None:
@@ -64,6 +68,46 @@ def test_wheel_bundles_the_library(tmp_path: Path) -> None:
     assert (tool.external_attr >> 16) & 0o111, oct(tool.external_attr >> 16)
     assert tool.file_size < 12 << 20, tool.file_size
     assert wheel.read("stepalloc/bin/stepalloc-stress")[:4] == b"\x7fELF"
+    # The host-memory CUDA stand-in stepalloc.fit records over without a GPU: testdrv's driver
+    # and stub runtime, stripped (about 130 KB; with their debug information, 380 KB).
+    stand_in = [wheel.getinfo(f"stepalloc/lib/hostcuda/{f}") for f in HOSTCUDA_FILES]
+    assert all((i.external_attr >> 16) & 0o111 for i in stand_in)
+    assert sum(i.file_size for i in stand_in) < 256 << 10, [i.file_size for i in stand_in]
+    assert not any(n.startswith("stepalloc/lib/hostcuda/") and n[len("stepalloc/lib/hostcuda/") :] not in HOSTCUDA_FILES
+                   for n in names), names  # fmt: skip
+    if importlib.util.find_spec("torch") is None or importlib.util.find_spec("transformers") is None:
+        return
+    # Installed: python -m stepalloc.fit finds the stand-in in the installed package (no
+    # repository, no STEPALLOC_HOSTCUDA_DIR, no stub on LD_LIBRARY_PATH or preloaded: torch finds
+    # no device), re-runs itself over it and records; the installed stepalloc-stress replays.
+    # The environment sees the system's torch and transformers; here torch has no nvidia wheels,
+    # so testdrv's stand-ins for them stay on LD_LIBRARY_PATH (scripts/test.sh sets it).
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=300)
+    python = venv / "bin" / "python"
+    subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-index", "--no-deps", str(wheels[0])],
+                   check=True, timeout=300)  # fmt: skip
+    drop = {"PYTHONPATH", "STEPALLOC_HOSTCUDA_DIR", "STEPALLOC_STRESS", "LD_PRELOAD", "STEPALLOC_FIT_CHILD"}
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    paths = env.get("LD_LIBRARY_PATH", "").split(os.pathsep)
+    keep = [p for p in paths if p and not p.rstrip("/").endswith(("hostcuda", "runtime"))]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(keep)
+    where = "from stepalloc.fit import _host; print(_host.hostcuda_dir())"
+    found = subprocess.run([str(python), "-c", where], env=env, cwd=tmp_path, capture_output=True, text=True,
+                           check=True).stdout.strip()  # fmt: skip
+    assert found == str(venv / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+                        / "stepalloc" / "lib" / "hostcuda"), found  # fmt: skip
+    fit = subprocess.run(
+        [str(python), "-m", "stepalloc.fit", "--model", "llava-1.5-7b", "--tiny", "--batch", "1", "--iterations", "1",
+         "--tokens", "8-16", "--images", "1", "--device", "24", "--json"],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert fit.returncode == 0, fit.stderr[-3000:]
+    report = json.loads(fit.stdout)
+    assert report["recordings"]["sm90"]["allocations"] > 100, report["recordings"]
+    assert [c["name"] for c in report["devices"][0]["fit"]["configs"]] == [
+        "pytorch", "pytorch_expandable", "split128", "stepalloc"
+    ]  # fmt: skip
 
 
 def _wheel_without_cargo(out: Path, **env: str) -> subprocess.CompletedProcess:

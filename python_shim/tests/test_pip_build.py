@@ -132,6 +132,8 @@ def test_pip_install_builds_the_library_and_the_wheel_needs_no_rust(tmp_path: Pa
         "stepalloc/py.typed",
         "stepalloc/bin/stepalloc-stress",
         "stepalloc/fit/_binary.py",
+        "stepalloc/lib/hostcuda/libcuda.so.1",
+        "stepalloc/lib/hostcuda/runtime/libcudart.so.13",
     } <= names, names
     # vLLM finds the sleep-mode backend through this entry point (stepalloc/vllm_backend.py).
     (entry_points,) = (n for n in names if n.endswith(".dist-info/entry_points.txt"))

@@ -9,7 +9,8 @@ that it answers torch's own ``NEEDED`` entry) which gives a device and its conte
 kernel (none is launched under fake tensors).
 
 Where the stand-in is looked for, in order: ``$STEPALLOC_HOSTCUDA_DIR``, the package's
-``stepalloc/lib/hostcuda/``, this repository's ``target/hostcuda/`` (``testdrv/build.sh``).
+``stepalloc/lib/hostcuda/`` (``python_shim/setup.py`` builds it into the wheel), this
+repository's ``target/hostcuda/`` (``testdrv/build.sh``).
 
 Invariants: ``cuda_ready()`` never initialises CUDA in a way that changes the process (it asks
 ``torch.cuda.is_available``); the child's environment keeps the caller's and adds the stand-in.

@@ -168,3 +168,26 @@ def transformers_as_real_run():
         yield
     finally:
         import_utils.is_fake_tensor = original
+
+
+@contextlib.contextmanager
+def foreach_like_a_real_run():
+    """On CUDA, torch's optimizers (and ``clip_grad_norm_``) run their foreach kernels unless told
+    otherwise, and those keep temporaries for every parameter at once (AdamW's ``_foreach_sqrt``
+    of the second moments: one more copy of the trained weights). torch decides by ``type(p)``
+    against two lists, which a real run's parameters are on and fake ones are not: without this,
+    a recording takes the per-parameter loop that a real run never takes. FakeTensor goes on both
+    lists while recording, as DTensor puts itself on them (torch/distributed/tensor)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    lists = [optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types]
+    added = [types for types in lists if FakeTensor not in types]
+    for types in added:
+        types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        for types in added:
+            types.remove(FakeTensor)

@@ -36,11 +36,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode, UnsupportedOperatorExc
 from torch.distributed._tools.mod_tracker import ModTracker
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import _kernels
 from ._patches import (
+    foreach_like_a_real_run,
     module_conversion,
     patched_resize,
     quiet_tracker,
@@ -48,7 +48,7 @@ from ._patches import (
     transformers_as_real_run,
 )
 from ._trace import BACKWARD, Trace
-from ._values import DataDependentError, RealValues, UnsupportedOpError, serving
+from ._values import DataDependentError, RealValues, UnsupportedOpError, leaves, serving
 
 OPTIMIZER = "optimizer"
 
@@ -119,7 +119,7 @@ class _Recorder(TorchDispatchMode):
         op = _op_name(func)
         module = self.rec.module()
         with self.lock:
-            for t in tree_flatten((args, kwargs))[0]:
+            for t in leaves((args, kwargs)):
                 if isinstance(t, torch.Tensor):
                     self.known(t)
             if op in _kernels.BLAS_OPS:
@@ -143,7 +143,7 @@ class _Recorder(TorchDispatchMode):
             for addr in scratch:
                 self.rec.trace.free(addr)
             host = _kernels.HOST_OUTPUTS.get(op, ()) if self.rec.device_type == "cuda" else ()
-            flat = tree_flatten(out)[0]
+            flat = leaves(out)
             for i, t in enumerate(flat):
                 if not isinstance(t, torch.Tensor) or not self._counts(t):
                     continue
@@ -270,6 +270,7 @@ class Recording:
         stack = self._stack
         if self.fake_mode is not None:
             stack.enter_context(self.fake_mode)
+            stack.enter_context(foreach_like_a_real_run())
         if self.device_type == "cuda":
             stack.enter_context(target_attention(self))
         stack.enter_context(self._recorder)

@@ -47,6 +47,24 @@ PICKERS = {aten.multinomial.default, aten.argmax.default}
 NO_REAL = {aten.empty.memory_format, aten.empty_strided.default, aten.new_empty.default, aten.new_empty_strided.default}
 
 
+def leaves(obj: Any) -> list:
+    """The leaves of an operator's arguments or outputs, in order: what is nested in the tuples,
+    lists and dicts ATen's schemas use (a ``torch.Size`` stays one leaf, as in torch's pytree).
+    The recorder asks this of every operator; torch's ``tree_flatten``, which handles every
+    registered container and builds a spec, is the larger part of the recorder's own time."""
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        out: list = []
+        for x in obj:
+            if isinstance(x, (list, tuple, dict)) and not isinstance(x, torch.Size):
+                out.extend(leaves(x))
+            else:
+                out.append(x)
+        return out
+    if isinstance(obj, dict):
+        return leaves(list(obj.values()))
+    return [obj]
+
+
 class DataDependentError(RuntimeError):
     """A data-dependent operator on a tensor whose contents the recorder cannot know."""
 
@@ -121,19 +139,16 @@ class RealValues:
     def _propagate(self, func, args: tuple, kwargs: dict, out: Any) -> None:
         if func in NO_REAL:
             return
-        flat, spec = tree_flatten((args, kwargs))
         mutated = _mutated_args(func, args, kwargs)
-        real = []
-        for x in flat:
-            if isinstance(x, torch.Tensor):
-                v = self.value(x)
-                if v is None:
-                    break
-                real.append(v)
-            else:
-                real.append(torch.device("cpu") if isinstance(x, torch.device) else x)
-        else:
-            fakes = tree_flatten(out)[0]
+        # Most operators take an activation or a weight, which has no value: seen without
+        # building the arguments' spec.
+        if all(self.value(x) is not None for x in leaves((args, kwargs)) if isinstance(x, torch.Tensor)):
+            flat, spec = tree_flatten((args, kwargs))
+            real = [
+                self.value(x) if isinstance(x, torch.Tensor) else torch.device("cpu") if isinstance(x, torch.device) else x
+                for x in flat
+            ]
+            fakes = leaves(out)
             outs = [t for t in fakes if isinstance(t, torch.Tensor)]
             if (outs or mutated) and all(t.numel() <= MAX_REAL_NUMEL for t in outs + mutated):
                 real_args, real_kwargs = tree_unflatten(real, spec)
@@ -146,7 +161,7 @@ class RealValues:
                     pass
                 else:
                     self.computed += 1
-                    reals = tree_flatten(real_out)[0]
+                    reals = leaves(real_out)
                     if len(fakes) == len(reals):
                         for f, r in zip(fakes, reals):
                             if isinstance(f, FakeTensor) and isinstance(r, torch.Tensor) and f.shape == r.shape:
@@ -229,7 +244,7 @@ def _mutated_args(func, args: tuple, kwargs: dict) -> list:
     out = []
     for i, name in writes:
         v = args[i] if i < len(args) else kwargs.get(name)
-        out.extend(t for t in tree_flatten(v)[0] if isinstance(t, torch.Tensor))
+        out.extend(t for t in leaves(v) if isinstance(t, torch.Tensor))
     return out
 
 
