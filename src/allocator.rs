@@ -5,8 +5,11 @@
 //! The device lock (`DeviceLock`) is std's mutex: on Linux a futex word taken with a
 //! compare-and-swap and released with a swap that says in the same instruction whether a thread
 //! sleeps on it, so no wake-up is lost and no sleep needs a deadline; waiters spin briefly, then
-//! sleep in the kernel. Its poisoning is ignored: a panic under the lock (an overflow check; the
-//! C ABI's guard turns it into an error) leaves the device usable, as the C ABI expects.
+//! sleep in the kernel. A panic under the lock (an overflow check, a bug; the C ABI's guard turns
+//! it into an error) may leave the heap half way through an operation: the next caller to take
+//! the lock checks the heap's invariants. Whole, the device goes on; broken, every later call
+//! that could change or hand out memory on it is refused (`Error::Unavailable` naming what is
+//! broken), so no block is handed out twice over bookkeeping a panic left behind.
 //! parking_lot's mutex measured the same on the hot path and slower under contention. Rules for
 //! holders:
 //! - a call that needs several devices (pause, resume: `sleep.rs`) takes their locks in device
@@ -24,23 +27,57 @@ use crate::segment::HomeHint;
 use crate::snapshot::{SnapshotAnnotation, SnapshotSegment, SnapshotTraceEvent};
 use crate::stats::{DeviceStats, StepFigures};
 use serde_json::json;
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 /// A device's heap behind its lock (see the module's rules).
-pub(crate) struct DeviceLock(Mutex<Heap>);
+pub(crate) struct DeviceLock {
+    heap: Mutex<Heap>,
+    /// Set when a panic under the lock left the heap's invariants broken: what is broken.
+    broken: OnceLock<String>,
+}
 
 /// A device's heap, locked.
 pub(crate) type HeapGuard<'a> = MutexGuard<'a, Heap>;
 
 impl DeviceLock {
     fn new(heap: Heap) -> DeviceLock {
-        DeviceLock(Mutex::new(heap))
+        DeviceLock { heap: Mutex::new(heap), broken: OnceLock::new() }
     }
 
-    /// Waits for the lock and takes it; a panic of an earlier holder does not refuse it.
+    /// Waits for the lock and takes it, for a call that only reads the heap; after a panic of
+    /// an earlier holder, the heap is checked first (see the module's rules).
     #[inline]
     pub(crate) fn lock(&self) -> HeapGuard<'_> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        match self.heap.lock() {
+            Ok(heap) => heap,
+            Err(poisoned) => self.after_panic(poisoned.into_inner()),
+        }
+    }
+
+    /// The lock for a call that may change the heap or hand out its memory: refused when a
+    /// panic left device `device`'s heap broken.
+    #[inline]
+    pub(crate) fn lock_usable(&self, device: usize) -> Result<HeapGuard<'_>> {
+        let heap = self.lock();
+        match self.broken.get() {
+            None => Ok(heap),
+            Some(why) => Err(Error::Unavailable(format!(
+                "device {device}: an internal error (a panic, reported when it happened) left stepalloc's \
+                 bookkeeping of this device inconsistent ({why}); every later call on it is refused so that \
+                 no memory is handed out twice. Restart the process, and please report the first error"
+            ))),
+        }
+    }
+
+    /// The first lock after a panic under it: checks the heap, notes it broken when its
+    /// invariants do not hold, and clears the poisoning (each panic is checked once).
+    #[cold]
+    fn after_panic<'a>(&'a self, heap: HeapGuard<'a>) -> HeapGuard<'a> {
+        if let Err(why) = heap.check_invariants() {
+            let _ = self.broken.set(why);
+        }
+        self.heap.clear_poison();
+        heap
     }
 }
 
@@ -87,9 +124,15 @@ impl Allocator {
     #[inline]
     fn heap(&self, device: usize) -> Result<HeapGuard<'_>> {
         match self.devices.get(device) {
-            Some(heap) => Ok(heap.lock()),
+            Some(heap) => heap.lock_usable(device),
             None => Err(self.no_device(device)),
         }
+    }
+
+    /// Every device's lock, in device order (the order calls on several devices take them),
+    /// for a call that changes them: refused when one is broken (see `DeviceLock`).
+    pub(crate) fn lock_all(&self) -> Result<Vec<HeapGuard<'_>>> {
+        self.devices.iter().enumerate().map(|(device, heap)| heap.lock_usable(device)).collect()
     }
 
     #[cold]
@@ -131,8 +174,8 @@ impl Allocator {
     /// Releases every unused cached segment on every device. Returns bytes released.
     pub fn empty_cache(&self) -> Result<u64> {
         let mut released = 0;
-        for heap in &self.devices {
-            released += heap.lock().empty_cache()?;
+        for (device, heap) in self.devices.iter().enumerate() {
+            released += heap.lock_usable(device)?.empty_cache()?;
         }
         Ok(released)
     }
@@ -245,15 +288,15 @@ impl Allocator {
 
     /// Begins a step of `phase` on every device.
     pub fn step_begin(&self, phase: &str) -> Result<()> {
-        for heap in &self.devices {
-            heap.lock().step_begin(phase)?;
+        for (device, heap) in self.devices.iter().enumerate() {
+            heap.lock_usable(device)?.step_begin(phase)?;
         }
         Ok(())
     }
 
     /// Ends the current step on every device; returns each device's figures.
     pub fn step_end(&self) -> Result<Vec<StepFigures>> {
-        self.devices.iter().map(|heap| heap.lock().step_end()).collect()
+        self.devices.iter().enumerate().map(|(device, heap)| heap.lock_usable(device)?.step_end()).collect()
     }
 
     pub fn stats(&self, device: usize) -> Result<DeviceStats> {

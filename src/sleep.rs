@@ -207,7 +207,7 @@ impl Allocator {
         discard: &[u64],
     ) -> std::result::Result<SleepReport, (Error, bool)> {
         let mut report = SleepReport { op: "pause", ..Default::default() };
-        let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
+        let mut heaps: Vec<_> = self.lock_all().map_err(|e| (e, true))?;
         for &(id, _) in ids {
             refuse_during_capture(&heaps, id, "pause").map_err(|e| (e, true))?;
             refuse_while_shared(&heaps, id).map_err(|e| (e, true))?;
@@ -303,7 +303,7 @@ impl Allocator {
 
     fn resume_together(&self, ids: &[TagId]) -> std::result::Result<SleepReport, (Error, bool)> {
         let mut report = SleepReport { op: "resume", ..Default::default() };
-        let mut heaps: Vec<_> = self.devices.iter().map(|h| h.lock()).collect();
+        let mut heaps: Vec<_> = self.lock_all().map_err(|e| (e, true))?;
         for &id in ids {
             refuse_during_capture(&heaps, id, "resume").map_err(|e| (e, true))?;
         }
@@ -351,8 +351,8 @@ impl Allocator {
     /// Frees the pinned host buffers that hold no paused bytes, on every device. Returns bytes.
     pub fn release_backup(&self) -> Result<u64> {
         let mut freed = 0;
-        for heap in &self.devices {
-            freed += heap.lock().release_backup()?;
+        for (device, heap) in self.devices.iter().enumerate() {
+            freed += heap.lock_usable(device)?.release_backup()?;
         }
         Ok(freed)
     }

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from . import _lib, follow, ipc
+from . import _lib, captures, follow, ipc
 
 DEFAULT_TAG = "default"
 
@@ -205,13 +205,46 @@ class region:
             )
         _lib.check(int(_c().stepalloc_region_enter(self._data, self._store)))
         follow.ensure()  # backward() inside: autograd's thread borrows the tag (stepalloc.follow)
+        captures.ensure()  # a pause refuses to run during a capture PyTorch's allocator routes
         return self
 
     def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        paused = _refused_as_paused(exc, self.tag)
         _lib.check(int(_c().stepalloc_region_exit()))
+        if paused is not None:
+            # PyTorch reports the library's refusal as its own error (process-wide: a
+            # RuntimeError with the library's text; a pool: an out-of-memory error that says the
+            # device is free): the innermost region whose tag is paused says what it is.
+            raise _lib.PausedError(paused, _lib.PAUSED) from exc
 
     def __repr__(self) -> str:
         return f"stepalloc.region({self.tag!r}, backup={self.backup!r})"
+
+
+# Set on an exception a region turned into ``PausedError`` or let pass: the regions around it
+# leave it as it is.
+_SEEN = "_stepalloc_region_seen"
+
+
+def _refused_as_paused(exc: BaseException | None, tag: str) -> str | None:
+    """The ``PausedError`` message for ``exc`` leaving the innermost region (of ``tag``) when
+    it is PyTorch's report of an allocation the library refused because ``tag`` is paused: a
+    ``RuntimeError`` (``torch.OutOfMemoryError`` is one) while the tag is paused. None otherwise,
+    and for every region around the first one the exception leaves."""
+    if exc is None or isinstance(exc, _lib.StepallocError) or not isinstance(exc, RuntimeError):
+        return None
+    if getattr(exc, _SEEN, False):
+        return None
+    try:
+        setattr(exc, _SEEN, True)
+    except AttributeError:
+        return None
+    if tag == DEFAULT_TAG or tag not in paused_tags():
+        return None
+    return (
+        f"allocation in a region of tag {tag!r}, which is paused: resume it first "
+        f"(stepalloc.resume({tag!r}), or wake_up() of stepalloc.cumem); PyTorch reported: {str(exc).splitlines()[0]}"
+    )
 
 
 def pause(tag: str | Sequence[str] | None = None, backup: bool | None = None) -> SleepReport:
@@ -238,8 +271,9 @@ def pause(tag: str | Sequence[str] | None = None, backup: bool | None = None) ->
     mode = -1 if backup is None else (1 if backup else 0)
     # Tensors sent to other processes whose receivers all let go no longer hold the pause back.
     ipc.collect()
-    _lib.check(int(_c().stepalloc_pause(data, mode)))
-    return _report()
+    with captures.none_underway(f"pause of {tag!r}" if tag is not None else "pause"):
+        _lib.check(int(_c().stepalloc_pause(data, mode)))
+        return _report()
 
 
 def _tag_list(tags: object, what: str) -> list[str]:
@@ -265,12 +299,13 @@ def _pause_each(tags: dict[str, bool | None], discard: Sequence[int] = ()) -> Sl
     parts = [name if b is None else f"{name}={int(bool(b))}" for name, b in tags.items()]
     data = _tag_arg(",".join(parts), "pause: tags")
     ipc.collect()
-    if discard:
-        addresses = (ctypes.c_uint64 * len(discard))(*(_lib.c_pointer_arg(a, "pause: discard") for a in discard))
-        _lib.check(int(_c().stepalloc_pause_tags_discarding(data, -1, addresses, len(discard))))
-    else:
-        _lib.check(int(_c().stepalloc_pause_tags(data, -1)))
-    return _report()
+    with captures.none_underway(f"pause of {list(tags)}"):
+        if discard:
+            addresses = (ctypes.c_uint64 * len(discard))(*(_lib.c_pointer_arg(a, "pause: discard") for a in discard))
+            _lib.check(int(_c().stepalloc_pause_tags_discarding(data, -1, addresses, len(discard))))
+        else:
+            _lib.check(int(_c().stepalloc_pause_tags(data, -1)))
+        return _report()
 
 
 def resume(tag: str | Sequence[str] | None = None) -> SleepReport:
@@ -282,11 +317,13 @@ def resume(tag: str | Sequence[str] | None = None) -> SleepReport:
     is skipped (``.skipped``)."""
     if tag is not None and not isinstance(tag, str):
         data = _tag_arg(",".join(_tag_list(tag, "resume")), "resume: tags")
-        _lib.check(int(_c().stepalloc_resume_tags(data)))
-        return _report()
+        with captures.none_underway(f"resume of {list(tag)}"):
+            _lib.check(int(_c().stepalloc_resume_tags(data)))
+            return _report()
     data = None if tag is None else _tag_arg(tag, "resume: tag")
-    _lib.check(int(_c().stepalloc_resume(data)))
-    return _report()
+    with captures.none_underway(f"resume of {tag!r}" if tag is not None else "resume"):
+        _lib.check(int(_c().stepalloc_resume(data)))
+        return _report()
 
 
 def release_backup() -> None:

@@ -310,9 +310,10 @@ def mempool(use_on_oom: bool = False) -> Any:
             raise _lib.error_for(status)
     device = int(torch.cuda.current_device())  # where PyTorch's MemPool creates the pool
     pool = torch.cuda.MemPool(_mempool_allocator.allocator(), use_on_oom=use_on_oom)
-    from . import follow
+    from . import captures, follow
 
     follow.follow_pool(pool.id, device)  # backward() inside use_mem_pool allocates from the pool too
+    captures.ensure()  # a pause refuses to run during a capture PyTorch's allocator routes
     return pool
 
 

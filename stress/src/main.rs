@@ -185,6 +185,7 @@ fn run(cli: Cli) -> Result<i32, Failure> {
     let capacity_mb = if g.h200 { H200_MB } else { g.capacity_mb.unwrap_or(DEFAULT_MB) };
     let command = cli.command.unwrap_or_else(|| Command::Agent(AgentArgs::default()));
     refuse_unused(g, &command)?;
+    refuse_overwriting_input(g, &command)?;
     let started = Instant::now();
     // The agent workload is generated as it runs (one iteration at a time, again for every
     // configuration); a trace is read once.
@@ -281,6 +282,44 @@ fn run(cli: Cli) -> Result<i32, Failure> {
 const DEFAULT_MB: u64 = 81_920;
 /// `--h200`: an H200's memory as the driver reports it.
 const H200_MB: u64 = 143_771;
+
+/// Refuses an output file (`--plot`, `--html`, `--svg`) that is the trace being read, or another
+/// output of the same run: writing it would destroy the recording (a step recorded for minutes)
+/// or one picture would silently replace the other.
+fn refuse_overwriting_input(g: &Global, command: &Command) -> Result<(), String> {
+    let (input, outputs): (&std::path::Path, Vec<(&str, &std::path::Path)>) = match command {
+        Command::Replay { file } | Command::Advise { file, .. } => {
+            (file, g.plot.as_deref().map(|p| ("--plot", p)).into_iter().collect())
+        }
+        Command::Fit { file, html, svg, .. } => {
+            let outputs = [("--html", html), ("--svg", svg)];
+            (file, outputs.into_iter().filter_map(|(flag, p)| p.as_deref().map(|p| (flag, p))).collect())
+        }
+        _ => return Ok(()),
+    };
+    for (i, &(flag, path)) in outputs.iter().enumerate() {
+        if same_file(path, input) {
+            return Err(format!(
+                "{flag} {}: that is the trace this run reads; writing there would destroy it. Name another file",
+                path.display()
+            ));
+        }
+        if let Some((other, _)) = outputs[..i].iter().find(|(_, p)| same_file(p, path)) {
+            return Err(format!("{flag} {}: {other} writes that file too; give each its own file", path.display()));
+        }
+    }
+    Ok(())
+}
+
+/// Whether two paths name one file: the same file on disk when both exist, else the same path
+/// once made absolute.
+fn same_file(a: &std::path::Path, b: &std::path::Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    match (std::fs::metadata(a), std::fs::metadata(b)) {
+        (Ok(x), Ok(y)) => x.dev() == y.dev() && x.ino() == y.ino(),
+        _ => matches!((std::path::absolute(a), std::path::absolute(b)), (Ok(x), Ok(y)) if x == y),
+    }
+}
 
 /// Refuses every flag `command` would ignore, naming it: a flag listed in `--help` either changes
 /// the result or is refused (a flag that silently did nothing would let a user believe it had

@@ -258,7 +258,7 @@ fn the_users_setting_is_a_column_read_as_pytorch_reads_it() {
     // What PyTorch would refuse is refused, naming the key.
     let small = small();
     for (conf, want) in [
-        ("expandable_segments:true", "PyTorch takes `True` or `False` only"),
+        ("expandable_segments:true", "PyTorch would refuse it (it takes `True` or `False` only)"),
         ("page_reuse:True", "`page_reuse` is not one of PyTorch 2.15's keys"),
         ("max_split_size_mb:8", "max_split_size_mb"),
         ("backend:cudaMallocAsync", "is not modelled"),
