@@ -172,17 +172,23 @@ def transformers_config(config: dict[str, Any]):
     return cfg
 
 
-def model_class(cfg):
+def unusable(where: str, cfg: Any, why: str) -> str:
+    return (f"{where}: model_type {cfg.model_type!r} is not a configuration the recipes can use ({why}): they train "
+            "a causal language model or an image-text-to-text model (llava, qwen2_vl, llama, ...)")
+
+
+def model_class(cfg, where: str = "configuration"):
     """The transformers class that the configuration's ``architectures`` names (else the
-    image-text-to-text or causal-LM auto class)."""
+    image-text-to-text or causal-LM auto class); ``where`` names the file in errors."""
     import transformers
 
     for name in getattr(cfg, "architectures", None) or []:
-        cls = getattr(transformers, name, None)
-        if cls is not None:
+        cls = getattr(transformers, str(name), None)
+        # Only a model class: 'architectures' must not name any other attribute to be called.
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
             return cls
     for auto in ("AutoModelForImageTextToText", "AutoModelForCausalLM"):
         mapping = getattr(transformers, auto)._model_mapping
         if type(cfg) in mapping:
             return mapping[type(cfg)]
-    raise ConfigError(f"no transformers model class for model_type {cfg.model_type!r} (architectures: {cfg.architectures})")
+    raise ConfigError(unusable(where, cfg, f"no transformers model class for it, architectures: {cfg.architectures}"))
