@@ -97,7 +97,10 @@ class _Recorder(TorchDispatchMode):
         addr = 0
         if nbytes > 0:
             trace = self.rec.trace
-            addr = trace.alloc_before(nbytes, module, op) if prefix else trace.alloc(nbytes, module, op, self._stream())
+            if prefix:
+                addr = trace.alloc_before(nbytes, module, op)
+            else:
+                addr = trace.alloc(nbytes, module, op, self._stream() if self.side_streams else 0)
         entry = [addr, nbytes, None]
         entry[2] = weakref.ref(st, functools.partial(self._died, entry))
         self.storages[st] = entry
