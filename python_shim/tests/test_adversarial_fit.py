@@ -155,3 +155,231 @@ def test_pytorch_conf_is_refused_where_pytorch_refuses_it_and_read_where_it_read
     accepted = sum(v == "accepted" for v in pytorch.values())
     assert accepted > len(cases) // 4, f"only {accepted} of {len(cases)} strings accepted by PyTorch: draw better ones"
     assert not wrong, f"{len(wrong)} of {len(cases)} strings read otherwise than PyTorch 2.15 ({accepted} accepted by it): {wrong[:12]}"
+
+
+# ---- python -m stepalloc.fit: bad inputs before recording --------------------------------------
+
+
+def cli(*args: str, env: dict[str, str] | None = None, memory_gib: int = 8) -> subprocess.CompletedProcess:
+    """``python -m stepalloc.fit`` over testdrv's stand-in, its address space bounded so that a
+    recorder that ignored a bound fails here instead of filling the machine."""
+    full = dict(os.environ, PYTHONPATH=str(SHIM))
+    full.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+    full.update(env or {})
+
+    def bounded() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (memory_gib << 30, memory_gib << 30))
+
+    return subprocess.run([sys.executable, "-m", "stepalloc.fit", *args], cwd=SHIM, env=full, capture_output=True,
+                          text=True, timeout=300, check=False, preexec_fn=bounded)
+
+
+TINY = ["--model", "llava", "--tiny", "--batch", "1", "--iterations", "1", "--tokens", "8-16", "--images", "0-1"]
+
+
+def test_bad_replay_inputs_are_refused_before_anything_is_recorded() -> None:
+    stress()
+    cases = [
+        (["--device", "100000"], {}, "16384 GB"),
+        (["--device", "0.0000001"], {}, "1 MiB"),
+        (["--outside-mb", "-5"], {}, "--outside-mb -5"),
+        (["--outside-mb", "100.5"], {}, "--outside-mb"),
+        (["--device", "24", "--outside-mb", "30000"], {}, "whole device"),
+        (["--pytorch-conf", ",expandable_segments:True"], {}, "Unrecognized key ','"),
+        ([], {"PYTORCH_CUDA_ALLOC_CONF": "backend:cudaMallocAsync"}, "from the environment; --pytorch-conf '' leaves it out"),
+        ([], {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:10"}, "PYTORCH_CUDA_ALLOC_CONF"),
+        (["--seed", "-1"], {}, "--seed -1"),
+        (["--seed", str(1 << 70)], {}, "2**63-1"),
+    ]
+    for args, env, want in cases:
+        done = cli(*TINY, *args, env=env)
+        assert done.returncode == 2, (args, env, done.stderr[-500:])
+        assert want in done.stderr and "recorded for" not in done.stdout + done.stderr, (args, env, done.stderr[-500:])
+
+
+def test_inputs_that_would_fill_the_hosts_memory_are_refused_naming_the_bound(tmp_path: Path) -> None:
+    for args in (
+        ["--tokens", "1000000000-1000000000"],
+        ["--batch", "100000000"],
+        ["--rollout", "100000000"],
+        ["--model", "qwen2-vl", "--images", "1-1", "--image-size", "1000000"],
+    ):
+        done = cli(*TINY, *args, "--record-only")
+        assert done.returncode == 2, (args, done.stderr[-800:])
+        assert "takes at most 16,777,216" in done.stderr, (args, done.stderr[-800:])
+
+
+def test_hostile_configurations_are_refused_naming_the_file_and_the_key(tmp_path: Path) -> None:
+    from stepalloc.fit import _configs
+
+    llava = _configs.load("llava-1.5-7b")
+    llava.pop("_path")
+
+    def with_text(**text: object) -> dict:
+        c = json.loads(json.dumps(llava))
+        c["text_config"].update(text)
+        return c
+
+    cases = [
+        (with_text(num_hidden_layers=1_000_000_000), "'num_hidden_layers' is 1000000000"),
+        (with_text(num_hidden_layers=-3), "'num_hidden_layers' is -3"),
+        (with_text(num_hidden_layers=4096.5), "'num_hidden_layers' is 4096.5"),
+        (with_text(num_hidden_layers=True), "'num_hidden_layers' is True"),
+        (with_text(hidden_size=0), "'hidden_size' is 0"),
+        (with_text(num_attention_heads=0), "'num_attention_heads' is 0"),
+        (with_text(vocab_size=1 << 40), "'vocab_size'"),
+        (dict(llava, text_config="llama"), "'text_config' must be a JSON object"),
+        (dict(llava, text_config=dict(llava["text_config"], num_hidden_layers=100, num_local_experts=1000)), "expert blocks"),
+    ]
+    deep: dict = {"model_type": "llama"}
+    node = deep
+    for _ in range(40):
+        node["sub"] = {}
+        node = node["sub"]
+    cases.append((deep, "nested deeper than 16"))
+    for i, (config, want) in enumerate(cases):
+        path = tmp_path / f"c{i}" / "config.json"
+        path.parent.mkdir()
+        path.write_text(json.dumps(config))
+        with pytest.raises(_configs.ConfigError, match=None) as caught:
+            _configs.load(path.parent)
+        assert want in str(caught.value) and str(path) in str(caught.value), (want, str(caught.value))
+    (tmp_path / "nested.json").write_text('{"model_type": "llama", "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(_configs.ConfigError, match="nested too deeply"):
+        _configs.load(tmp_path / "nested.json")
+    (tmp_path / "big.json").write_text('{"model_type": "llama", "x": "' + "y" * (5 << 20) + '"}')
+    with pytest.raises(_configs.ConfigError, match="a model configuration is a few KiB"):
+        _configs.load(tmp_path / "big.json")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(_configs.ConfigError, match="no config.json at"):
+        _configs.load(tmp_path / "empty")
+
+
+@needs_torch
+def test_configurations_transformers_cannot_build_exit_2_naming_the_file(tmp_path: Path) -> None:
+    from stepalloc.fit import _configs
+
+    llava = _configs.load("llava-1.5-7b")
+    llava.pop("_path")
+    for name, config, want in (
+        ("unknown", {"model_type": "no-such-model"}, "transformers cannot read it"),
+        ("encoder", {"model_type": "vit"}, "not a configuration the recipes can use"),
+        ("activation", dict(llava, projector_hidden_act="no-such-function"), "cannot build LlavaForConditionalGeneration"),
+    ):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        done = cli("--model", str(tmp_path / name), "--tiny", "--batch", "1", "--iterations", "1", "--tokens", "8-16",
+                   "--images", "0-0", "--record-only")
+        assert done.returncode == 2 and want in done.stderr and str(tmp_path / name) in done.stderr, (name, done.stderr[-800:])
+        assert "Traceback" not in done.stderr, (name, done.stderr[-800:])
+
+
+# ---- record(fn) ------------------------------------------------------------------------------
+
+RECORD = r"""
+import concurrent.futures, threading, warnings
+warnings.simplefilter("ignore")
+import torch, torch.nn.functional as F
+import stepalloc.fit as fit
+from stepalloc.fit import _trace
+MIB = 1 << 20
+out = {}
+originals = (F.scaled_dot_product_attention, torch.tensor, torch.UntypedStorage.resize_, threading.Thread.start)
+
+def restored():
+    return originals == (F.scaled_dot_product_attention, torch.tensor, torch.UntypedStorage.resize_, threading.Thread.start) \
+        and fit._api._current is None and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is None
+
+def sizes(rec):
+    return sorted(a.size for a in rec.trace.allocations())
+
+def raises():
+    torch.randn(1024, device="cuda")
+    raise KeyError("the user's own error")
+try:
+    fit.record(raises)
+except KeyError:
+    out["raises"] = restored()
+out["odd_returns"] = [len(sizes(fit.record(f))) for f in (
+    lambda: (i for i in range(3)), lambda: torch.randn(8, device="cuda"), lambda: {"a": [torch.randn(8, device="cuda")]},
+    lambda: 42, lambda: None)]
+out["cpu_only"] = sizes(fit.record(lambda: torch.randn(1000, 1000)))
+
+def threads():
+    held = {}
+    def work(k):
+        held[k] = torch.empty(MIB * (k + 1), dtype=torch.uint8, device="cuda")
+    t = threading.Thread(target=work, args=(3,)); t.start(); t.join()
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        list(pool.map(work, (0, 1)))
+    return held
+rec = fit.record(threads)
+out["threads"] = [s for s in sizes(rec) if s >= MIB]
+out["thread_start_restored"] = restored()
+
+def streams():
+    side = torch.cuda.Stream()
+    a = torch.empty(MIB, dtype=torch.uint8, device="cuda")
+    with torch.cuda.stream(side):
+        b = torch.empty(2 * MIB, dtype=torch.uint8, device="cuda")
+    return a, b
+rec = fit.record(streams, trace=TRACE)
+out["streams"] = sorted((a.size, a.stream) for a in rec.trace.allocations())
+out["stream_in_file"] = sorted((d["size"], d["stream"]) for d in _trace.read_jsonl(TRACE) if d["op"] == "alloc")
+
+_trace.MAX_ALLOCATIONS = 5000
+def endless():
+    keep = []
+    while True:
+        keep.append(torch.empty(512, device="cuda"))
+try:
+    fit.record(endless)
+    out["endless"] = "returned"
+except _trace.RecordingTooLarge as e:
+    out["endless"] = ("stopped", "5,000 allocations" in str(e), restored())
+_trace.MAX_ALLOCATIONS = 8_000_000
+def nested():
+    fit.record(lambda: None)
+try:
+    fit.record(nested)
+except RuntimeError as e:
+    out["nested"] = ("already in progress" in str(e), restored())
+out["after_all"] = len(sizes(fit.record(lambda: torch.empty(MIB, device="cuda"))))
+print("result=" + repr(out))
+"""
+
+
+@needs_torch
+def test_record_of_hostile_functions(tmp_path: Path) -> None:
+    code = "TRACE = " + repr(str(tmp_path / "streams.jsonl")) + "\n" + RECORD
+    done = check_child(run_python(code, env=torch_env(), timeout=300))
+    import ast
+
+    got = ast.literal_eval(next(line for line in done.splitlines() if line.startswith("result=")).split("=", 1)[1])
+    assert got == {
+        "raises": True,
+        "odd_returns": [0, 1, 1, 0, 0],
+        "cpu_only": [],
+        "threads": [MIB, 2 * MIB, 4 * MIB],
+        "thread_start_restored": True,
+        "streams": [(MIB, 0), (2 * MIB, 1)],
+        "stream_in_file": [(MIB, 0), (2 * MIB, 1)],
+        "endless": ("stopped", True, True),
+        "nested": (True, True),
+        "after_all": 1,
+    }, got
+
+
+def test_the_largest_batch_search_stays_bounded_when_memory_does_not_grow() -> None:
+    from stepalloc.fit import _replay
+
+    tried: list[int] = []
+
+    def always(batch: int) -> dict[str, bool]:
+        tried.append(batch)
+        return {"pytorch": True, "stepalloc": True}
+
+    search = _replay.largest_batch(always)
+    assert search.capped and search.largest == {"pytorch": 256, "stepalloc": 256} and len(tried) == 9
+    odd = _replay.largest_batch(lambda b: {"pytorch": b in (1, 4, 5)})  # not monotonic: the first failure bounds it
+    assert odd.largest == {"pytorch": 1} and sorted(odd.tried) == [1, 2]

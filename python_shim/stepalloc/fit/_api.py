@@ -120,9 +120,11 @@ def record_recipe(recipe: Any = None, device: Any = "h100", attention: str = "au
 def largest_batch(recipe: Any, device: Any = "h100", attention: str = "auto", limit: int = 256, **fit_options: Any):
     """The largest batch of ``recipe`` that fits on ``device`` under each allocator (see
     ``_replay.largest_batch`` for the search)."""
-    from ._recipes import record_recipe as _record
+    from ._recipes import largest_batch_taken, record_recipe as _record
 
     _host.ensure_device()
+    # The search stops where the recorder stops taking the batch's inputs.
+    limit = min(limit, largest_batch_taken(recipe))
 
     def fits_at(batch: int) -> dict[str, bool]:
         rec = _record(recipe.with_batch(batch), target=device, attention=attention)

@@ -5,7 +5,8 @@ Layer: the command line over ``_api`` / ``_recipes`` / ``_replay``. Without a CU
 it re-runs itself over the host-memory stand-in (``_host``).
 
 Invariants: exit status 0 when the report was made (fitting or not: that is data), 2 on bad
-input (named), 1 on a failure of the recorder or the replay (with its message).
+input (named, and before anything is recorded where the input alone shows it: ``check_inputs``,
+``_recipes.check_model``), 1 on a failure of the recorder or the replay (with its message).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from . import _configs, _host, _kernels, _replay
 
 GIB = 1 << 30
+MAX_SEED = (1 << 63) - 1
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -80,7 +82,7 @@ def recipe_of(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    from ._recipes import record_recipe
+    from ._recipes import largest_batch_taken, record_recipe
 
     recipe = recipe_of(args)
     targets = [_kernels.target(d) for d in (args.device or ["h100"])]
@@ -106,6 +108,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         return _replay.fit(recording(t, batch)[0], device=t, outside_mb=args.outside_mb, pytorch_conf=args.pytorch_conf,
                            html=args.html if picture else None, svg=args.svg if picture else None)
 
+    # The search stops where the recorder stops taking the batch's inputs.
+    limit = min(256, largest_batch_taken(recipe)) if args.largest_batch else 256
     report: dict[str, Any] = {"recipe": _recipe_dict(recipe), "recordings": {}, "devices": []}
     try:
         for t in targets:
@@ -116,7 +120,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i, t in enumerate(targets):
             entry: dict[str, Any] = {"device": t.name, "capacity_bytes": t.memory_bytes, "fit": fit(t, recipe.batch, picture=i == 0)}
             if args.largest_batch:
-                search = _replay.largest_batch(lambda b, t=t: _replay.fits_by_config(fit(t, b)))
+                search = _replay.largest_batch(lambda b, t=t: _replay.fits_by_config(fit(t, b)), limit=limit)
                 entry["largest_batch"] = {"largest": search.largest, "capped": search.capped,
                                           "tried": {str(b): r for b, r in sorted(search.tried.items())}}
             report["devices"].append(entry)
@@ -170,16 +174,33 @@ def table(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def check_inputs(args: argparse.Namespace) -> None:
+    """What can be refused before torch is imported and anything is recorded (``ValueError``,
+    named as the user typed it): the devices, the configuration's file, the seed, and what the
+    replay would refuse (``--outside-mb``, ``--pytorch-conf`` or ``$PYTORCH_CUDA_ALLOC_CONF``, asked of
+    the stress tool)."""
+    targets = [_kernels.target(d) for d in (args.device or ["h100"])]
+    _configs.load(args.model)
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ValueError(f"--seed {args.seed}: from 0 to 2**63-1 (torch.Generator's seed)")
+    for t in targets:
+        _replay.check_outside(args.outside_mb, t, "--outside-mb")
+    if not args.record_only:
+        for t in targets:
+            _replay.check(t, args.outside_mb, args.pytorch_conf, "--outside-mb")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(argv)
     try:
-        for d in args.device or []:
-            _kernels.target(d)
-        _configs.load(args.model)
-    except (ValueError, _configs.ConfigError) as exc:
+        check_inputs(args)
+    except ValueError as exc:  # ConfigError included
         print(f"stepalloc.fit: {exc}", file=sys.stderr)
         return 2
+    except _replay.ReplayError as exc:
+        print(f"stepalloc.fit: {exc}", file=sys.stderr)
+        return 1
     # Before torch is imported here: without a device context the command runs again over the
     # host-memory stand-in, in a child (where torch may load only with it).
     try:
@@ -190,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     if status is not None:
         return status
     try:
-        recipe_of(args)
-    except ValueError as exc:
+        from ._recipes import check_model
+
+        check_model(recipe_of(args))
+    except ValueError as exc:  # ConfigError included
         print(f"stepalloc.fit: {exc}", file=sys.stderr)
         return 2
     try:

@@ -63,6 +63,8 @@ TARGETS: dict[str, Target] = {
         Target("h200", 143771 * MIB, (9, 0)),
     )
 }
+# The largest device the stress tool replays on (its --capacity-gb takes (0, 16384]).
+MAX_DEVICE_GB = 16384
 # A bare size in GB names a generic card of that many GiB, Hopper-class unless said otherwise.
 DEFAULT_CAPABILITY = (9, 0)
 
@@ -81,8 +83,10 @@ def target(spec: str | float | int | Target, capability: tuple[int, int] | None 
             f"unknown device {spec!r}: give a card ({', '.join(TARGETS)}) or a size in GB such as 24, 40, 48, 80, 141"
         )
     gb = float(m.group(1))
-    if not (gb > 0 and math.isfinite(gb)) or gb > 1e6:
-        raise ValueError(f"device size {spec!r}: the memory must be more than 0 GB (and at most 1e6)")
+    if not (gb > 0 and math.isfinite(gb)) or gb > MAX_DEVICE_GB:
+        raise ValueError(f"device size {spec!r}: more than 0 GB and at most {MAX_DEVICE_GB} GB (the replay's largest device)")
+    if gb * GIB < MIB:
+        raise ValueError(f"device size {spec!r}: below 1 MiB; give the device's memory in GB (24, 80, 141)")
     return Target(f"{gb:g}GB", int(gb * GIB), capability or DEFAULT_CAPABILITY)
 
 

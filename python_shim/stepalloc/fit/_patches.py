@@ -191,3 +191,76 @@ def foreach_like_a_real_run():
     finally:
         for types in added:
             types.remove(FakeTensor)
+
+
+@contextlib.contextmanager
+def threads_record(recorder: Any):
+    """A thread started inside the recording runs under its modes too: torch's dispatch modes are
+    per thread (a real run's worker threads allocate from the same caching allocator, so the
+    recording must see them). ``threading.Thread.start`` (which ``ThreadPoolExecutor`` uses)
+    takes the starting thread's mode stack, when it holds the recorder, and pushes it in the new
+    thread around its ``run``. A pool's threads started before the recording are not seen."""
+    import threading
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    original = threading.Thread.start
+
+    @functools.wraps(original)
+    def start(thread):
+        modes = _get_current_dispatch_mode_stack()
+        if recorder in modes:
+            run = thread.run
+
+            def recorded_run():
+                for mode in modes:
+                    torch._C._push_on_torch_dispatch_stack(mode)
+                try:
+                    run()
+                finally:
+                    for mode in reversed(modes):
+                        torch._C._pop_torch_dispatch_stack(getattr(mode, "_mode_key", None))
+
+            thread.run = recorded_run
+        return original(thread)
+
+    threading.Thread.start = start
+    try:
+        yield
+    finally:
+        threading.Thread.start = original
+
+
+@contextlib.contextmanager
+def streams_seen(recorder: Any):
+    """Notes the first time a stream is made current (``torch.cuda.set_stream``,
+    ``torch.cuda.stream(s)``, ``with s:``, ``torch.accelerator.set_stream``), so that only a
+    recording that uses side streams asks the current stream at each allocation."""
+    originals = {"cuda": getattr(torch._C, "_cuda_setStream", None), "accelerator": getattr(torch._C, "_accelerator_setStream", None)}
+
+    def seen(original):
+        @functools.wraps(original)
+        def wrapper(*args, **kwargs):
+            recorder.side_streams = True
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    if originals["cuda"] is not None:
+        torch._C._cuda_setStream = seen(originals["cuda"])
+    if originals["accelerator"] is not None:
+        torch._C._accelerator_setStream = seen(originals["accelerator"])
+    had_enter = "__enter__" in torch.cuda.Stream.__dict__
+    old_enter = torch.cuda.Stream.__enter__
+    torch.cuda.Stream.__enter__ = seen(old_enter)
+    try:
+        yield
+    finally:
+        if originals["cuda"] is not None:
+            torch._C._cuda_setStream = originals["cuda"]
+        if originals["accelerator"] is not None:
+            torch._C._accelerator_setStream = originals["accelerator"]
+        if had_enter:
+            torch.cuda.Stream.__enter__ = old_enter
+        else:
+            del torch.cuda.Stream.__enter__

@@ -28,6 +28,9 @@ FINETUNE = ("full", "lora")
 OPTIMIZERS = ("adamw", "adamw-fused", "sgd")
 DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
           "float32": torch.float32, "fp32": torch.float32}
+# The most tokens a batch (or any one input size) may hold: the recorder builds each batch's
+# inputs as real tensors (and Python lists) on the host, about 30 bytes a token.
+MAX_TOKENS = 1 << 24
 # Linear layers of the language model that LoRA adapts (the vision tower stays frozen).
 LORA_TARGETS = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 
@@ -65,6 +68,8 @@ class Recipe:
                 raise bad(f"{name} {lo}-{hi}: a range low-high with 0 <= low <= high (tokens at least 1)")
         if self.iterations < 1:
             raise bad("iterations: at least 1")
+        if not 0 <= self.seed < 1 << 63:
+            raise bad(f"seed {self.seed}: from 0 to 2**63-1")
         if self.finetune not in FINETUNE:
             raise bad(f"finetune {self.finetune!r}: one of {', '.join(FINETUNE)}")
         if self.optimizer not in OPTIMIZERS:
@@ -73,10 +78,27 @@ class Recipe:
             raise bad(f"dtype {self.dtype!r}: one of {', '.join(DTYPES)}")
         if self.rollout < 0 or self.image_size < 28 or self.lora_rank < 1:
             raise bad("rollout >= 0, image_size >= 28 and lora_rank >= 1")
+        for name, value in (("batch", self.batch), ("tokens", self.tokens[1]), ("images", self.images[1]),
+                            ("rollout", self.rollout), ("image_size", self.image_size), ("lora_rank", self.lora_rank),
+                            ("iterations", self.iterations)):
+            if value > MAX_TOKENS:
+                raise bad(f"{name} {value}: takes at most {MAX_TOKENS:,} (the recorder builds its inputs on the host)")
+        check_tokens(self, self.tokens[1] + self.rollout)
         return self
 
     def with_batch(self, batch: int) -> Recipe:
         return replace(self, batch=batch)
+
+
+def check_tokens(recipe: Recipe, per_sample: int) -> None:
+    """Refuses a batch of more than ``MAX_TOKENS`` tokens (``per_sample``: the most a sample holds)."""
+    total = recipe.batch * per_sample
+    if total > MAX_TOKENS:
+        raise ValueError(
+            f"recipe: batch {recipe.batch} x {per_sample:,} tokens a sample (text, rollout and images at their most) "
+            f"= {total:,} tokens a batch; the recorder takes at most {MAX_TOKENS:,} (it builds each batch's inputs "
+            "on the host): lower the batch, --tokens, --rollout, --images or --image-size"
+        )
 
 
 # ---- the model ---------------------------------------------------------------------------
@@ -88,9 +110,13 @@ class _Model:
     def __init__(self, recipe: Recipe) -> None:
         raw = _configs.load(recipe.model)
         self.raw = _configs.tiny(raw) if recipe.tiny else raw
+        self.path = self.raw.get("_path", "configuration")
         self.cfg = _configs.transformers_config(self.raw)
+        self.cls = _configs.model_class(self.cfg, self.path)
         self.kind = self.cfg.model_type
         text = self.cfg.get_text_config()
+        if not isinstance(getattr(text, "vocab_size", None), int):
+            raise _configs.ConfigError(_configs.unusable(self.path, self.cfg, "it has no vocabulary (vocab_size)"))
         self.vocab = int(text.vocab_size)
         self.pad = _first_int(getattr(self.cfg, "pad_token_id", None), getattr(text, "pad_token_id", None), 0)
         if self.kind == "llava":
@@ -111,6 +137,21 @@ class _Model:
         else:
             self.image_token = None
             self.tokens_per_image = 0
+        # The most tokens a sample holds (Qwen2-VL wraps each image's in a start and an end token).
+        self.sample_tokens = recipe.tokens[1] + recipe.rollout + recipe.images[1] * (self.tokens_per_image + 2)
+        check_tokens(recipe, self.sample_tokens)
+
+
+def check_model(recipe: Recipe) -> None:
+    """Refuses (``ValueError``) a recipe whose model transformers cannot read or the recipes
+    cannot train, or whose batch holds too many tokens once images count, before recording."""
+    _Model(recipe.check())
+
+
+def largest_batch_taken(recipe: Recipe) -> int:
+    """The largest batch of ``recipe`` whose inputs the recorder takes (``MAX_TOKENS``): where the
+    largest-batch search stops."""
+    return max(1, MAX_TOKENS // _Model(recipe.with_batch(1).check()).sample_tokens)
 
 
 def _first_int(*values) -> int:
@@ -125,7 +166,7 @@ def _first_int(*values) -> int:
 def build(rec: Recording, recipe: Recipe, m: _Model):
     """The model (fake CUDA weights, recorded) and its optimizer."""
     dtype = DTYPES[recipe.dtype]
-    cls = _configs.model_class(m.cfg)
+    cls = m.cls
     m.cfg._attn_implementation = "sdpa"
     for sub in ("text_config", "vision_config"):
         if getattr(m.cfg, sub, None) is not None:
@@ -135,6 +176,15 @@ def build(rec: Recording, recipe: Recipe, m: _Model):
     try:
         with torch.device(rec.device_type):
             model = cls(m.cfg)
+    except (KeyError, TypeError, AttributeError, IndexError, ZeroDivisionError) as exc:
+        # What transformers raises on a configuration it reads but cannot build (an unknown
+        # activation, a width that heads do not divide); the recorder's own errors are RuntimeErrors.
+        raise _configs.ConfigError(f"{m.path}: transformers cannot build {cls.__name__} from it: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+    except ValueError as exc:
+        if isinstance(exc, _configs.ConfigError):
+            raise
+        raise _configs.ConfigError(f"{m.path}: transformers cannot build {cls.__name__} from it: {exc}") from exc
     finally:
         torch.set_default_dtype(old)
     if recipe.finetune == "lora":

@@ -18,6 +18,10 @@ allocate that dispatch cannot see is added from ``_kernels.py``: cuBLAS / cuBLAS
 (thread's handle, stream) and attention backward scratch; what fake kernels allocate that real
 ones do not (flash / memory-efficient attention's host-side RNG state) is left out.
 
+Threads started inside the recording run under its modes (``threads_record``); an allocation
+carries the stream current when it was made (``streams_seen``: asked only once code has made a
+side stream current, so the common path costs nothing).
+
 Invariants: every allocation the trace holds is freed at most once, at the moment its storage
 dies; the recorder never keeps a tensor alive (weak references only); errors name the operator
 and the module.
@@ -44,7 +48,9 @@ from ._patches import (
     module_conversion,
     patched_resize,
     quiet_tracker,
+    streams_seen,
     target_attention,
+    threads_record,
     transformers_as_real_run,
 )
 from ._trace import BACKWARD, Trace
@@ -66,13 +72,24 @@ class _Recorder(TorchDispatchMode):
         self.rec = rec
         self.storages = WeakIdKeyDictionary()  # storage -> [addr, nbytes, weakref]
         self.host_storages = WeakIdKeyDictionary()  # fake outputs a real run keeps on the host
-        self.workspaces: set[tuple[int, str]] = set()  # (thread, "cublas" | "cublaslt")
+        self.workspaces: set[tuple[int, int, str]] = set()  # (thread, stream, "cublas" | "cublaslt")
         self.lock = threading.RLock()
+        # Set by ``streams_seen`` when code makes a stream current; until then every allocation
+        # is on the default stream and none asks torch which stream is current.
+        self.side_streams = False
+        self.stream_ids: dict[int, int] = {0: 0}  # torch's stream id -> the trace's (0, 1, 2, ...)
 
     # ---- storages ----
 
     def _counts(self, t: torch.Tensor) -> bool:
         return t.device.type == self.rec.device_type
+
+    def _stream(self) -> int:
+        """The current stream of this thread, as the trace numbers it (0: the default)."""
+        if not self.side_streams or self.rec.device_type != "cuda":
+            return 0
+        sid = torch._C._cuda_getCurrentStream(torch._C._cuda_getDevice())[0]
+        return self.stream_ids.setdefault(sid, len(self.stream_ids))
 
     def _track(self, st, op: str, module: str, prefix: bool = False) -> None:
         """A new storage: an allocation now (or before everything, for one made before recording)."""
@@ -80,7 +97,10 @@ class _Recorder(TorchDispatchMode):
         addr = 0
         if nbytes > 0:
             trace = self.rec.trace
-            addr = trace.alloc_before(nbytes, module, op) if prefix else trace.alloc(nbytes, module, op)
+            if prefix:
+                addr = trace.alloc_before(nbytes, module, op)
+            else:
+                addr = trace.alloc(nbytes, module, op, self._stream() if self.side_streams else 0)
         entry = [addr, nbytes, None]
         entry[2] = weakref.ref(st, functools.partial(self._died, entry))
         self.storages[st] = entry
@@ -99,7 +119,7 @@ class _Recorder(TorchDispatchMode):
         if nbytes == entry[1]:
             return
         old = entry[0]
-        entry[0] = self.rec.trace.alloc(nbytes, module, op) if nbytes > 0 else 0
+        entry[0] = self.rec.trace.alloc(nbytes, module, op, self._stream()) if nbytes > 0 else 0
         entry[1] = nbytes
         if old:
             self.rec.trace.free(old)
@@ -129,7 +149,7 @@ class _Recorder(TorchDispatchMode):
             with self.lock:
                 for label, nbytes in _kernels.attention_workspaces(op, args):
                     if nbytes > 0:
-                        scratch.append(self.rec.trace.alloc(nbytes, module, f"{op} ({label})"))
+                        scratch.append(self.rec.trace.alloc(nbytes, module, f"{op} ({label})", self._stream()))
         try:
             out = self.rec.values.run(func, args, kwargs, module, _fake_call)
         except UnsupportedOperatorException as exc:
@@ -160,18 +180,19 @@ class _Recorder(TorchDispatchMode):
         return out
 
     def _blas(self, op: str, args: tuple) -> None:
-        thread = threading.get_ident()
         rec = self.rec
         if rec.device_type != "cuda":
             return
-        if (thread, "cublas") not in self.workspaces:
-            self.workspaces.add((thread, "cublas"))
+        # One workspace per (thread's handle, stream).
+        thread, stream = threading.get_ident(), self._stream()
+        if (thread, stream, "cublas") not in self.workspaces:
+            self.workspaces.add((thread, stream, "cublas"))
             size = _kernels.cublas_workspace_bytes(rec.target.capability)
-            rec.trace.alloc(size, rec.module(), "cublas_workspace")
-        if _kernels.uses_cublaslt(op, args, rec.preferred_lt) and (thread, "cublaslt") not in self.workspaces:
-            self.workspaces.add((thread, "cublaslt"))
+            rec.trace.alloc(size, rec.module(), "cublas_workspace", stream)
+        if _kernels.uses_cublaslt(op, args, rec.preferred_lt) and (thread, stream, "cublaslt") not in self.workspaces:
+            self.workspaces.add((thread, stream, "cublaslt"))
             size = _kernels.cublaslt_workspace_bytes(rec.target.capability)
-            rec.trace.alloc(size, rec.module(), "cublaslt_workspace")
+            rec.trace.alloc(size, rec.module(), "cublaslt_workspace", stream)
 
 
 def _fake_call(func, args, kwargs):
@@ -280,6 +301,9 @@ class Recording:
         stack.enter_context(module_conversion())
         stack.enter_context(transformers_as_real_run())
         stack.enter_context(serving(self.values, self.module))
+        stack.enter_context(threads_record(self._recorder))
+        if self.device_type == "cuda":
+            stack.enter_context(streams_seen(self._recorder))
         pre = register_optimizer_step_pre_hook(self._opt_pre)
         post = register_optimizer_step_post_hook(self._opt_post)
         stack.callback(pre.remove)

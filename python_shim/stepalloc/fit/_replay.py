@@ -5,7 +5,8 @@ Layer: runs the ``stepalloc-stress`` binary (``stepalloc-stress fit TRACE --json
 in the stress tool's ``fit``); the recorder's side never imports this module. The binary is
 found in one place, ``_stress_binary``.
 
-Invariants: a failing binary is a ``ReplayError`` with its message; the search records each
+Invariants: a failing binary is a ``ReplayError`` with its message; ``check`` refuses bad replay
+inputs (``ValueError``) before anything is recorded, asking the binary itself; the search records each
 candidate batch at most once and assumes that memory grows with the batch (it reports the
 batches it tried, so a user can see the evidence).
 """
@@ -13,6 +14,7 @@ batches it tried, so a user can see the evidence).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import tempfile
@@ -28,6 +30,7 @@ from ._binary import StressBinaryNotFound, stress_binary
 # measurement: about 0.5 GiB is what a PyTorch training process on an H100 shows in nvidia-smi
 # beyond torch.cuda.memory_reserved(); the GPU kit measures it (--outside-mb overrides).
 DEFAULT_OUTSIDE_MB = 512
+MIB = 1 << 20
 
 
 class ReplayError(RuntimeError):
@@ -56,13 +59,9 @@ def fit(
     peak reserved and allocated, headroom, the first out-of-memory). ``pytorch_conf`` defaults to
     the user's ``PYTORCH_CUDA_ALLOC_CONF`` (a 'yours' column) when that is set."""
     t = _kernels.target(device)
-    if outside_mb < 0:
-        raise ValueError(f"outside_mb {outside_mb}: at least 0")
-    if pytorch_conf is None:
-        pytorch_conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None
-    cmd = [str(_stress_binary()), "fit", str(trace), "--capacity-gb", f"{t.capacity_gib:.6f}", "--outside-mb", f"{outside_mb:g}", "--json"]
-    if pytorch_conf:
-        cmd += ["--pytorch-conf", pytorch_conf]
+    check_outside(outside_mb, t)
+    conf, from_env = _conf(pytorch_conf)
+    cmd = _command(trace, t, outside_mb, conf)
     if compare:
         cmd += ["--compare", *compare]
     if html:
@@ -71,13 +70,71 @@ def fit(
         cmd += ["--svg", str(svg)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise ReplayError(f"{' '.join(cmd[:3])} ... failed ({done.returncode}): {done.stderr.strip() or done.stdout.strip()}")
+        raise ReplayError(f"{' '.join(cmd[:3])} ... failed ({done.returncode}): {_refusal(done, conf, from_env)}")
     try:
         report = json.loads(done.stdout)
     except json.JSONDecodeError as exc:
         raise ReplayError(f"stepalloc-stress fit printed no JSON report: {done.stdout[:300]!r}") from exc
     report.setdefault("device", {})["name"] = t.name
     return report
+
+
+def check(device: Any, outside_mb: float = DEFAULT_OUTSIDE_MB, pytorch_conf: str | None = None,
+          name: str = "outside_mb") -> None:
+    """Refuses (``ValueError``, named) what ``fit`` would refuse, before anything is recorded: the
+    device, ``outside_mb`` (``name``: as the caller spells it), and the PyTorch settings, which the
+    stress tool reads exactly as PyTorch 2.15 does (``stress/src/torch_conf.rs``): it is asked,
+    replaying a trace of one allocation (milliseconds), rather than a second parser kept here."""
+    t = _kernels.target(device)
+    check_outside(outside_mb, t, name)
+    conf, from_env = _conf(pytorch_conf)
+    trace = temporary_trace()
+    try:
+        trace.write_text('{"op":"alloc","device":0,"addr":1,"size":1,"stream":0}\n')
+        done = subprocess.run(_command(trace, t, outside_mb, conf), capture_output=True, text=True, check=False)
+    finally:
+        trace.unlink(missing_ok=True)
+    if done.returncode == 2:
+        raise ValueError(_refusal(done, conf, from_env))
+    if done.returncode != 0:
+        raise ReplayError(f"stepalloc-stress fit failed ({done.returncode}) on a one-allocation trace: {_refusal(done, conf, from_env)}")
+
+
+def check_outside(outside_mb: Any, t: _kernels.Target, name: str = "outside_mb") -> None:
+    """Device memory outside PyTorch: whole MiB (the stress tool's ``--outside-mb``), at least 0,
+    less than the whole device."""
+    if isinstance(outside_mb, bool) or not isinstance(outside_mb, (int, float)):
+        raise ValueError(f"{name} {outside_mb!r}: a number of MiB")
+    if outside_mb < 0:
+        raise ValueError(f"{name} {outside_mb:g}: at least 0 (MiB of device memory outside PyTorch)")
+    if not math.isfinite(outside_mb) or outside_mb != int(outside_mb):
+        raise ValueError(f"{name} {outside_mb:g}: whole MiB (the stress tool's --outside-mb takes an integer)")
+    if int(outside_mb) * MIB >= t.memory_bytes:
+        raise ValueError(f"{name} {outside_mb:g}: as large as the whole device ({t.name}, {t.memory_bytes // MIB:,} MiB); "
+                         f"the memory outside PyTorch is a few hundred MiB (default {DEFAULT_OUTSIDE_MB})")
+
+
+def _conf(pytorch_conf: str | None) -> tuple[str | None, bool]:
+    """The settings to add as 'yours', and whether they came from ``$PYTORCH_CUDA_ALLOC_CONF``."""
+    if pytorch_conf is None:
+        env = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or None
+        return env, env is not None
+    return pytorch_conf or None, False
+
+
+def _command(trace: str | Path, t: _kernels.Target, outside_mb: float, conf: str | None) -> list[str]:
+    cmd = [str(_stress_binary()), "fit", str(trace), "--capacity-gb", f"{t.capacity_gib:.6f}",
+           "--outside-mb", str(int(outside_mb)), "--json"]
+    return cmd + ["--pytorch-conf", conf] if conf else cmd
+
+
+def _refusal(done: subprocess.CompletedProcess, conf: str | None, from_env: bool) -> str:
+    """The stress tool's message; for settings read from the environment, says so."""
+    message = (done.stderr.strip() or done.stdout.strip()).removeprefix("error: ")
+    if from_env and "--pytorch-conf" in message:
+        message = (f"PYTORCH_CUDA_ALLOC_CONF {conf!r} from the environment; --pytorch-conf '' leaves it out: "
+                   + message.replace("--pytorch-conf: ", "", 1))
+    return message
 
 
 def fits_by_config(report: dict[str, Any]) -> dict[str, bool]:

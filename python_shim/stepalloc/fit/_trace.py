@@ -6,7 +6,8 @@ Layer: data only (no torch). The recorder appends events; ``write`` puts them in
 Invariants: addresses are small unique integers, never reused, so a free names exactly one
 allocation; every free follows its allocation; step markers nest (``step_begin`` then
 ``step_end``, never two open); ``size`` > 0 (PyTorch's caching allocator is not called for a
-zero-byte storage: ``NativeCachingAllocator::allocate`` skips ``malloc`` when ``size == 0``).
+zero-byte storage: ``NativeCachingAllocator::allocate`` skips ``malloc`` when ``size == 0``);
+at most ``MAX_ALLOCATIONS`` allocations (``RecordingTooLarge`` past it).
 """
 
 from __future__ import annotations
@@ -16,6 +17,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 BACKWARD = " (backward)"
+# The most allocations one recording takes: three iterations of LLaVA-1.5-7B's recipe ask for
+# about 23,000 (docs/fit.md); each costs the recorder a few hundred bytes of host memory, so a
+# function that allocates without end is stopped here (a few GiB) instead of filling the host.
+MAX_ALLOCATIONS = 8_000_000
+
+
+class RecordingTooLarge(RuntimeError):
+    """The recording passed ``MAX_ALLOCATIONS`` allocations."""
 
 
 @dataclass
@@ -24,6 +33,7 @@ class Alloc:
     size: int
     module: str
     torch_op: str
+    stream: int = 0  # 0: the default stream; side streams 1, 2, ... in the order first used
     freed: bool = False
 
 
@@ -39,10 +49,17 @@ class Trace:
     live_bytes: int = 0
     peak_live_bytes: int = 0
 
-    def alloc(self, size: int, module: str, torch_op: str) -> int:
+    def alloc(self, size: int, module: str, torch_op: str, stream: int = 0) -> int:
         addr = self._next_addr
+        if addr > MAX_ALLOCATIONS:
+            raise RecordingTooLarge(
+                f"the recording passed {MAX_ALLOCATIONS:,} allocations (stepalloc.fit._trace.MAX_ALLOCATIONS), the last "
+                f"{torch_op or 'an allocation'} in {module or 'code outside any module'}: a training step asks for far "
+                "fewer. Does the function allocate without end (a loop that never stops, a list that keeps every "
+                "tensor)? Record fewer iterations, or raise the bound."
+            )
         self._next_addr += 1
-        a = Alloc(addr, size, module, torch_op)
+        a = Alloc(addr, size, module, torch_op, stream)
         self.allocs[addr] = a
         self.events.append(("alloc", a))
         self.live_bytes += size
@@ -105,7 +122,7 @@ class Trace:
         with path.open("w") as f:
             for kind, payload in self.events:
                 if kind == "alloc":
-                    line = {"op": "alloc", "device": 0, "addr": payload.addr, "size": payload.size, "stream": 0}
+                    line = {"op": "alloc", "device": 0, "addr": payload.addr, "size": payload.size, "stream": payload.stream}
                     if payload.module:
                         line["module"] = payload.module
                     if payload.torch_op:
