@@ -12,6 +12,9 @@ fidelity   For the small transformers workloads of stress/tests/data/record_mode
 memtracker The same step under PyTorch's MemTracker (fake CUDA tensors) and under the recorder:
            peak live bytes (the recorder's rounded to 512 B as MemTracker counts), and what the
            recorder adds that MemTracker does not model (cuBLAS workspaces, attention scratch).
+           MemTracker runs twice: with AdamW's foreach kernels, as a GPU run and the recorder
+           take them, and as it runs by itself, where fake parameters take the per-parameter
+           loop and the foreach step's temporaries are missing.
 cost       Wall time, CPU time (user + system, all threads: what a quiet machine's wall time would
            be, the load average aside) and peak RSS of recording LLaVA-1.5-7B and Qwen2-VL-7B at
            batch 2 (one child process each, resource.getrusage), with the load average at the end.
@@ -25,6 +28,7 @@ Usage (from the repository root, torch over testdrv's stubs as scripts/test.sh s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import subprocess
@@ -162,29 +166,38 @@ def memtracker() -> dict:
             step(model, opt, m, batch, lambda b: _recipes.to_device(rec, b, m))
         del model, opt
     mine = [a for a in rec.trace.allocations()]
-    # MemTracker: same model and batch; data-dependent checks off (it cannot serve them).
+    # MemTracker: same model and batch; data-dependent checks off (it cannot serve them). Twice:
+    # as it runs (AdamW takes its per-parameter loop for fake parameters) and with the foreach
+    # kernels a GPU run takes (the recorder's own choice, _patches.foreach_like_a_real_run).
     import os
 
+    from stepalloc.fit._patches import foreach_like_a_real_run
+
     os.environ["TRANSFORMERS_DISABLE_TORCH_CHECK"] = "1"
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model, opt = _recipes.build(_NoRec(), recipe, m)
-        inputs = {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in batch.items() if k != "images"}
-        inputs["pixel_values"] = torch.randn(batch["images"], 3, m.image_side, m.image_side, device="cuda")
-        mt = MemTracker()
-        mt.track_external(model, opt)
-        with mt:
-            out = model(**inputs)
-            out.loss.backward()
-            del out
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        mt_peak = max(v["Total"] for v in mt.get_tracker_snapshot("peak").values())
+
+    def tracked(foreach: bool) -> int:
+        with FakeTensorMode(allow_non_fake_inputs=True), (foreach_like_a_real_run() if foreach else contextlib.nullcontext()):
+            model, opt = _recipes.build(_NoRec(), recipe, m)
+            inputs = {k: (v.to("cuda") if isinstance(v, torch.Tensor) else v) for k, v in batch.items() if k != "images"}
+            inputs["pixel_values"] = torch.randn(batch["images"], 3, m.image_side, m.image_side, device="cuda")
+            mt = MemTracker()
+            mt.track_external(model, opt)
+            with mt:
+                out = model(**inputs)
+                out.loss.backward()
+                del out
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            return max(v["Total"] for v in mt.get_tracker_snapshot("peak").values())
+
+    mt_loop, mt_peak = tracked(foreach=False), tracked(foreach=True)
     rounded = _rounded_peak(rec.trace)
     extra = {}
     for a in mine:
         if a.torch_op.endswith("workspace") or "(" in a.torch_op:
             extra[a.torch_op.split(" (")[0] if "(" in a.torch_op else a.torch_op] = extra.get(a.torch_op, 0) + a.size
-    row = {"memtracker_peak": mt_peak, "recorder_peak_rounded": rounded, "diff": (rounded - mt_peak) / mt_peak, "recorder_only": extra}
+    row = {"memtracker_peak": mt_peak, "recorder_peak_rounded": rounded, "diff": (rounded - mt_peak) / mt_peak,
+           "recorder_only": extra, "memtracker_peak_per_parameter_loop": mt_loop}
     print(json.dumps(row), flush=True)
     return row
 
