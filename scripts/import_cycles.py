@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Import circles between modules, read from the code's own paths: the Rust crates under src/
 and stress/src/ (`use crate::…`, `super::…`, `self::…` and paths through a child module, in
-`use` lines and in code) and the Python package python_shim/stepalloc (`from .x import`,
-`from . import x`, `import stepalloc.x`, also inside functions).
+`use` lines and in code) and the Python package python_shim/stepalloc with its subpackages
+(`from .x import`, `from . import x`, `from .. import x`, `import stepalloc.x`, also inside
+functions).
 
 A module is a file (or an inline `mod name { … }`). An edge A -> B says A names something in
 B. A submodule is part of its parent: a module may name its ancestors' items without an edge,
@@ -235,32 +236,42 @@ def rust_graph() -> dict[str, set[str]]:
 
 
 def python_graph() -> dict[str, set[str]]:
+    """The package's modules by dotted name (a subpackage's __init__ is the subpackage: `stepalloc.fit`)
+    and the modules each one imports, relative imports resolved against its package."""
     pkg = PY_PACKAGE.name
-    names = {f.stem for f in PY_PACKAGE.glob("*.py")}
+    files: dict[str, Path] = {}
+    for f in sorted(PY_PACKAGE.rglob("*.py")):
+        parts = [pkg, *f.relative_to(PY_PACKAGE).with_suffix("").parts]
+        if parts[-1] == "__init__":
+            parts.pop()
+        files[".".join(parts)] = f
 
-    def module(stem: str) -> str:
-        return pkg if stem == "__init__" else f"{pkg}.{stem}"
+    def deepest(name: str) -> str:
+        """The longest prefix of `name` that is a module of the package."""
+        parts = name.split(".")
+        while parts and ".".join(parts) not in files:
+            parts.pop()
+        return ".".join(parts)
 
     graph: dict[str, set[str]] = {}
-    for f in sorted(PY_PACKAGE.glob("*.py")):
-        here = module(f.stem)
+    for here, f in files.items():
+        package = here if f.name == "__init__.py" else here.rpartition(".")[0]
         edges = graph.setdefault(here, set())
         for node in ast.walk(ast.parse(f.read_text())):
             targets: list[str] = []
             if isinstance(node, ast.ImportFrom):
-                if node.level == 1 or (node.level == 0 and (node.module or "").split(".")[0] == pkg):
-                    sub = (node.module or "").split(".")[-1] if node.level == 0 else (node.module or "")
-                    sub = "" if sub == pkg else sub
-                    if sub:
-                        targets.append(module(sub.split(".")[0]))
-                    else:  # from . import a, b: submodules or the package's own names
-                        targets += [module(a.name) if a.name in names else pkg for a in node.names]
+                if node.level > 0:
+                    base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    source = ".".join(base + ([node.module] if node.module else []))
+                elif (node.module or "").split(".")[0] == pkg:
+                    source = node.module or pkg
+                else:
+                    continue
+                for a in node.names:  # from P import a: the submodule P.a, or P's own name
+                    targets.append(deepest(f"{source}.{a.name}"))
             elif isinstance(node, ast.Import):
-                for a in node.names:
-                    parts = a.name.split(".")
-                    if parts[0] == pkg:
-                        targets.append(module(parts[1]) if len(parts) > 1 and parts[1] in names else pkg)
-            edges.update(t for t in targets if t != here)
+                targets += [deepest(a.name) for a in node.names if a.name.split(".")[0] == pkg]
+            edges.update(t for t in targets if t and t != here)
     return graph
 
 
