@@ -5,18 +5,11 @@
 //! directory. Each must end in a report or a clear error (exit 2) naming what is wrong, never a
 //! panic, a page that runs injected script, or a destroyed trace.
 
+mod common;
+
+use common::stress;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::Command;
-
-fn stress(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_stepalloc-stress")).args(args).output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 /// A scratch directory of this test (removed first).
 fn scratch(name: &str) -> PathBuf {

@@ -4,6 +4,9 @@
 //! JSON, plot and `replay`), the recorded setting is read from `allocator_settings`, and bad
 //! input exits 2 with an error naming it.
 
+mod common;
+
+use common::stress;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -11,15 +14,6 @@ use stepalloc_stress::advise;
 use stepalloc_stress::trace;
 
 const MIB: u64 = 1 << 20;
-
-fn stress(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_stepalloc-stress")).args(args).output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 fn advise_json(path: &Path) -> Value {
     let (code, stdout, stderr) = stress(&["advise", path.to_str().unwrap(), "--json"]);

@@ -12,6 +12,9 @@
 //! out-of-memory finds 20 MiB reserved, 6 MiB allocated, 14 MiB cached free whose largest
 //! block is 8 MiB (1 - 8/14 = 3/7 fragmented), 4 MiB of the device free.
 
+mod common;
+
+use common::stress;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -19,15 +22,6 @@ use stepalloc_stress::ops::{SiteKind, MAX_SITES};
 use stepalloc_stress::trace;
 
 const MIB: u64 = 1 << 20;
-
-fn stress(args: &[&str]) -> (i32, String, String) {
-    let out = Command::new(env!("CARGO_BIN_EXE_stepalloc-stress")).args(args).output().unwrap();
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
 
 fn small() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/data/fit_small.jsonl")

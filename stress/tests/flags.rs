@@ -9,6 +9,9 @@
 //! their wall-clock fields removed, and each subcommand's base is first run twice to show that
 //! what is left is deterministic (so a difference is the flag's).
 
+mod common;
+
+use common::TINY_AGENT;
 use serde_json::Value;
 use std::collections::{BTreeSet, HashMap};
 use std::path::Path;
@@ -48,23 +51,6 @@ const fn case(flag: &'static str, value: Option<&'static str>, effect: Effect) -
 const fn case_with(flag: &'static str, value: &'static str, with: &'static [&'static str], effect: Effect) -> Case {
     Case { flag, value: Some(value), with, drop: &[], effect }
 }
-
-/// A small agent workload: one iteration of a two-layer decoder (the flags that apply to both
-/// presets only, so that `--preset llm-7b-sft` and `--rollout false` apply to it).
-const TINY_AGENT: &[&str] = &[
-    "--iterations",
-    "1",
-    "--layers",
-    "2",
-    "--hidden",
-    "256",
-    "--heads",
-    "32",
-    "--intermediate",
-    "512",
-    "--vocab",
-    "1000",
-];
 
 /// `headroom`'s additions to `TINY_AGENT`, and their flags.
 const HEADROOM_SMALL: &[&str] =

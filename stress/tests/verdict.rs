@@ -3,27 +3,13 @@
 //! `--compare` lists, no PyTorch or no stepalloc column, a trace), the roles the columns get
 //! from their configurations, and, on hand-made reports, the cases a small run does not reach.
 
+mod common;
+
+use common::TINY_AGENT;
 use std::process::Command;
 use stepalloc_stress::compare::{self, Base};
 use stepalloc_stress::report::RunReport;
 use stepalloc_stress::verdict::{role, verdict, Role};
-
-/// The agent workload at a few hundred MiB: one iteration of a two-layer model.
-const TINY: &[&str] = &[
-    "agent",
-    "--iterations",
-    "1",
-    "--layers",
-    "2",
-    "--hidden",
-    "256",
-    "--heads",
-    "32",
-    "--intermediate",
-    "512",
-    "--vocab",
-    "1000",
-];
 
 /// The command's verdict line (`None` when it prints none); the command must succeed.
 fn verdict_of(args: &[&str]) -> Option<String> {
@@ -42,7 +28,7 @@ fn verdict_of(args: &[&str]) -> Option<String> {
 }
 
 fn tiny(extra: &[&str]) -> Option<String> {
-    verdict_of(&[TINY, extra].concat())
+    verdict_of(&[&["agent"], TINY_AGENT, extra].concat())
 }
 
 #[test]
@@ -132,7 +118,7 @@ fn replay_json_and_random() {
         Some("In short: stepalloc peaks at 10.0 MiB reserved, 12.0 MiB (54.5%) below pytorch (PyTorch's default and its best here).")
     );
     let out = Command::new(env!("CARGO_BIN_EXE_stepalloc-stress"))
-        .args([TINY, &["--json", "--compare", "pytorch", "stepalloc"]].concat())
+        .args([&["agent"], TINY_AGENT, &["--json", "--compare", "pytorch", "stepalloc"]].concat())
         .output()
         .unwrap();
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
