@@ -3,8 +3,8 @@
 Layer: context managers that ``Recording.__enter__`` enters (``_recorder.py``); each patch says
 why the fake run needs it to behave as a real run on the target GPU.
 
-Invariants: every patch restores the original on exit, also after an exception; none keeps a
-tensor alive.
+Invariants: every patch restores the original on exit, also after an exception
+(``unittest.mock.patch.object``); none keeps a tensor alive.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -58,11 +59,8 @@ def target_attention(rec: Any):
             "attention='math' (or flash / efficient / cudnn)."
         )
 
-    F.scaled_dot_product_attention = sdpa
-    try:
+    with mock.patch.object(F, "scaled_dot_product_attention", sdpa):
         yield
-    finally:
-        F.scaled_dot_product_attention = original
 
 
 @contextlib.contextmanager
@@ -123,11 +121,8 @@ def module_conversion():
             return None
         return original(t1, t2)
 
-    torch.utils.swap_tensors = swap
-    try:
+    with mock.patch.object(torch.utils, "swap_tensors", swap):
         yield
-    finally:
-        torch.utils.swap_tensors = original
 
 
 @contextlib.contextmanager
@@ -145,11 +140,8 @@ def patched_resize(recorder: Any):
                 recorder._track(st, "UntypedStorage.resize_", recorder.rec.module())
         return result
 
-    torch.UntypedStorage.resize_ = resize_
-    try:
+    with mock.patch.object(torch.UntypedStorage, "resize_", resize_):
         yield
-    finally:
-        torch.UntypedStorage.resize_ = original
 
 
 @contextlib.contextmanager
@@ -162,12 +154,8 @@ def transformers_as_real_run():
     except ImportError:
         yield
         return
-    original = import_utils.is_fake_tensor
-    import_utils.is_fake_tensor = lambda x: False
-    try:
+    with mock.patch.object(import_utils, "is_fake_tensor", lambda x: False):
         yield
-    finally:
-        import_utils.is_fake_tensor = original
 
 
 @contextlib.contextmanager
@@ -224,11 +212,8 @@ def threads_record(recorder: Any):
             thread.run = recorded_run
         return original(thread)
 
-    threading.Thread.start = start
-    try:
+    with mock.patch.object(threading.Thread, "start", start):
         yield
-    finally:
-        threading.Thread.start = original
 
 
 @contextlib.contextmanager
@@ -236,7 +221,6 @@ def streams_seen(recorder: Any):
     """Notes the first time a stream is made current (``torch.cuda.set_stream``,
     ``torch.cuda.stream(s)``, ``with s:``, ``torch.accelerator.set_stream``), so that only a
     recording that uses side streams asks the current stream at each allocation."""
-    originals = {"cuda": getattr(torch._C, "_cuda_setStream", None), "accelerator": getattr(torch._C, "_accelerator_setStream", None)}
 
     def seen(original):
         @functools.wraps(original)
@@ -246,21 +230,8 @@ def streams_seen(recorder: Any):
 
         return wrapper
 
-    if originals["cuda"] is not None:
-        torch._C._cuda_setStream = seen(originals["cuda"])
-    if originals["accelerator"] is not None:
-        torch._C._accelerator_setStream = seen(originals["accelerator"])
-    had_enter = "__enter__" in torch.cuda.Stream.__dict__
-    old_enter = torch.cuda.Stream.__enter__
-    torch.cuda.Stream.__enter__ = seen(old_enter)
-    try:
+    with contextlib.ExitStack() as stack:
+        for owner, name in ((torch._C, "_cuda_setStream"), (torch._C, "_accelerator_setStream"), (torch.cuda.Stream, "__enter__")):
+            if hasattr(owner, name):  # mock.patch.object restores an inherited attribute by deleting the copy
+                stack.enter_context(mock.patch.object(owner, name, seen(getattr(owner, name))))
         yield
-    finally:
-        if originals["cuda"] is not None:
-            torch._C._cuda_setStream = originals["cuda"]
-        if originals["accelerator"] is not None:
-            torch._C._accelerator_setStream = originals["accelerator"]
-        if had_enter:
-            torch.cuda.Stream.__enter__ = old_enter
-        else:
-            del torch.cuda.Stream.__enter__

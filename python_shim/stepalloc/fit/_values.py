@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from typing import Any
+from unittest import mock
 
 import torch
 from torch._subclasses.fake_tensor import (
@@ -280,8 +281,5 @@ def serving(values: RealValues, where):
             data = plain(data)
         return original(data, *args, **kwargs)
 
-    torch.tensor = tensor
-    try:
+    with mock.patch.object(torch, "tensor", tensor):
         yield
-    finally:
-        torch.tensor = original
