@@ -77,7 +77,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from e2e_common import CONFIGS, MEASURED, MIB, log
+from e2e_common import CONFIGS, MEASURED, MIB, log, stress_json
 from e2e_model import DRY, SIZES
 from e2e_predict import ASSUMED_OUTSIDE_MB, default_fit_dir, predict
 from e2e_report import answer, evaluate, prediction_targets, text_report
@@ -172,13 +172,9 @@ def replay(stress: str | None, snapshot: Path, capacity_mb: int, timeout: float)
     if capacity_mb > 0:
         cmd += ["--capacity-mb", str(capacity_mb)]
     log(f"--- replay: {' '.join(cmd)}")
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"failed": f"timed out after {timeout:.0f} s"}
-    if p.returncode != 0:
-        return {"failed": f"status {p.returncode}: {p.stderr.strip()[-500:]}"}
-    report = json.loads(p.stdout)
+    report, failed = stress_json(cmd, timeout)
+    if report is None:
+        return {"failed": failed}
     runs = {
         r["name"]: {
             "peak_reserved": r["peak_reserved"],

@@ -49,7 +49,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from e2e_common import GIB, MIB, log
+from e2e_common import GIB, MIB, log, stress_json
 from e2e_model import SIZES, Loop, build_model, iteration_plan
 
 HERE = Path(__file__).resolve().parent
@@ -221,13 +221,9 @@ def replay(stress: str, trace: Path, capacity_bytes: int, outside_mb: float, tim
     """`stepalloc-stress fit` of `trace`: its JSON report (configs by name) or {"failed": why}."""
     cmd = [stress, "fit", str(trace), "--capacity-gb", f"{capacity_bytes / GIB:.6f}", "--outside-mb", f"{outside_mb:g}",
            "--compare", *COLUMNS, "--json"]  # fmt: skip
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return {"failed": f"timed out after {timeout:.0f} s"}
-    if p.returncode != 0:
-        return {"failed": f"status {p.returncode}: {p.stderr.strip()[-400:]}"}
-    report = json.loads(p.stdout)
+    report, failed = stress_json(cmd, timeout)
+    if report is None:
+        return {"failed": failed}
     return {
         "command": " ".join([*cmd[:2], "TRACE", *cmd[3:]]),
         "floor_bytes": report["trace"]["floor_bytes"],
