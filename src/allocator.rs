@@ -55,10 +55,19 @@ impl DeviceLock {
     }
 
     /// The lock for a call that may change the heap or hand out its memory: refused when a
-    /// panic left device `device`'s heap broken.
+    /// panic left device `device`'s heap broken. The common path is the mutex alone: a broken
+    /// heap keeps its mutex poisoned, so only the poisoned path looks at `broken`.
     #[inline]
     pub(crate) fn lock_usable(&self, device: usize) -> Result<HeapGuard<'_>> {
-        let heap = self.lock();
+        match self.heap.lock() {
+            Ok(heap) => Ok(heap),
+            Err(poisoned) => self.usable_after_panic(poisoned.into_inner(), device),
+        }
+    }
+
+    #[cold]
+    fn usable_after_panic<'a>(&'a self, heap: HeapGuard<'a>, device: usize) -> Result<HeapGuard<'a>> {
+        let heap = self.after_panic(heap);
         match self.broken.get() {
             None => Ok(heap),
             Some(why) => Err(Error::Unavailable(format!(
@@ -69,14 +78,18 @@ impl DeviceLock {
         }
     }
 
-    /// The first lock after a panic under it: checks the heap, notes it broken when its
-    /// invariants do not hold, and clears the poisoning (each panic is checked once).
+    /// A lock after a panic under it: checks the heap once. Whole, the poisoning is cleared;
+    /// broken, it is noted in `broken` and the mutex stays poisoned.
     #[cold]
     fn after_panic<'a>(&'a self, heap: HeapGuard<'a>) -> HeapGuard<'a> {
-        if let Err(why) = heap.check_invariants() {
-            let _ = self.broken.set(why);
+        if self.broken.get().is_none() {
+            match heap.check_invariants() {
+                Ok(()) => self.heap.clear_poison(),
+                Err(why) => {
+                    let _ = self.broken.set(why);
+                }
+            }
         }
-        self.heap.clear_poison();
         heap
     }
 }
